@@ -1,0 +1,141 @@
+"""Lowering: one decode step of one tensor-parallel rank → tile tasks joined by counted events.
+
+A consumer waits only on the event of the producer tiles it reads: attention for a KV head waits for
+that head group's q/k/v tiles, an all-reduce tile for the one matmul tile that produced its slice, a
+norm for every tile of the residual stream. Tasks are emitted in a topological order, which the
+scheduler keeps within each worker queue.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from distmk.errors import GraphError
+from distmk.graph.table import COLUMNS, TaskTable
+from distmk.models.shard import ShardPlan
+from distmk.models.spec import ModelSpec
+from distmk.tasks import TASK_KINDS, TYPE_ID
+from distmk.tasks.base import ADD_RESIDUAL, WRITE_PARTIAL, StepShape
+from distmk.tasks.rmsnorm import FINAL_NORM, INPUT_NORM, POST_ATTENTION_NORM
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    batch: int = 1            # most rows (tokens) one step processes; fewer may be active at run time
+    kv_splits: int = 4        # attention splits along the KV length
+    tile_rows: int = 128      # output rows of an o_proj / gate_up / down tile
+    lm_tile_rows: int = 1024  # output rows of an lm_head tile
+    workers: int = 132        # worker queues (one per SM on the GPU)
+    context: int = 512        # expected context length, for the cost model only
+    dtype_bytes: int = 2      # element size of weights and activations, for the cost model
+
+    def __post_init__(self):
+        for name in ("batch", "kv_splits", "tile_rows", "lm_tile_rows", "workers", "context", "dtype_bytes"):
+            if getattr(self, name) < 1:
+                raise GraphError(f"GraphConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+class GraphBuilder:
+    """Collects tasks and events; checks that every event gets exactly the signals it waits for."""
+
+    def __init__(self):
+        self.rows: list[list[int]] = []
+        self.event_names: list[str] = []
+        self.event_need: list[int] = []
+
+    def event(self, name: str, need: int) -> int:
+        self.event_names.append(name)
+        self.event_need.append(need)
+        return len(self.event_names) - 1
+
+    def task(self, kind: str, layer: int = 0, args: tuple[int, ...] = (), wait: int = -1, signal: int = -1) -> int:
+        if len(args) != len(TASK_KINDS[TYPE_ID[kind]].args):
+            raise GraphError(f"task {kind} takes args {TASK_KINDS[TYPE_ID[kind]].args}, got {args}")
+        self.rows.append([TYPE_ID[kind], layer, *args, *[0] * (4 - len(args)), wait, signal])
+        return len(self.rows) - 1
+
+    def tensors(self):
+        tasks = torch.tensor(self.rows, dtype=torch.int32).reshape(-1, len(COLUMNS))
+        need = torch.tensor(self.event_need, dtype=torch.int32)
+        got = torch.bincount(tasks[:, -1][tasks[:, -1] >= 0].long(), minlength=len(need))
+        bad = (got != need).nonzero().flatten().tolist()
+        if bad:
+            e = bad[0]
+            raise GraphError(f"event {self.event_names[e]} waits for {need[e]} signals but gets {got[e]}")
+        return tasks, need
+
+
+def tiles(total: int, size: int) -> list[tuple[int, int]]:
+    return [(r, min(size, total - r)) for r in range(0, total, size)]
+
+
+def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> GraphBuilder:
+    g = GraphBuilder()
+    B, S, H = config.batch, config.kv_splits, spec.hidden_size
+    hq, hkv, group = plan.num_heads, plan.num_kv_heads, plan.group
+
+    def row_parallel(kind: str, layer: int, wait: int, name: str) -> int:
+        """o_proj/down tiles, each followed (tp>1) by the all-reduce of its slice; returns 'x updated'."""
+        row_tiles = tiles(H, config.tile_rows)
+        done = g.event(f"L{layer}.{name}.x", len(row_tiles))
+        for row0, nrows in row_tiles:
+            if plan.tp == 1:
+                g.task(kind, layer, (row0, nrows, ADD_RESIDUAL), wait=wait, signal=done)
+            else:
+                tile_done = g.event(f"L{layer}.{name}.tile{row0}", 1)
+                g.task(kind, layer, (row0, nrows, WRITE_PARTIAL), wait=wait, signal=tile_done)
+                slot = 2 * layer + (kind == "down")
+                g.task("allreduce", layer, (row0, nrows, slot), wait=tile_done, signal=done)
+        return done
+
+    x_ready = g.event("x.embed", B)
+    for b in range(B):
+        g.task("embed", 0, (b,), signal=x_ready)
+    for layer in range(spec.num_layers):
+        xn = g.event(f"L{layer}.xn", 1)
+        g.task("rmsnorm", layer, (INPUT_NORM,), wait=x_ready, signal=xn)
+        qkv_done = [g.event(f"L{layer}.qkv.kv{h}", group + 2) for h in range(hkv)]
+        for slot in range(hq + 2 * hkv):
+            head_group = slot // group if slot < hq else (slot - hq) % hkv
+            g.task("qkv", layer, (slot,), wait=xn, signal=qkv_done[head_group])
+        attn_done = g.event(f"L{layer}.attn", B * hkv)
+        for b in range(B):
+            for h in range(hkv):
+                parts = g.event(f"L{layer}.attn.b{b}.kv{h}", S)
+                for s in range(S):
+                    g.task("attention", layer, (b, h, s), wait=qkv_done[h], signal=parts)
+                g.task("attn_reduce", layer, (b, h), wait=parts, signal=attn_done)
+        x_mid = row_parallel("o_proj", layer, attn_done, "attn")
+        xn2 = g.event(f"L{layer}.xn2", 1)
+        g.task("rmsnorm", layer, (POST_ATTENTION_NORM,), wait=x_mid, signal=xn2)
+        mlp_tiles = tiles(plan.inter, config.tile_rows)
+        h_done = g.event(f"L{layer}.h", len(mlp_tiles))
+        for row0, nrows in mlp_tiles:
+            g.task("gate_up", layer, (row0, nrows), wait=xn2, signal=h_done)
+        x_ready = row_parallel("down", layer, h_done, "mlp")
+    xnf = g.event("final.xn", 1)
+    g.task("rmsnorm", spec.num_layers, (FINAL_NORM,), wait=x_ready, signal=xnf)
+    lm_tiles = tiles(plan.vocab, config.lm_tile_rows)
+    logits = g.event("logits", len(lm_tiles))
+    for i, (row0, nrows) in enumerate(lm_tiles):
+        g.task("lm_head", spec.num_layers, (row0, nrows, i), wait=xnf, signal=logits)
+    g.task("argmax", spec.num_layers, (), wait=logits, signal=g.event("next_token", 1))
+    return g
+
+
+def num_lm_tiles(plan: ShardPlan, config: GraphConfig) -> int:
+    return len(tiles(plan.vocab, config.lm_tile_rows))
+
+
+def compile_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> TaskTable:
+    """Lower, cost and schedule one decode step into a TaskTable."""
+    from distmk.graph.scheduler import schedule
+
+    builder = lower_decode_step(spec, plan, config)
+    tasks, need = builder.tensors()
+    shape = StepShape(spec, plan, config.batch, config.kv_splits, config.context,
+                      config.dtype_bytes, config.dtype_bytes)
+    cost = torch.tensor([TASK_KINDS[t[0]].cost(shape, t[1], tuple(t[2:6])) for t in builder.rows],
+                        dtype=torch.int64)
+    return schedule(tasks, need, cost, builder.event_names, config)

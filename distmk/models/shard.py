@@ -1,0 +1,135 @@
+"""Tensor-parallel sharding: which slice of every tensor a rank owns, and reading just those slices.
+
+q/k/v and gate/up are column-parallel (heads and intermediate rows split), o_proj and down_proj are
+row-parallel (their outputs are partial sums, all-reduced), lm_head is vocab-parallel (padded so each
+rank holds the same number of rows). With fewer KV heads than ranks each rank keeps the one KV head its
+query heads use (replication). The embedding table is replicated: a step reads only B rows of it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from distmk.errors import ShardingError
+from distmk.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    tp: int
+    rank: int
+    num_heads: int      # local query heads
+    head0: int          # first global query head
+    num_kv_heads: int   # local KV heads
+    kv_head0: int
+    inter: int          # local intermediate rows
+    inter0: int
+    vocab: int          # local lm_head rows (padded: equal on every rank)
+    vocab0: int         # global id of local row 0
+    vocab_valid: int    # rows that are real vocabulary entries (the rest are zero padding)
+
+    @property
+    def group(self) -> int:
+        """Query heads per local KV head."""
+        return self.num_heads // self.num_kv_heads
+
+
+def plan_shard(spec: ModelSpec, tp: int, rank: int) -> ShardPlan:
+    if tp < 1 or not 0 <= rank < tp:
+        raise ShardingError(f"rank {rank} is not in 0..{tp - 1} (tp={tp})")
+    if spec.num_heads % tp:
+        raise ShardingError(f"tp={tp} does not divide num_attention_heads={spec.num_heads}; "
+                            f"use a tp that divides it ({_divisors(spec.num_heads)})")
+    if spec.intermediate_size % tp:
+        raise ShardingError(f"tp={tp} does not divide intermediate_size={spec.intermediate_size}")
+    hq = spec.num_heads // tp
+    group = spec.num_heads // spec.num_kv_heads
+    if spec.num_kv_heads >= tp:
+        if spec.num_kv_heads % tp:
+            raise ShardingError(f"tp={tp} does not divide num_key_value_heads={spec.num_kv_heads}")
+        hkv, kv0 = spec.num_kv_heads // tp, rank * spec.num_kv_heads // tp
+    else:
+        if tp % spec.num_kv_heads:
+            raise ShardingError(f"tp={tp} is not a multiple of num_key_value_heads={spec.num_kv_heads}, "
+                                f"so KV heads cannot be replicated evenly")
+        hkv, kv0 = 1, rank * hq // group
+    inter = spec.intermediate_size // tp
+    vocab = -(-spec.vocab_size // tp)
+    vocab0 = rank * vocab
+    return ShardPlan(tp, rank, hq, rank * hq, hkv, kv0, inter, rank * inter, vocab, vocab0,
+                     max(0, min(vocab, spec.vocab_size - vocab0)))
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in (1, 2, 4, 8, 16) if n % d == 0)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor      # [H]
+    wqkv: torch.Tensor            # [(hq + 2*hkv) * D, H]: local q heads, then k heads, then v heads
+    bqkv: torch.Tensor | None     # [(hq + 2*hkv) * D]
+    q_norm: torch.Tensor | None   # [D]
+    k_norm: torch.Tensor | None   # [D]
+    wo: torch.Tensor              # [H, hq * D]
+    post_norm: torch.Tensor       # [H]
+    w_gate: torch.Tensor          # [I_local, H]
+    w_up: torch.Tensor            # [I_local, H]
+    w_down: torch.Tensor          # [H, I_local]
+
+
+@dataclass
+class RankWeights:
+    plan: ShardPlan
+    embed: torch.Tensor           # [V, H] replicated
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor      # [H]
+    lm_head: torch.Tensor         # [V_local, H], zero rows past vocab_valid
+    inv_freq: torch.Tensor = field(default=None)  # [D/2] float32
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        out = {"embed": self.embed, "final_norm": self.final_norm, "lm_head": self.lm_head}
+        for i, lw in enumerate(self.layers):
+            out.update({f"layers.{i}.{k}": v for k, v in vars(lw).items() if v is not None})
+        return out
+
+
+def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, device="cpu",
+               progress: bool = False) -> RankWeights:
+    """Read this rank's slices from `source` (CheckpointWeights or RandomWeights)."""
+    d = spec.head_dim
+
+    def rd(name, dim=0, start=0, stop=None):
+        return source.read(name, dim, start, stop).to(device=device, dtype=dtype)
+
+    q_rows = (plan.head0 * d, (plan.head0 + plan.num_heads) * d)
+    kv_rows = (plan.kv_head0 * d, (plan.kv_head0 + plan.num_kv_heads) * d)
+    inter = (plan.inter0, plan.inter0 + plan.inter)
+    layers = []
+    for i in tqdm(range(spec.num_layers), desc="loading layers", disable=not progress, leave=False):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        wqkv = torch.cat([rd(a + "q_proj.weight", 0, *q_rows), rd(a + "k_proj.weight", 0, *kv_rows),
+                          rd(a + "v_proj.weight", 0, *kv_rows)])
+        bqkv = torch.cat([rd(a + "q_proj.bias", 0, *q_rows), rd(a + "k_proj.bias", 0, *kv_rows),
+                          rd(a + "v_proj.bias", 0, *kv_rows)]) if spec.qkv_bias else None
+        layers.append(LayerWeights(
+            input_norm=rd(p + "input_layernorm.weight"),
+            wqkv=wqkv, bqkv=bqkv,
+            q_norm=rd(a + "q_norm.weight") if spec.qk_norm else None,
+            k_norm=rd(a + "k_norm.weight") if spec.qk_norm else None,
+            wo=rd(a + "o_proj.weight", 1, *q_rows),
+            post_norm=rd(p + "post_attention_layernorm.weight"),
+            w_gate=rd(p + "mlp.gate_proj.weight", 0, *inter),
+            w_up=rd(p + "mlp.up_proj.weight", 0, *inter),
+            w_down=rd(p + "mlp.down_proj.weight", 1, *inter),
+        ))
+    head_name = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+    lm_head = torch.zeros(plan.vocab, spec.hidden_size, dtype=dtype, device=device)
+    if plan.vocab_valid:
+        lm_head[:plan.vocab_valid] = rd(head_name, 0, plan.vocab0, plan.vocab0 + plan.vocab_valid)
+    return RankWeights(plan=plan, embed=rd("model.embed_tokens.weight"), layers=layers,
+                       final_norm=rd("model.norm.weight"), lm_head=lm_head,
+                       inv_freq=spec.inv_freq().to(device))

@@ -1,0 +1,199 @@
+"""ModelSpec: the shapes and numerics of a decoder-only LLM, read from a Hugging Face config.
+
+Every family quirk (qkv bias, q/k-norm, explicit head_dim, rope scaling, tied embeddings) is decided
+here and nowhere else: the rest of distmk reads flags off the spec.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, asdict
+
+import torch
+
+from distmk.errors import ModelError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: dict = field(default_factory=dict)  # {"rope_type": "llama3", ...} or {}
+    sliding_window: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def inv_freq(self) -> torch.Tensor:
+        """RoPE inverse frequencies (float32), with Llama-3 frequency scaling where configured."""
+        dim = self.head_dim
+        inv = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        if self.rope_scaling.get("rope_type") != "llama3":
+            return inv
+        rs = self.rope_scaling
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old_len = rs["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / lo, old_len / hi
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the Hugging Face checkpoint, by its HF name, with its full (unsharded) shape."""
+        h, d = self.hidden_size, self.head_dim
+        shapes = {"model.embed_tokens.weight": (self.vocab_size, h), "model.norm.weight": (h,)}
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            shapes.update({
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (self.q_size, h),
+                p + "self_attn.k_proj.weight": (self.kv_size, h),
+                p + "self_attn.v_proj.weight": (self.kv_size, h),
+                p + "self_attn.o_proj.weight": (h, self.q_size),
+                p + "mlp.gate_proj.weight": (self.intermediate_size, h),
+                p + "mlp.up_proj.weight": (self.intermediate_size, h),
+                p + "mlp.down_proj.weight": (h, self.intermediate_size),
+            })
+            if self.qkv_bias:
+                shapes.update({p + "self_attn.q_proj.bias": (self.q_size,),
+                               p + "self_attn.k_proj.bias": (self.kv_size,),
+                               p + "self_attn.v_proj.bias": (self.kv_size,)})
+            if self.qk_norm:
+                shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        return shapes
+
+    def num_parameters(self) -> int:
+        return sum(math.prod(s) for s in self.tensor_shapes().values())
+
+    def to_hf_config(self) -> dict:
+        """A config.json dict that transformers reads back into the same model."""
+        cfg = {
+            "architectures": [self.architecture],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) or None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": False,
+            "attention_bias": False,
+            "eos_token_id": list(self.eos_token_id) or None,
+            "bos_token_id": self.bos_token_id,
+        }
+        return cfg
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+def spec_from_hf_config(cfg: dict, source: str = "config.json") -> ModelSpec:
+    """Build a ModelSpec from a config.json dict, with an error naming what is wrong or unsupported."""
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelError(f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
+                         f"distmk supports {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    family = SUPPORTED_ARCHITECTURES[arch]
+
+    def need(key):
+        if key not in cfg or cfg[key] is None:
+            raise ModelError(f"{source}: required field {key!r} is missing for {arch}")
+        return cfg[key]
+
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
+    num_heads = int(need("num_attention_heads"))
+    hidden = int(need("hidden_size"))
+    head_dim = cfg.get("head_dim") or hidden // num_heads
+    # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters; older configs keep them apart.
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_theta = float(rope.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ModelError(f"{source}: rope type {rope_type!r} is not supported (supported: default, llama3)")
+    if rope_type == "llama3":
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                   if k not in rope]
+        if missing:
+            raise ModelError(f"{source}: llama3 rope scaling lacks {missing}")
+        rope = {"rope_type": "llama3", **{k: rope[k] for k in
+                ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}}
+    else:
+        rope = {}
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelError(f"{source}: partial_rotary_factor != 1 is not supported")
+    eos = cfg.get("eos_token_id")
+    eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    if family != "qwen2" and cfg.get("attention_bias"):
+        raise ModelError(f"{source}: attention_bias=true is not supported for {arch}")
+    if cfg.get("mlp_bias"):
+        raise ModelError(f"{source}: mlp_bias=true is not supported")
+    window = cfg.get("sliding_window") if (family == "mistral" or cfg.get("use_sliding_window")) else None
+    spec = ModelSpec(
+        architecture=arch,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=int(need("num_hidden_layers")),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2",  # Qwen2 always has q/k/v bias
+        qk_norm=family == "qwen3",
+        rope_scaling=rope,
+        sliding_window=int(window) if window else None,
+        eos_token_id=eos,
+        bos_token_id=cfg.get("bos_token_id"),
+    )
+    if spec.num_heads % spec.num_kv_heads:
+        raise ModelError(f"{source}: num_attention_heads {spec.num_heads} is not a multiple of "
+                         f"num_key_value_heads {spec.num_kv_heads}")
+    return spec

@@ -1,0 +1,99 @@
+"""Engine: one rank's model shard, its compiled step, its KV cache, and the generation loop on top.
+
+Prefill runs through the same task table as decode: a step is a batch of rows, each a token at a
+position of some sequence, so a prompt chunk is just several rows of one sequence (row b attends to the
+keys rows < b of the same step wrote). Every rank runs the same loop; greedy tokens come from the
+in-graph distributed argmax, sampled ones from logits gathered across ranks.
+"""
+from __future__ import annotations
+
+import torch
+
+from distmk.errors import DistmkError
+from distmk.graph.lowering import GraphConfig, compile_step
+from distmk.models.shard import load_shard, plan_shard
+from distmk.models.weights import open_model
+from distmk.reference.comm import SingleRank
+from distmk.reference.executor import ReferenceExecutor
+from distmk.runtime.kv_cache import KVCache
+from distmk.runtime.sampling import SamplingParams, sample
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Engine:
+    def __init__(self, model: str, *, tp: int = 1, rank: int = 0, comm=None, dtype=torch.float32,
+                 device="cpu", backend: str = "reference", config: GraphConfig | None = None,
+                 max_context: int | None = None, block_size: int = 16, seed: int = 0, progress: bool = False):
+        if backend != "reference":
+            raise DistmkError(f"backend {backend!r} is not available yet; use --backend reference")
+        self.comm = comm or SingleRank()
+        if self.comm.world != tp:
+            raise DistmkError(f"tp={tp} but the communicator has {self.comm.world} ranks")
+        self.spec, source, self.tokenizer_dir = open_model(model, seed=seed, device=device)
+        max_context = max_context or min(2048, self.spec.max_position_embeddings)
+        if max_context > self.spec.max_position_embeddings:
+            raise DistmkError(f"max_context {max_context} exceeds the model's max_position_embeddings "
+                              f"{self.spec.max_position_embeddings}")
+        self.plan = plan_shard(self.spec, tp, rank)
+        self.dtype, self.device, self.max_context = dtype, torch.device(device), max_context
+        self.weights = load_shard(self.spec, source, self.plan, dtype=dtype, device=device, progress=progress)
+        self.config = config or GraphConfig()
+        self.table = compile_step(self.spec, self.plan, self.config)
+        blocks_per_seq = -(-max_context // block_size)
+        self.kv = KVCache(self.spec.num_layers, blocks_per_seq * self.config.batch, block_size,
+                          self.plan.num_kv_heads, self.spec.head_dim, dtype, device)
+        self.blocks_per_seq = blocks_per_seq
+        self.executor = ReferenceExecutor(self.table, self.spec, self.weights, self.kv, self.comm, dtype)
+
+    def step(self, tokens, positions, block_tables):
+        """Run one step: tokens[i] at positions[i] of the sequence whose blocks are block_tables[i].
+        Returns the workspace: next_token (greedy, all ranks agree) and this rank's logits slice."""
+        n = len(tokens)
+        table = torch.zeros(n, self.blocks_per_seq, dtype=torch.int64)
+        for i, blocks in enumerate(block_tables):
+            table[i, :len(blocks)] = torch.as_tensor(blocks)
+        dev = self.device
+        return self.executor.step(torch.as_tensor(tokens, dtype=torch.int64, device=dev),
+                                  torch.as_tensor(positions, dtype=torch.int64, device=dev), table.to(dev))
+
+    def full_logits(self, buf, n: int) -> torch.Tensor:
+        """[n, vocab] float32 logits of the last step, gathered from every rank's vocabulary slice."""
+        shards = self.comm.gather(buf["logits"][:n])
+        return torch.cat(shards, dim=-1)[:, :self.spec.vocab_size]
+
+    def generate(self, prompt: list[int], max_new_tokens: int, params: SamplingParams | None = None,
+                 stop_on_eos: bool = True, return_logits: bool = False):
+        """Tokens generated after `prompt` (and, on request, the [steps, vocab] logits that chose them)."""
+        params = params or SamplingParams()
+        if not prompt:
+            raise DistmkError("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise DistmkError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{self.spec.vocab_size - 1}")
+        if len(prompt) + max_new_tokens > self.max_context:
+            raise DistmkError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the context "
+                              f"of {self.max_context} tokens")
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        blocks = self.kv.allocate([], len(prompt) + max_new_tokens)
+        out, logits_seen = [], []
+        try:
+            pos, pending = 0, list(prompt)
+            while len(out) < max_new_tokens:
+                chunk = pending[:self.config.batch]
+                n = len(chunk)
+                buf = self.step(chunk, range(pos, pos + n), [blocks] * n)
+                pos, pending = pos + n, pending[n:]
+                if pending:
+                    continue                                 # still prefilling
+                logits = self.full_logits(buf, n)[-1] if (return_logits or not params.greedy) else None
+                token = int(buf["next_token"][n - 1]) if params.greedy else sample(logits, params, gen)
+                if return_logits:
+                    logits_seen.append(logits)
+                out.append(token)
+                if stop_on_eos and token in self.spec.eos_token_id:
+                    break
+                pending = [token]
+        finally:
+            self.kv.release(blocks)
+        return (out, torch.stack(logits_seen)) if return_logits else out

@@ -1,0 +1,19 @@
+"""The registry of task types: a type's id is its index here, and the task table stores that id.
+
+Adding a task type means one new file in this package and one line below."""
+from distmk.tasks.allreduce import AllReduce
+from distmk.tasks.argmax import Argmax
+from distmk.tasks.attention import Attention
+from distmk.tasks.attn_reduce import AttnReduce
+from distmk.tasks.base import TaskKind
+from distmk.tasks.down import Down
+from distmk.tasks.embed import Embed
+from distmk.tasks.gate_up import GateUp
+from distmk.tasks.lm_head import LMHead
+from distmk.tasks.o_proj import OProj
+from distmk.tasks.qkv import QKV
+from distmk.tasks.rmsnorm import RMSNorm
+
+TASK_KINDS: list[TaskKind] = [Embed(), RMSNorm(), QKV(), Attention(), AttnReduce(), OProj(), AllReduce(),
+                              GateUp(), Down(), LMHead(), Argmax()]
+TYPE_ID = {kind.name: i for i, kind in enumerate(TASK_KINDS)}

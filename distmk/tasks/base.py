@@ -1,0 +1,72 @@
+"""What a task type is: its argument fields, its cost in bytes, and its reference semantics.
+
+Every task in a table is one int row: (type, layer, a0..a3, wait event, signal event). A TaskKind names
+what a0..a3 mean for its type, estimates the bytes it moves (the scheduler's cost model), and `run`
+defines exactly what it computes: the CPU reference executor calls it, and the GPU kernel must match it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Row-parallel outputs (o_proj, down) are either added to the residual stream by the matmul tile itself
+# (tp=1) or written as a partial sum for an all-reduce task to combine across ranks (tp>1).
+WRITE_PARTIAL, ADD_RESIDUAL = 0, 1
+
+
+class TaskKind:
+    name: str = ""
+    args: tuple[str, ...] = ()   # meaning of a0..a3 (at most four)
+    communicates = False         # needs the other ranks (all-reduce, distributed argmax)
+
+    def cost(self, shape: "StepShape", layer: int, a: tuple[int, ...]) -> int:
+        """Bytes this task reads and writes, weights included."""
+        raise NotImplementedError
+
+    def run(self, ctx, layer: int, a: tuple[int, ...]) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the cost model needs to know about a compiled step: shapes and element sizes."""
+    spec: object            # ModelSpec
+    plan: object            # ShardPlan
+    batch: int
+    kv_splits: int
+    context: int            # expected context length (cost model only; the table works for any length)
+    weight_bytes: int = 2
+    act_bytes: int = 2
+
+    def matmul_bytes(self, rows: int, cols: int) -> int:
+        """A [batch, cols] x [rows, cols]^T tile: weights once, input and output activations."""
+        return rows * cols * self.weight_bytes + self.batch * (rows + cols) * self.act_bytes
+
+
+def row_parallel_tile(ctx, inp: torch.Tensor, weight: torch.Tensor, row0: int, nrows: int, mode: int) -> None:
+    """out[:, rows] = inp @ weight[rows]^T, added to the residual stream or kept as this rank's partial sum."""
+    n = ctx.num_rows
+    out = inp[:n].float() @ weight[row0:row0 + nrows].float().t()
+    if mode == ADD_RESIDUAL:
+        x = ctx.buf["x"]
+        x[:n, row0:row0 + nrows] = (x[:n, row0:row0 + nrows].float() + out).to(x.dtype)
+    else:
+        ctx.buf["partial"][:n, row0:row0 + nrows] = out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm: normalise in float32, round to the activation dtype, then scale."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half convention) of x [rows, heads, D] at positions [rows], in float32."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    x32 = x.float()
+    half = x32.shape[-1] // 2
+    rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
+    return x32 * emb.cos() + rotated * emb.sin()

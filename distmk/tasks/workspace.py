@@ -1,0 +1,25 @@
+"""The activation buffers that tasks read and write, by name: one set per rank, reused every step."""
+from __future__ import annotations
+
+import torch
+
+
+def allocate_workspace(spec, plan, batch: int, kv_splits: int, lm_tiles: int, dtype, device) -> dict:
+    B, H, D, g = batch, spec.hidden_size, spec.head_dim, plan.group
+    f32 = dict(dtype=torch.float32, device=device)
+    act = dict(dtype=dtype, device=device)
+    return {
+        "x": torch.zeros(B, H, **act),                               # residual stream
+        "xn": torch.zeros(B, H, **act),                              # normed input of the next matmuls
+        "q": torch.zeros(B, plan.num_heads, D, **act),               # roped queries
+        "attn_o": torch.zeros(B, plan.num_kv_heads, kv_splits, g, D, **f32),  # split-KV partials
+        "attn_m": torch.zeros(B, plan.num_kv_heads, kv_splits, g, **f32),
+        "attn_l": torch.zeros(B, plan.num_kv_heads, kv_splits, g, **f32),
+        "attn": torch.zeros(B, plan.num_heads * D, **act),           # attention output, heads concatenated
+        "partial": torch.zeros(B, H, **f32),                         # this rank's row-parallel partial sum
+        "h": torch.zeros(B, plan.inter, **act),                      # silu(gate) * up
+        "logits": torch.zeros(B, plan.vocab, **f32),                 # this rank's vocabulary slice
+        "tile_max": torch.zeros(B, lm_tiles, **f32),
+        "tile_arg": torch.zeros(B, lm_tiles, dtype=torch.int64, device=device),
+        "next_token": torch.zeros(B, dtype=torch.int64, device=device),
+    }
