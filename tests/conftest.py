@@ -1,0 +1,65 @@
+"""Shared test helpers: the Hugging Face twin of a preset, and its greedy output."""
+import functools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distmk.graph import GraphConfig
+from distmk.models.presets import preset
+from distmk.models.weights import RandomWeights
+
+TINY = ["tiny-llama", "tiny-qwen3", "tiny-qwen2", "tiny-mistral"]
+PROMPT = [1, 2, 3, 4, 5, 6, 7]
+# Small tiles so that every row-parallel output and the lm_head are cut into several tiles.
+SMALL = GraphConfig(batch=4, kv_splits=3, tile_rows=32, lm_tile_rows=48, workers=5)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def hf_model(name: str):
+    """transformers' own model class for a preset, holding the preset's seeded random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    spec = preset(name)
+    cfg = spec.to_hf_config()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg),
+                                             dtype=torch.float32)
+    result = model.load_state_dict(RandomWeights(spec).state_dict(), strict=False)
+    assert set(result.missing_keys) <= {"lm_head.weight"} and not result.unexpected_keys, result
+    if spec.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model.eval()
+
+
+@functools.lru_cache(maxsize=None)
+def hf_greedy(name: str, prompt: tuple = tuple(PROMPT), new_tokens: int = 32):
+    """(tokens, [new_tokens, vocab] logits) of transformers' greedy generate."""
+    with torch.no_grad():
+        out = hf_model(name).generate(torch.tensor([list(prompt)]), max_new_tokens=new_tokens, do_sample=False,
+                                      output_logits=True, return_dict_in_generate=True, eos_token_id=None,
+                                      pad_token_id=0)
+    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0]
+
+
+def run_cli(*args, timeout=300, env=None):
+    """Run a command from the repository root, with this interpreter on PATH; returns CompletedProcess."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(list(args), cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def torchrun(nproc: int, *args, **kw):
+    return run_cli(sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={nproc}", *args, **kw)
+
+
+@pytest.fixture(scope="session")
+def saved_checkpoints(tmp_path_factory):
+    """Each tiny preset written by transformers' save_pretrained (the first one sharded with an index)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    paths = {}
+    for i, name in enumerate(TINY):
+        path = root / name
+        hf_model(name).save_pretrained(path, max_shard_size="200KB" if i == 0 else "1GB")
+        paths[name] = str(path)
+    return paths

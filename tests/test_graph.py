@@ -1,0 +1,132 @@
+"""The task graph and its schedule: structure, invariants, deadlock freedom for any W, and that results
+do not depend on the number of workers or the order they run tasks in."""
+import collections
+
+import pytest
+import torch
+
+from distmk.errors import GraphError
+from distmk.graph import GraphConfig, compile_step
+from distmk.graph.scheduler import check_deadlock_free
+from distmk.graph.table import A0, A1, LAYER, SIGNAL, TYPE, WAIT
+from distmk.models.presets import PRESETS
+from distmk.models.shard import plan_shard
+from distmk.reference.comm import run_simulated_ranks
+from distmk.runtime.engine import Engine
+from distmk.tasks import TASK_KINDS, TYPE_ID
+from conftest import PROMPT, SMALL
+
+
+def table_for(name="tiny-qwen3", tp=2, **cfg):
+    spec = PRESETS[name]
+    return compile_step(spec, plan_shard(spec, tp, 0), GraphConfig(**{**SMALL.__dict__, **cfg}))
+
+
+def simulate(table):
+    """Run the queues without computing anything; return the order tasks ran in (the executor's rule)."""
+    need, counters = table.event_need.tolist(), collections.Counter()
+    queues = [table.worker_queue(w) for w in range(table.num_workers)]
+    heads, order = [0] * len(queues), []
+    while len(order) < table.num_tasks:
+        moved = False
+        for w, q in enumerate(queues):
+            while heads[w] < len(q):
+                t = q[heads[w]]
+                e = int(table.tasks[t, WAIT])
+                if e >= 0 and counters[e] < need[e]:
+                    break
+                order.append(t)
+                counters[int(table.tasks[t, SIGNAL])] += 1
+                heads[w] += 1
+                moved = True
+        assert moved, "deadlock"
+    return order
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 7, 16, 64, 131, 132])
+def test_every_task_once_and_dependencies_before_use(workers):
+    table = table_for(workers=workers)
+    assert sorted(table.queue.tolist()) == list(range(table.num_tasks))
+    order = simulate(table)
+    ran_at = {t: i for i, t in enumerate(order)}
+    signalers = collections.defaultdict(list)
+    for t in range(table.num_tasks):
+        signalers[int(table.tasks[t, SIGNAL])].append(t)
+    for t in range(table.num_tasks):
+        e = int(table.tasks[t, WAIT])
+        if e >= 0:
+            assert len(signalers[e]) == table.event_need[e]
+            assert all(ran_at[p] < ran_at[t] for p in signalers[e])
+
+
+def test_no_deadlock_for_any_worker_count_up_to_132():
+    spec = PRESETS["tiny-llama"]
+    plan = plan_shard(spec, 2, 1)
+    for workers in range(1, 133):
+        table = compile_step(spec, plan, GraphConfig(batch=2, kv_splits=2, tile_rows=32, lm_tile_rows=64,
+                                                     workers=workers))
+        check_deadlock_free(table)
+        simulate(table)
+
+
+def test_deadlock_check_rejects_a_queue_that_waits_on_what_is_behind_it():
+    table = table_for(workers=1)
+    table.queue = table.queue.flip(0)             # the argmax first: it waits on everything else
+    with pytest.raises(GraphError, match="can deadlock"):
+        check_deadlock_free(table)
+    table.queue = table.queue[1:]
+    with pytest.raises(GraphError, match="exactly once"):
+        check_deadlock_free(table)
+
+
+def test_consumers_wait_only_on_the_tiles_they_read():
+    table = table_for(tp=2)
+    rows = table.tasks.tolist()
+    by_signal = collections.defaultdict(list)
+    for r in rows:
+        by_signal[r[SIGNAL]].append(r)
+    allreduces = [r for r in rows if r[TYPE] == TYPE_ID["allreduce"]]
+    assert allreduces
+    for r in allreduces:      # exactly the one matmul tile that produced the same rows of the same layer
+        (producer,) = by_signal[r[WAIT]]
+        assert producer[TYPE] in (TYPE_ID["o_proj"], TYPE_ID["down"])
+        assert (producer[LAYER], producer[A0], producer[A1]) == (r[LAYER], r[A0], r[A1])
+    plan = plan_shard(PRESETS["tiny-qwen3"], 2, 0)
+    for r in rows:            # attention on a KV head waits on that head group's q/k/v tiles only
+        if r[TYPE] == TYPE_ID["attention"]:
+            producers = by_signal[r[WAIT]]
+            assert len(producers) == plan.group + 2
+            assert all(p[TYPE] == TYPE_ID["qkv"] and p[LAYER] == r[LAYER] for p in producers)
+
+
+def test_tp1_has_no_allreduce_and_tp2_has_one_per_row_parallel_tile():
+    counts = {tp: collections.Counter(TASK_KINDS[t].name for t in table_for(tp=tp).tasks[:, TYPE].tolist())
+              for tp in (1, 2)}
+    assert counts[1]["allreduce"] == 0
+    assert counts[2]["allreduce"] == counts[2]["o_proj"] + counts[2]["down"]
+
+
+def test_table_is_compact_int_tensors():
+    table = table_for()
+    assert table.tasks.dtype == table.queue.dtype == table.queue_ptr.dtype == table.event_need.dtype == torch.int32
+    assert table.tasks.shape[1] == 8 and table.queue_ptr[-1] == table.num_tasks
+
+
+def generate_with(config, tp=2, name="tiny-qwen2"):
+    return run_simulated_ranks(tp, lambda r, c: Engine(name, tp=tp, rank=r, comm=c, config=config)
+                               .generate(PROMPT, 12, return_logits=True))
+
+
+def test_results_do_not_depend_on_workers_or_their_order():
+    base_tokens, base_logits = generate_with(SMALL)[0]
+    for workers in (1, 2, 13, 132):
+        tokens, logits = generate_with(GraphConfig(**{**SMALL.__dict__, "workers": workers}))[0]
+        assert tokens == base_tokens
+        assert torch.equal(logits, base_logits)            # bit-identical, not merely close
+
+
+def test_executor_reports_a_deadlocked_table():
+    engine = Engine("tiny-llama", config=SMALL)
+    engine.executor.queues = [list(range(engine.table.num_tasks - 1, -1, -1))]   # argmax first
+    with pytest.raises(GraphError, match=r"deadlock: worker 0 task \d+ \(argmax\) waits on event"):
+        engine.generate([1, 2], 2)
