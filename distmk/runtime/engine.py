@@ -24,9 +24,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class Engine:
     def __init__(self, model: str, *, tp: int = 1, rank: int = 0, comm=None, dtype=torch.float32,
                  device="cpu", backend: str = "reference", config: GraphConfig | None = None,
-                 max_context: int | None = None, block_size: int = 16, seed: int = 0, progress: bool = False):
-        if backend != "reference":
-            raise DistmkError(f"backend {backend!r} is not available yet; use --backend reference")
+                 max_context: int | None = None, block_size: int = 16, seed: int = 0, progress: bool = False,
+                 kernel_options: dict | None = None):
+        if backend not in ("reference", "triton"):
+            raise DistmkError(f"unknown backend {backend!r}: use reference or triton")
         self.comm = comm or SingleRank()
         if self.comm.world != tp:
             raise DistmkError(f"tp={tp} but the communicator has {self.comm.world} ranks")
@@ -44,7 +45,12 @@ class Engine:
         self.kv = KVCache(self.spec.num_layers, blocks_per_seq * self.config.batch, block_size,
                           self.plan.num_kv_heads, self.spec.head_dim, dtype, device)
         self.blocks_per_seq = blocks_per_seq
-        self.executor = ReferenceExecutor(self.table, self.spec, self.weights, self.kv, self.comm, dtype)
+        if backend == "triton":
+            from distmk.kernels.executor import TritonExecutor
+            self.executor = TritonExecutor(self.table, self.spec, self.weights, self.kv, self.comm, dtype,
+                                           **(kernel_options or {}))
+        else:
+            self.executor = ReferenceExecutor(self.table, self.spec, self.weights, self.kv, self.comm, dtype)
 
     def step(self, tokens, positions, block_tables):
         """Run one step: tokens[i] at positions[i] of the sequence whose blocks are block_tables[i].

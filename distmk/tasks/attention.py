@@ -5,6 +5,8 @@ table serves every context length; an empty split writes m=-inf, l=0, o=0."""
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 from distmk.tasks.base import TaskKind
 
@@ -21,9 +23,56 @@ def split_range(lo: int, hi: int, splits: int, s: int) -> tuple[int, int]:
     return min(hi, lo + s * chunk), min(hi, lo + (s + 1) * chunk)
 
 
+@triton.jit
+def attention_gpu(layer, a0, a1, a2, n, q, k_cache, v_cache, positions, block_table, attn_o, attn_m, attn_l,
+                  D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                  MAXB: tl.constexpr, BS: tl.constexpr, NBLK: tl.constexpr, S: tl.constexpr, WINDOW: tl.constexpr,
+                  SCALE: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    b = a0
+    kvh = a1
+    split = a2
+    if b < n:
+        hi = tl.load(positions + b) + 1
+        lo = hi * 0
+        if WINDOW > 0:
+            lo = tl.maximum(lo, hi - WINDOW)
+        chunk = (hi - lo + S - 1) // S
+        start = tl.minimum(hi, lo + split * chunk)
+        stop = tl.minimum(hi, lo + (split + 1) * chunk)
+        rg = tl.arange(0, G_PAD)
+        rd = tl.arange(0, D)
+        rt = tl.arange(0, BLOCK_T)
+        heads = rg < G
+        qt = tl.load(q + ((b * HQ + kvh * G + rg) * D)[:, None] + rd[None, :], mask=heads[:, None], other=0.0)
+        m_i = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((G_PAD,), dtype=tl.float32)
+        acc = tl.zeros((G_PAD, D), dtype=tl.float32)
+        cache_layer = layer.to(tl.int64) * NBLK
+        for t0 in range(start, stop, BLOCK_T):
+            t = t0 + rt
+            valid = t < stop
+            block = tl.load(block_table + b * MAXB + t // BS, mask=valid, other=0).to(tl.int64)
+            base = (((cache_layer + block) * BS + t % BS) * HKV + kvh) * D
+            kt = tl.load(k_cache + base[:, None] + rd[None, :], mask=valid[:, None], other=0.0)
+            scores = tl.dot(qt, tl.trans(kt), input_precision=DOT_PRECISION) * SCALE
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vt = tl.load(v_cache + base[:, None] + rd[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
+            m_i = m_new
+        part = (b * HKV + kvh) * S + split
+        tl.store(attn_o + (part * G + rg)[:, None] * D + rd[None, :], acc, mask=heads[:, None])
+        tl.store(attn_m + part * G + rg, m_i, mask=heads)
+        tl.store(attn_l + part * G + rg, l_i, mask=heads)
+
+
 class Attention(TaskKind):
     name = "attention"
     args = ("row", "kv_head", "split")
+    gpu = attention_gpu
 
     def cost(self, shape, layer, a):
         d, g = shape.spec.head_dim, shape.plan.group

@@ -1,13 +1,41 @@
 """Combine the S partial attention outputs of one row and KV head into the normalised output of its
 query heads: out = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M), M = max_s m_s."""
 import torch
+import triton
+import triton.language as tl
 
 from distmk.tasks.base import TaskKind
+
+
+@triton.jit
+def attn_reduce_gpu(a0, a1, n, attn_o, attn_m, attn_l, attn, D: tl.constexpr, HQ: tl.constexpr,
+                    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, S: tl.constexpr):
+    b = a0
+    kvh = a1
+    if b < n:
+        rg = tl.arange(0, G_PAD)
+        rd = tl.arange(0, D)
+        heads = rg < G
+        first = (b * HKV + kvh) * S
+        mx = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
+        for s in tl.static_range(S):
+            mx = tl.maximum(mx, tl.load(attn_m + (first + s) * G + rg, mask=heads, other=0.0))
+        num = tl.zeros((G_PAD, D), dtype=tl.float32)
+        den = tl.zeros((G_PAD,), dtype=tl.float32)
+        for s in tl.static_range(S):
+            scale = tl.exp(tl.load(attn_m + (first + s) * G + rg, mask=heads, other=0.0) - mx)
+            o = tl.load(attn_o + ((first + s) * G + rg)[:, None] * D + rd[None, :], mask=heads[:, None], other=0.0)
+            num += o * scale[:, None]
+            den += tl.load(attn_l + (first + s) * G + rg, mask=heads, other=1.0) * scale
+        out = num / den[:, None]
+        dst = attn + b * HQ * D + (kvh * G + rg)[:, None] * D + rd[None, :]
+        tl.store(dst, out.to(attn.dtype.element_ty), mask=heads[:, None])
 
 
 class AttnReduce(TaskKind):
     name = "attn_reduce"
     args = ("row", "kv_head")
+    gpu = attn_reduce_gpu
 
     def cost(self, shape, layer, a):
         g, d = shape.plan.group, shape.spec.head_dim

@@ -9,16 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
+
+from distmk.kernels.primitives import matmul_block
 
 # Row-parallel outputs (o_proj, down) are either added to the residual stream by the matmul tile itself
 # (tp=1) or written as a partial sum for an all-reduce task to combine across ranks (tp>1).
 WRITE_PARTIAL, ADD_RESIDUAL = 0, 1
+_ADD_RESIDUAL = tl.constexpr(ADD_RESIDUAL)
 
 
 class TaskKind:
     name: str = ""
     args: tuple[str, ...] = ()   # meaning of a0..a3 (at most four)
     communicates = False         # needs the other ranks (all-reduce, distributed argmax)
+    gpu = None                   # the @triton.jit device function the megakernel dispatches to
 
     def cost(self, shape: "StepShape", layer: int, a: tuple[int, ...]) -> int:
         """Bytes this task reads and writes, weights included."""
@@ -53,6 +59,23 @@ def row_parallel_tile(ctx, inp: torch.Tensor, weight: torch.Tensor, row0: int, n
         x[:n, row0:row0 + nrows] = (x[:n, row0:row0 + nrows].float() + out).to(x.dtype)
     else:
         ctx.buf["partial"][:n, row0:row0 + nrows] = out
+
+
+@triton.jit
+def row_parallel_gpu(inp, w, a0, a1, a2, n, x, partial, K: tl.constexpr, H: tl.constexpr, B_PAD: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """GPU twin of row_parallel_tile: rows [a0, a0 + a1) of inp @ w^T, mode a2."""
+    rb = tl.arange(0, B_PAD)
+    rn = tl.arange(0, BLOCK_N)
+    for j in range(0, a1, BLOCK_N):
+        acc = matmul_block(inp, w, n, a0 + j, a1 - j, K, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        offs = rb[:, None] * H + (a0 + j + rn)[None, :]
+        mask = (rb < n)[:, None] & (rn < a1 - j)[None, :]
+        if a2 == _ADD_RESIDUAL:
+            residual = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(x + offs, (residual + acc).to(x.dtype.element_ty), mask=mask)
+        else:
+            tl.store(partial + offs, acc, mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,11 +1,22 @@
 """A row tile of the MLP down projection (row-parallel): h @ Wdown[rows]^T, into the residual stream
 (tp=1) or this rank's partial sum (tp>1, combined by an allreduce task)."""
-from distmk.tasks.base import TaskKind, row_parallel_tile
+import triton
+import triton.language as tl
+
+from distmk.tasks.base import TaskKind, row_parallel_gpu, row_parallel_tile
+
+
+@triton.jit
+def down_gpu(layer, a0, a1, a2, n, h, w_down, x, partial, H: tl.constexpr, INTER: tl.constexpr,
+             B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    w = w_down + layer.to(tl.int64) * H * INTER
+    row_parallel_gpu(h, w, a0, a1, a2, n, x, partial, INTER, H, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
 
 
 class Down(TaskKind):
     name = "down"
     args = ("row0", "nrows", "mode")
+    gpu = down_gpu
 
     def cost(self, shape, layer, a):
         return shape.matmul_bytes(a[1], shape.plan.inter)

@@ -1,10 +1,23 @@
 """Embedding lookup for one batch row: x[b] = E[token[b]]."""
+import triton
+import triton.language as tl
+
 from distmk.tasks.base import TaskKind
+
+
+@triton.jit
+def embed_gpu(a0, n, tokens, embed, x, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    if a0 < n:
+        token = tl.load(tokens + a0).to(tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            offs = h0 + tl.arange(0, BLOCK_H)
+            tl.store(x + a0 * H + offs, tl.load(embed + token * H + offs, mask=offs < H), mask=offs < H)
 
 
 class Embed(TaskKind):
     name = "embed"
     args = ("row",)
+    gpu = embed_gpu
 
     def cost(self, shape, layer, a):
         return 2 * shape.spec.hidden_size * shape.act_bytes

@@ -1,11 +1,22 @@
 """A row tile of the attention output projection (row-parallel): attn @ Wo[rows]^T, into the residual
 stream (tp=1) or this rank's partial sum (tp>1, combined by an allreduce task)."""
-from distmk.tasks.base import TaskKind, row_parallel_tile
+import triton
+import triton.language as tl
+
+from distmk.tasks.base import TaskKind, row_parallel_gpu, row_parallel_tile
+
+
+@triton.jit
+def o_proj_gpu(layer, a0, a1, a2, n, attn, wo, x, partial, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
+               B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    w = wo + layer.to(tl.int64) * H * HQ * D
+    row_parallel_gpu(attn, w, a0, a1, a2, n, x, partial, HQ * D, H, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
 
 
 class OProj(TaskKind):
     name = "o_proj"
     args = ("row0", "nrows", "mode")
+    gpu = o_proj_gpu
 
     def cost(self, shape, layer, a):
         return shape.matmul_bytes(a[1], shape.plan.num_heads * shape.spec.head_dim)

@@ -1,0 +1,131 @@
+"""TritonExecutor: runs a TaskTable in the persistent megakernel, one launch per step.
+
+Step inputs live in static device buffers and the step counter (epoch) in device memory, so on a GPU the
+epoch bump and the launch are captured once in a CUDA graph and each step is a replay. Every wait is
+bounded: a worker that waits longer than `timeout_s` records who waited on what, all workers leave, and
+step() raises WatchdogTimeout naming the task and the event.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from distmk.errors import DistmkError
+from distmk.graph.lowering import num_lm_tiles
+from distmk.graph.table import TYPE
+from distmk.kernels.layout import stack_layers
+from distmk.kernels.megakernel import ERROR_FIELDS, TRACE_FIELDS, load_megakernel
+from distmk.tasks import TASK_KINDS
+from distmk.tasks.workspace import allocate_workspace
+
+
+class WatchdogTimeout(DistmkError):
+    """A task of the megakernel waited longer than the timeout for its event."""
+
+
+def _pad(n: int, minimum: int = 16) -> int:
+    return max(minimum, triton.next_power_of_2(n))
+
+
+class TritonExecutor:
+    def __init__(self, table, spec, weights, kv_cache, comm, dtype, *, timeout_s: float = 5.0,
+                 num_warps: int = 4, block_n: int = 64, block_k: int = 128, trace: bool = False,
+                 cuda_graph: bool = True):
+        if comm.world > 1:
+            raise DistmkError("the triton backend runs tp=1 for now: tp>1 needs the NVSHMEM all-reduce tasks")
+        missing = sorted({TASK_KINDS[t].name for t in table.tasks[:, TYPE].tolist() if TASK_KINDS[t].gpu is None})
+        if missing:
+            raise DistmkError(f"task types {missing} have no GPU implementation")
+        self.interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        self.device = device = weights.embed.device
+        if device.type != "cuda" and not self.interpret:
+            raise DistmkError("the triton backend needs --device cuda (or TRITON_INTERPRET=1 on the CPU)")
+        config, plan = table.config, weights.plan
+        self.table, self.spec, self.plan, self.rank = table, spec, plan, comm.rank
+        self.dev_table = table.to(device)
+        self.buf = allocate_workspace(spec, plan, config.batch, config.kv_splits, num_lm_tiles(plan, config),
+                                      dtype, device)
+        i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(config.batch, **i64)
+        self.positions = torch.zeros(config.batch, **i64)
+        blocks_per_seq = kv_cache.k.shape[1] // config.batch
+        self.block_table = torch.zeros(config.batch, blocks_per_seq, **i64)
+        self.rows = torch.zeros(1, **i32)
+        self.epoch = torch.zeros(1, **i32)
+        self.counters = torch.zeros(len(table.event_need), **i32)
+        self.error = torch.zeros(len(ERROR_FIELDS), **i64)
+        self.trace = torch.zeros(table.num_tasks if trace else 1, len(TRACE_FIELDS), **i64)
+        self.timeout = 1000 if self.interpret else int(timeout_s * 1e9)   # polls when interpreted
+        lm_tiles = num_lm_tiles(plan, config)
+        self.args = dict(
+            tasks=self.dev_table.tasks, queue=self.dev_table.queue, queue_ptr=self.dev_table.queue_ptr,
+            event_need=self.dev_table.event_need, counters=self.counters, epoch_ptr=self.epoch,
+            rows_ptr=self.rows, error=self.error, trace=self.trace, rank=comm.rank, timeout=self.timeout,
+            vocab0=plan.vocab0, vocab_valid=plan.vocab_valid,
+            **stack_layers(weights), k_cache=kv_cache.k, v_cache=kv_cache.v, tokens=self.tokens,
+            positions=self.positions, block_table=self.block_table, **self.buf,
+            H=spec.hidden_size, D=spec.head_dim, HQ=plan.num_heads, HKV=plan.num_kv_heads, G=plan.group,
+            G_PAD=_pad(plan.group), INTER=plan.inter, VOCAB_L=plan.vocab, B_PAD=_pad(config.batch),
+            MAXB=blocks_per_seq, BS=kv_cache.block_size, NBLK=kv_cache.num_blocks, S=config.kv_splits,
+            EPS=spec.rms_norm_eps, HAS_BIAS=spec.qkv_bias, QK_NORM=spec.qk_norm, WINDOW=spec.sliding_window or 0,
+            SCALE=spec.head_dim ** -0.5, HALF_PAD=_pad(spec.head_dim // 2), LM_TILES=lm_tiles,
+            LM_TILES_PAD=_pad(lm_tiles, 2), BLOCK_N=block_n, BLOCK_K=block_k,
+            BLOCK_H=min(1024, _pad(spec.hidden_size)), BLOCK_T=16,
+            DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+            TRACE=trace, INTERPRET=self.interpret)
+        self.kernel = load_megakernel(TASK_KINDS)
+        self.launch_options = dict(num_warps=num_warps, num_stages=1 if self.interpret else 3)
+        self.use_graph = cuda_graph and device.type == "cuda"
+        self.graph = None
+
+    def _launch(self) -> None:
+        self.epoch += 1
+        self.kernel[(self.table.num_workers,)](**self.args, **self.launch_options)
+
+    def launch(self) -> None:
+        """One step over the inputs already in the static buffers (a graph replay once captured)."""
+        if not self.use_graph:
+            return self._launch()
+        if self.graph is None:
+            self._launch()                  # compile and warm up outside the capture
+            torch.cuda.synchronize(self.device)
+            self.check()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._launch()
+            return                          # capture recorded the launch without running it
+        self.graph.replay()
+
+    def step(self, tokens, positions, block_table) -> dict:
+        n = len(tokens)
+        if not 1 <= n <= self.tokens.shape[0]:
+            raise DistmkError(f"a step takes 1..{self.tokens.shape[0]} rows, got {n}")
+        self.tokens[:n].copy_(tokens)
+        self.positions[:n].copy_(positions)
+        self.block_table[:n].copy_(block_table)
+        self.rows.fill_(n)
+        if self.use_graph and self.graph is None:
+            self.launch()                   # first call: warm-up run + capture; now run the step itself
+        self.launch()
+        self.check()
+        return self.buf
+
+    def check(self) -> None:
+        """Raise WatchdogTimeout if a worker gave up waiting in the last launch (synchronises)."""
+        err = dict(zip(ERROR_FIELDS, self.error.tolist()))
+        if not err["failed"]:
+            return
+        self.error.zero_()
+        self.counters.zero_()               # the aborted step left counters mid-way: start over
+        self.epoch.zero_()
+        kind = TASK_KINDS[int(self.table.tasks[err["task"], TYPE])].name
+        raise WatchdogTimeout(
+            f"rank {err['rank']} worker {err['worker']}: task {err['task']} ({kind}) waited on event {err['event']} "
+            f"'{self.table.event_names[err['event']]}' and gave up at counter {err['seen']} < {err['target']} "
+            f"(step {err['epoch']})")
+
+    def timings(self) -> torch.Tensor:
+        """[tasks, 3] (start ns, end ns, SM) of the last step, when built with trace=True."""
+        return self.trace.cpu()

@@ -1,0 +1,35 @@
+"""The weight layout the megakernel reads: each per-layer weight stacked into one [layers, ...] tensor, so
+a task finds layer l's matrix at a fixed offset from one kernel argument. The rank's LayerWeights are
+rebound to views of the stacked tensors, so the reference executor and the kernel share one copy."""
+from __future__ import annotations
+
+import torch
+
+from distmk.models.shard import RankWeights
+
+
+def stack_layers(weights: RankWeights) -> dict[str, torch.Tensor]:
+    layers = weights.layers
+    out = {}
+
+    def stack(name, fields):
+        stacked = torch.stack([torch.stack([getattr(lw, f) for f in fields]) for lw in layers])
+        for lw, per_layer in zip(layers, stacked):
+            for f, view in zip(fields, per_layer):
+                setattr(lw, f, view)
+        out[name] = stacked
+
+    for name in ("wqkv", "wo", "w_gate", "w_up", "w_down"):
+        stack(name, [name])
+    placeholder = torch.zeros(1, dtype=weights.embed.dtype, device=weights.embed.device)
+    if layers[0].bqkv is not None:
+        stack("bqkv", ["bqkv"])
+    else:
+        out["bqkv"] = placeholder
+    if layers[0].q_norm is not None:
+        stack("qk_norm", ["q_norm", "k_norm"])          # [layers, 2, D]
+    else:
+        out["qk_norm"] = placeholder
+    out["norms"] = torch.stack([n for lw in layers for n in (lw.input_norm, lw.post_norm)] + [weights.final_norm])
+    out.update(embed=weights.embed, lm_head=weights.lm_head, inv_freq=weights.inv_freq)
+    return out

@@ -1,0 +1,71 @@
+"""Device helpers shared by the task kernels: the matmul tile every projection is made of, and the
+event wait/signal that orders tasks across workers.
+
+Ordering: a task's threads store their outputs, meet at a CTA barrier, then one release atomic bumps the
+event counter (gpu scope). A waiting worker polls the counter with acquire loads, then meets its own
+barrier before any thread reads the producer's data. Under TRITON_INTERPRET (CPU tests) programs run one
+after another, so polling uses atomics and the wait bound counts polls instead of nanoseconds.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def matmul_block(inp, w, n, row0, rows_valid, K: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc[B_PAD, BLOCK_N] = inp[:n, :K] @ w[row0:row0 + BLOCK_N, :K]^T in float32.
+
+    Batch rows >= n and weight rows >= rows_valid read as zero. Weights stream once, K-contiguous, so
+    each thread issues wide coalesced loads; the batch (padded to the mma minimum) rides along."""
+    rb = tl.arange(0, B_PAD)
+    rn = tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((B_PAD, BLOCK_N), dtype=tl.float32)
+    w_rows = w + (row0 + rn)[:, None].to(tl.int64) * K
+    for k in range(0, K, BLOCK_K):
+        kk = k + rk
+        x = tl.load(inp + rb[:, None] * K + kk[None, :], mask=(rb[:, None] < n) & (kk[None, :] < K), other=0.0)
+        wt = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < rows_valid) & (kk[None, :] < K), other=0.0)
+        acc += tl.dot(x, tl.trans(wt), input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def now_ns():
+    return tl.extra.cuda.globaltimer()
+
+
+@triton.jit
+def load_acquire(ptr, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        value = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    else:
+        value = tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+    return value
+
+
+@triton.jit
+def wait_event(counter_ptr, target, abort_ptr, timeout_ns, INTERPRET: tl.constexpr):
+    """Spin until *counter_ptr >= target. Returns the last value seen: below target means the wait gave up
+    (timeout, or another worker already aborted the step)."""
+    value = load_acquire(counter_ptr, INTERPRET)
+    if INTERPRET:
+        polls = 0
+        while (value < target) & (polls < timeout_ns):
+            value = load_acquire(counter_ptr, INTERPRET)
+            polls += 1
+    else:
+        deadline = now_ns() + timeout_ns
+        aborted = 0
+        while (value < target) & (aborted == 0) & (now_ns() < deadline):
+            value = load_acquire(counter_ptr, INTERPRET)
+            aborted = tl.load(abort_ptr, volatile=True)
+    tl.debug_barrier()
+    return value
+
+
+@triton.jit
+def signal_event(counter_ptr):
+    tl.debug_barrier()   # every thread's stores of this task precede the release
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
