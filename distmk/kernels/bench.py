@@ -1,0 +1,50 @@
+"""Timing the megakernel's decode step as the runtime runs it: CUDA-graph replays of one launch."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from distmk.graph import GraphConfig
+
+
+def decode_engine(model: str, batch: int, context: int, *, workers: int | None = None, trace: bool = False,
+                  block_size: int = 16, **kernel_options):
+    """A bf16 triton Engine whose `batch` rows sit at position `context - 1` of their own sequences, with
+    random KV-cache contents, ready for `engine.executor.launch()`."""
+    from distmk.runtime.engine import Engine
+    workers = workers or torch.cuda.get_device_properties(0).multi_processor_count
+    config = GraphConfig(batch=batch, workers=workers, context=context)
+    max_context = -(-context // block_size) * block_size
+    engine = Engine(model, backend="triton", device="cuda", dtype=torch.bfloat16, config=config,
+                    max_context=max_context, block_size=block_size,
+                    kernel_options={"trace": trace, **kernel_options})
+    engine.kv.k.normal_()
+    engine.kv.v.normal_()
+    blocks = [engine.kv.allocate([], context) for _ in range(batch)]
+    tokens = torch.randint(0, engine.spec.vocab_size, (batch,)).tolist()
+    engine.step(tokens, [context - 1] * batch, blocks)     # compiles, captures, checks the watchdog
+    return engine
+
+
+def distmk_step_ms(model: str, batch: int, context: int, iters: int = 200, **options) -> dict:
+    t0 = time.perf_counter()
+    engine = decode_engine(model, batch, context, **options)
+    setup_s = time.perf_counter() - t0
+    ex = engine.executor
+    for _ in range(10):
+        ex.launch()
+    torch.cuda.synchronize()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(iters):
+        start.record()
+        ex.launch()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    ex.check()
+    return {"step_ms": statistics.median(times), "step_ms_min": min(times),
+            "mode": "cudagraph" if ex.use_graph else "launch", "workers": engine.table.num_workers,
+            "tasks": engine.table.num_tasks, "setup_s": round(setup_s, 2)}
