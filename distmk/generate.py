@@ -38,9 +38,13 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=16, help="rows per step (prefill chunk)")
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--kv-splits", type=int, default=4)
-    p.add_argument("--tile-rows", type=int, default=128)
-    p.add_argument("--workers", type=int, default=132)
+    p.add_argument("--tile-rows", type=int, default=0, help="0 = about one tile per worker")
+    p.add_argument("--workers", type=int, default=None, help="worker queues (default: the GPU's SMs, or 132)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--trace", metavar="OUT.json",
+                   help="triton backend: write a Chrome/Perfetto trace of the last step and print the "
+                        "time per task type")
+    p.add_argument("--timeout", type=float, default=5.0, help="triton backend: seconds a task may wait")
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON line")
     return p.parse_args(argv)
 
@@ -59,11 +63,15 @@ def run(args) -> dict | None:
     device = args.device if args.device == "cpu" else f"cuda:{launch.local_rank}"
     dtype = DTYPES[args.dtype or ("float32" if args.device == "cpu" else "bfloat16")]
     config = GraphConfig(batch=args.batch, kv_splits=args.kv_splits, tile_rows=args.tile_rows,
-                         workers=args.workers)
+                         workers=args.workers or (torch.cuda.get_device_properties(device).multi_processor_count
+                                                  if args.device == "cuda" else 132))
     t0 = time.perf_counter()
+    if args.trace and args.backend != "triton":
+        raise DistmkError("--trace needs --backend triton")
+    kernel_options = {"trace": bool(args.trace), "timeout_s": args.timeout} if args.backend == "triton" else None
     engine = Engine(args.model, tp=launch.world, rank=launch.rank, comm=comm, dtype=dtype, device=device,
                     backend=args.backend, config=config, max_context=args.max_context, seed=args.seed,
-                    progress=launch.rank == 0 and not args.json)
+                    progress=launch.rank == 0 and not args.json, kernel_options=kernel_options)
     tokenizer = load_tokenizer(engine.tokenizer_dir, engine.spec.vocab_size)
     if args.prompt is not None:
         prompt = tokenizer.encode(args.prompt)
@@ -78,6 +86,11 @@ def run(args) -> dict | None:
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     tokens = engine.generate(prompt, args.max_new_tokens, params, stop_on_eos=not args.ignore_eos)
     t2 = time.perf_counter()
+    if args.trace:
+        from distmk.kernels.trace import breakdown, write_trace
+        timings = engine.executor.timings()
+        write_trace(args.trace, engine.table, timings, launch.rank)
+        print(breakdown(engine.table, timings), file=sys.stderr)
     return {"tokens": tokens, "text": tokenizer.decode(tokens), "prompt_tokens": len(prompt),
             "model": args.model, "tp": launch.world, "backend": args.backend, "device": args.device,
             "dtype": str(dtype).removeprefix("torch."), "load_s": round(t1 - t0, 3),

@@ -53,8 +53,8 @@ def test_graph_summary_for_8b_model():
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "rank 0/2: q heads 16, kv heads 4, intermediate 7168, vocab rows 64128" in out
-    # 32 layers x (64 o_proj/down tiles of 128 rows) all-reduce tiles at tp=2
-    assert "allreduce       2048" in out
+    # one all-reduce tile per o_proj/down tile: 32 layers x 2 outputs x 4096/32 rows (auto tiles of 32 rows)
+    assert "allreduce       8192" in out and "o_proj          4096" in out
     for line in ("critical path", "queue length", "events:"):
         assert line in out
 

@@ -24,16 +24,25 @@ from distmk.tasks.rmsnorm import FINAL_NORM, INPUT_NORM, POST_ATTENTION_NORM
 class GraphConfig:
     batch: int = 1            # most rows (tokens) one step processes; fewer may be active at run time
     kv_splits: int = 4        # attention splits along the KV length
-    tile_rows: int = 128      # output rows of an o_proj / gate_up / down tile
-    lm_tile_rows: int = 1024  # output rows of an lm_head tile
+    tile_rows: int = 0        # output rows of an o_proj / gate_up / down tile; 0 = about one tile per worker
+    lm_tile_rows: int = 0     # output rows of an lm_head tile; 0 = about one tile per worker
     workers: int = 132        # worker queues (one per SM on the GPU)
     context: int = 512        # expected context length, for the cost model only
     dtype_bytes: int = 2      # element size of weights and activations, for the cost model
 
     def __post_init__(self):
-        for name in ("batch", "kv_splits", "tile_rows", "lm_tile_rows", "workers", "context", "dtype_bytes"):
+        for name in ("batch", "kv_splits", "workers", "context", "dtype_bytes"):
             if getattr(self, name) < 1:
                 raise GraphError(f"GraphConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("tile_rows", "lm_tile_rows"):
+            if getattr(self, name) < 0:
+                raise GraphError(f"GraphConfig.{name} must be >= 0 (0 = automatic), got {getattr(self, name)}")
+
+    def rows_per_tile(self, total: int, size: int) -> int:
+        """`size`, or when 0 the multiple of 16 that cuts `total` rows into about one tile per worker, so
+        that every worker has a share of each matmul."""
+        per_worker = -(-total // self.workers)
+        return size or max(16, (per_worker + 15) // 16 * 16)
 
 
 class GraphBuilder:
@@ -77,7 +86,7 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
 
     def row_parallel(kind: str, layer: int, wait: int, name: str) -> int:
         """o_proj/down tiles, each followed (tp>1) by the all-reduce of its slice; returns 'x updated'."""
-        row_tiles = tiles(H, config.tile_rows)
+        row_tiles = tiles(H, config.rows_per_tile(H, config.tile_rows))
         done = g.event(f"L{layer}.{name}.x", len(row_tiles))
         for row0, nrows in row_tiles:
             if plan.tp == 1:
@@ -109,14 +118,14 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
         x_mid = row_parallel("o_proj", layer, attn_done, "attn")
         xn2 = g.event(f"L{layer}.xn2", 1)
         g.task("rmsnorm", layer, (POST_ATTENTION_NORM,), wait=x_mid, signal=xn2)
-        mlp_tiles = tiles(plan.inter, config.tile_rows)
+        mlp_tiles = tiles(plan.inter, config.rows_per_tile(plan.inter, config.tile_rows))
         h_done = g.event(f"L{layer}.h", len(mlp_tiles))
         for row0, nrows in mlp_tiles:
             g.task("gate_up", layer, (row0, nrows), wait=xn2, signal=h_done)
         x_ready = row_parallel("down", layer, h_done, "mlp")
     xnf = g.event("final.xn", 1)
     g.task("rmsnorm", spec.num_layers, (FINAL_NORM,), wait=x_ready, signal=xnf)
-    lm_tiles = tiles(plan.vocab, config.lm_tile_rows)
+    lm_tiles = tiles(plan.vocab, config.rows_per_tile(plan.vocab, config.lm_tile_rows))
     logits = g.event("logits", len(lm_tiles))
     for i, (row0, nrows) in enumerate(lm_tiles):
         g.task("lm_head", spec.num_layers, (row0, nrows, i), wait=xnf, signal=logits)
@@ -125,7 +134,7 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
 
 
 def num_lm_tiles(plan: ShardPlan, config: GraphConfig) -> int:
-    return len(tiles(plan.vocab, config.lm_tile_rows))
+    return len(tiles(plan.vocab, config.rows_per_tile(plan.vocab, config.lm_tile_rows)))
 
 
 def compile_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> TaskTable:

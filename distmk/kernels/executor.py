@@ -31,7 +31,7 @@ def _pad(n: int, minimum: int = 16) -> int:
 
 class TritonExecutor:
     def __init__(self, table, spec, weights, kv_cache, comm, dtype, *, timeout_s: float = 5.0,
-                 num_warps: int = 4, block_n: int = 64, block_k: int = 128, trace: bool = False,
+                 num_warps: int = 4, block_n: int = 32, block_k: int = 256, trace: bool = False,
                  cuda_graph: bool = True):
         if comm.world > 1:
             raise DistmkError("the triton backend runs tp=1 for now: tp>1 needs the NVSHMEM all-reduce tasks")
