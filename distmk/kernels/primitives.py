@@ -57,7 +57,7 @@ def wait_event(counter_ptr, target, abort_ptr, timeout_ns, INTERPRET: tl.constex
             polls += 1
     else:
         deadline = now_ns() + timeout_ns
-        aborted = 0
+        aborted = tl.load(abort_ptr, volatile=True)
         while (value < target) & (aborted == 0) & (now_ns() < deadline):
             value = load_acquire(counter_ptr, INTERPRET)
             aborted = tl.load(abort_ptr, volatile=True)
