@@ -16,7 +16,7 @@ from distmk.errors import DistmkError
 from distmk.graph.lowering import num_lm_tiles
 from distmk.graph.table import TYPE
 from distmk.kernels.layout import stack_layers
-from distmk.kernels.megakernel import ERROR_FIELDS, TRACE_FIELDS, load_megakernel
+from distmk.kernels.megakernel import ERROR_FIELDS, TRACE_FIELDS, compile_ahead, load_megakernel
 from distmk.tasks import TASK_KINDS
 from distmk.tasks.workspace import allocate_workspace
 
@@ -31,7 +31,7 @@ def _pad(n: int, minimum: int = 16) -> int:
 
 class TritonExecutor:
     def __init__(self, table, spec, weights, kv_cache, comm, dtype, *, timeout_s: float = 5.0,
-                 num_warps: int = 4, block_n: int = 32, block_k: int = 256, trace: bool = False,
+                 num_warps: int = 4, block_n: int = 32, block_k: int | None = None, trace: bool = False,
                  cuda_graph: bool = True):
         if comm.world > 1:
             raise DistmkError("the triton backend runs tp=1 for now: tp>1 needs the NVSHMEM all-reduce tasks")
@@ -40,8 +40,6 @@ class TritonExecutor:
             raise DistmkError(f"task types {missing} have no GPU implementation")
         self.interpret = os.environ.get("TRITON_INTERPRET") == "1"
         self.device = device = weights.embed.device
-        if device.type != "cuda" and not self.interpret:
-            raise DistmkError("the triton backend needs --device cuda (or TRITON_INTERPRET=1 on the CPU)")
         config, plan = table.config, weights.plan
         self.table, self.spec, self.plan, self.rank = table, spec, plan, comm.rank
         self.dev_table = table.to(device)
@@ -59,6 +57,8 @@ class TritonExecutor:
         self.trace = torch.zeros(table.num_tasks if trace else 1, len(TRACE_FIELDS), **i64)
         self.timeout = 1000 if self.interpret else int(timeout_s * 1e9)   # polls when interpreted
         lm_tiles = num_lm_tiles(plan, config)
+        # 32 KB of weights per load step in bf16; float32 (tests) halves the step to stay in shared memory
+        block_k = block_k or (128 if dtype == torch.float32 else 256)
         self.args = dict(
             tasks=self.dev_table.tasks, queue=self.dev_table.queue, queue_ptr=self.dev_table.queue_ptr,
             event_need=self.dev_table.event_need, counters=self.counters, epoch_ptr=self.epoch,
@@ -81,6 +81,8 @@ class TritonExecutor:
         self.graph = None
 
     def _launch(self) -> None:
+        if self.device.type != "cuda" and not self.interpret:
+            raise DistmkError("the triton backend needs --device cuda (or TRITON_INTERPRET=1 on the CPU)")
         self.epoch += 1
         self.kernel[(self.table.num_workers,)](**self.args, **self.launch_options)
 
@@ -125,6 +127,10 @@ class TritonExecutor:
             f"rank {err['rank']} worker {err['worker']}: task {err['task']} ({kind}) waited on event {err['event']} "
             f"'{self.table.event_names[err['event']]}' and gave up at counter {err['seen']} < {err['target']} "
             f"(step {err['epoch']})")
+
+    def compile_ahead(self, arch: int = 90):
+        """Compile the megakernel for CUDA compute capability `arch` without launching it (no GPU needed)."""
+        return compile_ahead(self.kernel, self.args, self.launch_options, arch)
 
     def timings(self) -> torch.Tensor:
         """[tasks, 3] (start ns, end ns, SM) of the last step, when built with trace=True."""

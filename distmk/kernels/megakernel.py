@@ -64,7 +64,8 @@ def megakernel(tasks, queue, queue_ptr, event_need, counters, epoch_ptr, rows_pt
             seen = wait_event(counters + wait, target, error, timeout, INTERPRET)
             if seen < target:
                 ok = 0
-                if tl.atomic_cas(error, 0, 1) == 0:   # the first worker to give up reports
+                first = tl.atomic_cas(error, tl.full((), 0, tl.int64), tl.full((), 1, tl.int64)) == 0
+                if first:   # the first worker to give up reports
                     tl.store(error + 1, rank.to(tl.int64))
                     tl.store(error + 2, worker.to(tl.int64))
                     tl.store(error + 3, t.to(tl.int64))
@@ -122,3 +123,26 @@ def load_megakernel(kinds):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.megakernel
+
+
+def compile_ahead(kernel, args: dict, options: dict, arch: int = 90):
+    """Compile `kernel` for CUDA compute capability `arch` from the arguments it would be launched with,
+    on any machine (Triton ships ptxas): catches compile errors without a GPU."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    type_names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+                  torch.int64: "i64"}
+    signature, constexprs = {}, {}
+    for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
+        value = args[name]
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = value
+        elif torch.is_tensor(value):
+            signature[name] = "*" + type_names[value.dtype]
+        else:
+            signature[name] = "i32"
+    return triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32),
+                          options=options)

@@ -80,6 +80,8 @@ class RandomWeights:
 
     def full(self, name: str) -> torch.Tensor:
         shape = self.shapes[name]
+        if self.device.type == "meta":           # shapes only: compiling kernels ahead, planning memory
+            return torch.empty(shape, device="meta")
         gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
         t = torch.randn(shape, generator=gen, device=self.device, dtype=torch.float32)
         if name.endswith("norm.weight"):
