@@ -18,14 +18,16 @@ SMALL = GraphConfig(batch=4, kv_splits=3, tile_rows=32, lm_tile_rows=48, workers
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def hf_model(name: str):
-    """transformers' own model class for a preset, holding the preset's seeded random weights."""
+def hf_model(name: str, weights_device: str = "cpu"):
+    """transformers' own model class for a preset (on the CPU), holding the preset's seeded random weights
+    as drawn on `weights_device` (CPU and CUDA generators draw different numbers)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     spec = preset(name)
     cfg = spec.to_hf_config()
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg),
                                              dtype=torch.float32)
-    result = model.load_state_dict(RandomWeights(spec).state_dict(), strict=False)
+    weights = {k: v.cpu() for k, v in RandomWeights(spec, device=weights_device).state_dict().items()}
+    result = model.load_state_dict(weights, strict=False)
     assert set(result.missing_keys) <= {"lm_head.weight"} and not result.unexpected_keys, result
     if spec.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -33,10 +35,10 @@ def hf_model(name: str):
 
 
 @functools.lru_cache(maxsize=None)
-def hf_greedy(name: str, prompt: tuple = tuple(PROMPT), new_tokens: int = 32):
+def hf_greedy(name: str, prompt: tuple = tuple(PROMPT), new_tokens: int = 32, weights_device: str = "cpu"):
     """(tokens, [new_tokens, vocab] logits) of transformers' greedy generate."""
     with torch.no_grad():
-        out = hf_model(name).generate(torch.tensor([list(prompt)]), max_new_tokens=new_tokens, do_sample=False,
+        out = hf_model(name, weights_device).generate(torch.tensor([list(prompt)]), max_new_tokens=new_tokens, do_sample=False,
                                       output_logits=True, return_dict_in_generate=True, eos_token_id=None,
                                       pad_token_id=0)
     return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0]

@@ -23,7 +23,7 @@ def test_tiny_float32_tokens_equal_transformers(name):
     config = GraphConfig(**{**SMALL.__dict__, "workers": sms()})
     engine = Engine(name, backend="triton", device="cuda", config=config)
     tokens, logits = engine.generate(PROMPT, 32, return_logits=True)
-    ref_tokens, ref_logits = hf_greedy(name)
+    ref_tokens, ref_logits = hf_greedy(name, weights_device="cuda")
     assert tokens == ref_tokens
     assert (logits.cpu() - ref_logits).abs().max() / ref_logits.abs().max() < 1e-4
 
@@ -43,7 +43,7 @@ def test_graph_replay_equals_plain_launches():
     config = GraphConfig(batch=4, tile_rows=32, workers=sms())
     outs = [Engine("tiny-qwen2", backend="triton", device="cuda", config=config,
                    kernel_options={"cuda_graph": graph}).generate(PROMPT, 24) for graph in (True, False)]
-    assert outs[0] == outs[1] == hf_greedy("tiny-qwen2", tuple(PROMPT), 24)[0]
+    assert outs[0] == outs[1] == hf_greedy("tiny-qwen2", tuple(PROMPT), 24, weights_device="cuda")[0]
 
 
 def hf_fp32_on_gpu(name):

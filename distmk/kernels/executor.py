@@ -31,7 +31,8 @@ def _pad(n: int, minimum: int = 16) -> int:
 
 class TritonExecutor:
     def __init__(self, table, spec, weights, kv_cache, comm, dtype, *, timeout_s: float = 5.0,
-                 num_warps: int = 4, block_n: int = 32, block_k: int | None = None, trace: bool = False,
+                 num_warps: int = 4, num_stages: int = 3, block_n: int = 32, block_k: int | None = None,
+                 mlp_block_n: int = 64, lm_block_n: int = 128, prefetch_kb: int = 0, trace: bool = False,
                  cuda_graph: bool = True):
         if comm.world > 1:
             raise DistmkError("the triton backend runs tp=1 for now: tp>1 needs the NVSHMEM all-reduce tasks")
@@ -57,8 +58,9 @@ class TritonExecutor:
         self.trace = torch.zeros(table.num_tasks if trace else 1, len(TRACE_FIELDS), **i64)
         self.timeout = 1000 if self.interpret else int(timeout_s * 1e9)   # polls when interpreted
         lm_tiles = num_lm_tiles(plan, config)
-        # 32 KB of weights per load step in bf16; float32 (tests) halves the step to stay in shared memory
+        # 16-32 KB of weights per load step in bf16; float32 (tests) halves K to stay in shared memory
         block_k = block_k or (128 if dtype == torch.float32 else 256)
+        pair_k = block_k // 2                   # gate+up and the two halves of a head load two tiles a step
         self.args = dict(
             tasks=self.dev_table.tasks, queue=self.dev_table.queue, queue_ptr=self.dev_table.queue_ptr,
             event_need=self.dev_table.event_need, counters=self.counters, epoch_ptr=self.epoch,
@@ -71,12 +73,14 @@ class TritonExecutor:
             MAXB=blocks_per_seq, BS=kv_cache.block_size, NBLK=kv_cache.num_blocks, S=config.kv_splits,
             EPS=spec.rms_norm_eps, HAS_BIAS=spec.qkv_bias, QK_NORM=spec.qk_norm, WINDOW=spec.sliding_window or 0,
             SCALE=spec.head_dim ** -0.5, HALF_PAD=_pad(spec.head_dim // 2), LM_TILES=lm_tiles,
-            LM_TILES_PAD=_pad(lm_tiles, 2), BLOCK_N=block_n, BLOCK_K=block_k,
+            LM_TILES_PAD=_pad(lm_tiles, 2), BLOCK_N=block_n, BLOCK_K=block_k, MLP_BLOCK_N=mlp_block_n,
+            MLP_BLOCK_K=pair_k, LM_BLOCK_N=lm_block_n, LM_BLOCK_K=pair_k, QKV_BLOCK_K=pair_k,
+            PREFETCH=0 if self.interpret else prefetch_kb * 1024,
             BLOCK_H=min(1024, _pad(spec.hidden_size)), BLOCK_T=16,
             DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
             TRACE=trace, INTERPRET=self.interpret)
         self.kernel = load_megakernel(TASK_KINDS)
-        self.launch_options = dict(num_warps=num_warps, num_stages=1 if self.interpret else 3)
+        self.launch_options = dict(num_warps=num_warps, num_stages=1 if self.interpret else num_stages)
         self.use_graph = cuda_graph and device.type == "cuda"
         self.graph = None
 

@@ -23,8 +23,10 @@ BUFFERS = ("embed", "wqkv", "bqkv", "qk_norm", "wo", "w_gate", "w_up", "w_down",
            "next_token")
 # Shapes and tile sizes, compile-time constants.
 CONSTANTS = ("H", "D", "HQ", "HKV", "G", "G_PAD", "INTER", "VOCAB_L", "B_PAD", "MAXB", "BS", "NBLK", "S", "EPS",
-             "HAS_BIAS", "QK_NORM", "WINDOW", "SCALE", "HALF_PAD", "LM_TILES", "LM_TILES_PAD", "BLOCK_N",
-             "BLOCK_K", "BLOCK_H", "BLOCK_T", "DOT_PRECISION")
+             "HAS_BIAS", "QK_NORM", "WINDOW", "SCALE", "HALF_PAD", "LM_TILES", "LM_TILES_PAD", "BLOCK_H", "BLOCK_T",
+             "DOT_PRECISION", "PREFETCH",
+             # matmul tiles per task family: (rows, K) of one pipelined load step
+             "BLOCK_N", "BLOCK_K", "MLP_BLOCK_N", "MLP_BLOCK_K", "LM_BLOCK_N", "LM_BLOCK_K", "QKV_BLOCK_K")
 
 ERROR_FIELDS = ("failed", "rank", "worker", "task", "event", "seen", "target", "epoch")
 TRACE_FIELDS = ("start_ns", "end_ns", "sm")
@@ -59,6 +61,8 @@ def megakernel(tasks, queue, queue_ptr, event_need, counters, epoch_ptr, rows_pt
         a3 = tl.load(row + 5)
         wait = tl.load(row + 6)
         signal = tl.load(row + 7)
+        if PREFETCH > 0:   # weights do not depend on the event: start pulling them into L2 now
+{prefetch}
         if wait >= 0:
             target = epoch * tl.load(event_need + wait)
             seen = wait_event(counters + wait, target, error, timeout, INTERPRET)
@@ -86,25 +90,33 @@ def megakernel(tasks, queue, queue_ptr, event_need, counters, epoch_ptr, rows_pt
 '''
 
 
-def generate_source(kinds) -> str:
-    known = set(RUNTIME) | set(BUFFERS) | set(CONSTANTS)
-    imports, branches = [], []
+def _dispatch(kinds, attr: str, indent: str, imports: list) -> str:
+    """`if kind == id: fn(params...)` for every task type that has the device function `attr`."""
+    known = set(RUNTIME) | set(BUFFERS) | set(CONSTANTS) | {"INTERPRET"}
+    branches = []
     for type_id, kind in enumerate(kinds):
-        fn = kind.gpu
+        fn = getattr(kind, attr)
         if fn is None:
             continue
         params = list(inspect.signature(fn.fn).parameters)
         unknown = [p for p in params if p not in known]
         if unknown:
-            raise DistmkError(f"task {kind.name}: GPU function parameters {unknown} are not in the megakernel's "
+            raise DistmkError(f"task {kind.name}: {attr} parameters {unknown} are not in the megakernel's "
                               f"vocabulary (distmk/kernels/megakernel.py)")
         imports.append(f"from {fn.fn.__module__} import {fn.__name__}")
         keyword = "if" if not branches else "elif"
-        branches.append(f"            {keyword} kind == {type_id}:  # {kind.name}\n"
-                        f"                {fn.__name__}({', '.join(params)})")
+        branches.append(f"{indent}{keyword} kind == {type_id}:  # {kind.name}\n"
+                        f"{indent}    {fn.__name__}({', '.join(params)})")
+    return "\n".join(branches) or f"{indent}pass"
+
+
+def generate_source(kinds) -> str:
+    imports = []
+    dispatch = _dispatch(kinds, "gpu", " " * 12, imports)
+    prefetch = _dispatch(kinds, "gpu_prefetch", " " * 12, imports)
     return _TEMPLATE.format(imports="\n".join(imports), buffers=", ".join(BUFFERS),
                             constants=", ".join(f"{c}: tl.constexpr" for c in CONSTANTS),
-                            dispatch="\n".join(branches))
+                            dispatch=dispatch, prefetch=prefetch)
 
 
 def load_megakernel(kinds):
@@ -134,7 +146,7 @@ def compile_ahead(kernel, args: dict, options: dict, arch: int = 90):
     from triton.compiler import ASTSource
     type_names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
                   torch.int64: "i64"}
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
         value = args[name]
         if param.is_constexpr:
@@ -142,7 +154,8 @@ def compile_ahead(kernel, args: dict, options: dict, arch: int = 90):
             constexprs[(i,)] = value
         elif torch.is_tensor(value):
             signature[name] = "*" + type_names[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]     # as the launcher specialises aligned tensors
         else:
             signature[name] = "i32"
-    return triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32),
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                           options=options)

@@ -71,7 +71,8 @@ class CheckpointWeights:
 
 class RandomWeights:
     """Seeded random weights for a preset: each tensor from its own generator, so any rank at any tp draws
-    the same full tensor and keeps its slice. Scales keep activations and logits O(1), so greedy tokens are
+    the same full tensor and keeps its slice. Drawn on `device` (fast for 8B models on a GPU): the CPU and
+    CUDA generators give different numbers, so a preset is one model per device type. Scales keep activations and logits O(1), so greedy tokens are
     well separated and robust to rounding."""
 
     def __init__(self, spec: ModelSpec, seed: int = 0, device: str | torch.device = "cpu"):

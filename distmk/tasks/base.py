@@ -25,6 +25,7 @@ class TaskKind:
     args: tuple[str, ...] = ()   # meaning of a0..a3 (at most four)
     communicates = False         # needs the other ranks (all-reduce, distributed argmax)
     gpu = None                   # the @triton.jit device function the megakernel dispatches to
+    gpu_prefetch = None          # optional: starts pulling the task's weights into L2 before it waits
 
     def cost(self, shape: "StepShape", layer: int, a: tuple[int, ...]) -> int:
         """Bytes this task reads and writes, weights included."""

@@ -3,6 +3,7 @@
 import triton
 import triton.language as tl
 
+from distmk.kernels.primitives import prefetch_l2
 from distmk.tasks.base import TaskKind, row_parallel_gpu, row_parallel_tile
 
 
@@ -13,10 +14,17 @@ def down_gpu(layer, a0, a1, a2, n, h, w_down, x, partial, H: tl.constexpr, INTER
     row_parallel_gpu(h, w, a0, a1, a2, n, x, partial, INTER, H, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
 
 
+@triton.jit
+def down_prefetch(layer, a0, a1, w_down, H: tl.constexpr, INTER: tl.constexpr, PREFETCH: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    prefetch_l2(w_down + layer.to(tl.int64) * H * INTER + a0 * INTER, a1 * INTER, PREFETCH, INTERPRET)
+
+
 class Down(TaskKind):
     name = "down"
     args = ("row0", "nrows", "mode")
     gpu = down_gpu
+    gpu_prefetch = down_prefetch
 
     def cost(self, shape, layer, a):
         return shape.matmul_bytes(a[1], shape.plan.inter)

@@ -4,20 +4,21 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from distmk.kernels.primitives import matmul_block
+from distmk.kernels.primitives import matmul_pair, prefetch_l2
 from distmk.tasks.base import TaskKind
 
 
 @triton.jit
 def gate_up_gpu(layer, a0, a1, n, xn, w_gate, w_up, h, H: tl.constexpr, INTER: tl.constexpr,
-                B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                B_PAD: tl.constexpr, MLP_BLOCK_N: tl.constexpr, MLP_BLOCK_K: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
     offset = layer.to(tl.int64) * INTER * H
     act = h.dtype.element_ty
     rb = tl.arange(0, B_PAD)
-    rn = tl.arange(0, BLOCK_N)
-    for j in range(0, a1, BLOCK_N):
-        gate = matmul_block(xn, w_gate + offset, n, a0 + j, a1 - j, H, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
-        up = matmul_block(xn, w_up + offset, n, a0 + j, a1 - j, H, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
+    rn = tl.arange(0, MLP_BLOCK_N)
+    for j in range(0, a1, MLP_BLOCK_N):
+        gate, up = matmul_pair(xn, w_gate + offset, w_up + offset, n, a0 + j, a1 - j, H, B_PAD, MLP_BLOCK_N,
+                               MLP_BLOCK_K, DOT_PRECISION)
         gate = gate.to(act).to(tl.float32)
         silu = (gate * tl.sigmoid(gate)).to(act).to(tl.float32)
         mask = (rb < n)[:, None] & (rn < a1 - j)[None, :]
@@ -25,10 +26,19 @@ def gate_up_gpu(layer, a0, a1, n, xn, w_gate, w_up, h, H: tl.constexpr, INTER: t
                  mask=mask)
 
 
+@triton.jit
+def gate_up_prefetch(layer, a0, a1, w_gate, w_up, H: tl.constexpr, INTER: tl.constexpr, PREFETCH: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    offset = layer.to(tl.int64) * INTER * H + a0 * H
+    prefetch_l2(w_gate + offset, a1 * H, PREFETCH // 2, INTERPRET)
+    prefetch_l2(w_up + offset, a1 * H, PREFETCH // 2, INTERPRET)
+
+
 class GateUp(TaskKind):
     name = "gate_up"
     args = ("row0", "nrows")
     gpu = gate_up_gpu
+    gpu_prefetch = gate_up_prefetch
 
     def cost(self, shape, layer, a):
         return 2 * shape.matmul_bytes(a[1], shape.spec.hidden_size)

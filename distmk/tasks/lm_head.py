@@ -5,21 +5,21 @@ import math
 import triton
 import triton.language as tl
 
-from distmk.kernels.primitives import matmul_block
+from distmk.kernels.primitives import matmul_block, prefetch_l2
 from distmk.tasks.base import TaskKind
 
 
 @triton.jit
 def lm_head_gpu(a0, a1, a2, n, xn, lm_head, logits, tile_max, tile_arg, vocab0, vocab_valid, H: tl.constexpr,
-                VOCAB_L: tl.constexpr, LM_TILES: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                VOCAB_L: tl.constexpr, LM_TILES: tl.constexpr, B_PAD: tl.constexpr, LM_BLOCK_N: tl.constexpr,
+                LM_BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     rb = tl.arange(0, B_PAD)
-    rn = tl.arange(0, BLOCK_N)
+    rn = tl.arange(0, LM_BLOCK_N)
     best = tl.full((B_PAD,), float("-inf"), dtype=tl.float32)
     best_id = tl.full((B_PAD,), -1, dtype=tl.int64)
-    for j in range(0, a1, BLOCK_N):
+    for j in range(0, a1, LM_BLOCK_N):
         row0 = a0 + j
-        acc = matmul_block(xn, lm_head, n, row0, a1 - j, H, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        acc = matmul_block(xn, lm_head, n, row0, a1 - j, H, B_PAD, LM_BLOCK_N, LM_BLOCK_K, DOT_PRECISION)
         cols = rn < a1 - j
         tl.store(logits + rb[:, None] * VOCAB_L + (row0 + rn)[None, :], acc, mask=(rb < n)[:, None] & cols[None, :])
         scores = tl.where((cols & (row0 + rn < vocab_valid))[None, :], acc, float("-inf"))
@@ -32,10 +32,16 @@ def lm_head_gpu(a0, a1, a2, n, xn, lm_head, logits, tile_max, tile_arg, vocab0, 
     tl.store(tile_arg + rb * LM_TILES + a2, best_id, mask=rb < n)
 
 
+@triton.jit
+def lm_head_prefetch(a0, a1, lm_head, H: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
+    prefetch_l2(lm_head + a0.to(tl.int64) * H, a1 * H, PREFETCH, INTERPRET)
+
+
 class LMHead(TaskKind):
     name = "lm_head"
     args = ("row0", "nrows", "tile")
     gpu = lm_head_gpu
+    gpu_prefetch = lm_head_prefetch
 
     def cost(self, shape, layer, a):
         return shape.matmul_bytes(a[1], shape.spec.hidden_size)

@@ -3,6 +3,7 @@ stream (tp=1) or this rank's partial sum (tp>1, combined by an allreduce task)."
 import triton
 import triton.language as tl
 
+from distmk.kernels.primitives import prefetch_l2
 from distmk.tasks.base import TaskKind, row_parallel_gpu, row_parallel_tile
 
 
@@ -13,10 +14,17 @@ def o_proj_gpu(layer, a0, a1, a2, n, attn, wo, x, partial, H: tl.constexpr, HQ: 
     row_parallel_gpu(attn, w, a0, a1, a2, n, x, partial, HQ * D, H, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
 
 
+@triton.jit
+def o_proj_prefetch(layer, a0, a1, wo, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, PREFETCH: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    prefetch_l2(wo + layer.to(tl.int64) * H * HQ * D + a0 * HQ * D, a1 * HQ * D, PREFETCH, INTERPRET)
+
+
 class OProj(TaskKind):
     name = "o_proj"
     args = ("row0", "nrows", "mode")
     gpu = o_proj_gpu
+    gpu_prefetch = o_proj_prefetch
 
     def cost(self, shape, layer, a):
         return shape.matmul_bytes(a[1], shape.plan.num_heads * shape.spec.head_dim)

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from distmk.kernels.primitives import matmul_block
+from distmk.kernels.primitives import matmul_pair, prefetch_l2
 from distmk.tasks.base import TaskKind, rms_norm, rope
 
 
@@ -26,14 +26,13 @@ def store_kv(cache, layer, head, lo, hi, rb, rd, pos, n, block_table, D: tl.cons
 def qkv_gpu(layer, a0, n, xn, wqkv, bqkv, qk_norm, inv_freq, positions, block_table, q, k_cache, v_cache,
             H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, B_PAD: tl.constexpr,
             HALF_PAD: tl.constexpr, MAXB: tl.constexpr, BS: tl.constexpr, NBLK: tl.constexpr, EPS: tl.constexpr,
-            HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, QKV_BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # The head's two halves are separate accumulators, so rotate-half RoPE pairs columns elementwise.
     HALF: tl.constexpr = D // 2
     rows: tl.constexpr = (HQ + 2 * HKV) * D
     slot = a0
     w = wqkv + layer.to(tl.int64) * rows * H
-    lo = matmul_block(xn, w, n, slot * D, HALF, H, B_PAD, HALF_PAD, BLOCK_K, DOT_PRECISION)
-    hi = matmul_block(xn, w, n, slot * D + HALF, HALF, H, B_PAD, HALF_PAD, BLOCK_K, DOT_PRECISION)
+    lo, hi = matmul_pair(xn, w, w + HALF * H, n, slot * D, HALF, H, B_PAD, HALF_PAD, QKV_BLOCK_K, DOT_PRECISION)
     rd = tl.arange(0, HALF_PAD)
     dmask = rd < HALF
     if HAS_BIAS:
@@ -71,10 +70,18 @@ def qkv_gpu(layer, a0, n, xn, wqkv, bqkv, qk_norm, inv_freq, positions, block_ta
         store_kv(v_cache, layer, slot - HQ - HKV, lo, hi, rb, rd, pos, n, block_table, D, HKV, MAXB, BS, NBLK)
 
 
+@triton.jit
+def qkv_prefetch(layer, a0, wqkv, H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+                 PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
+    rows: tl.constexpr = (HQ + 2 * HKV) * D
+    prefetch_l2(wqkv + layer.to(tl.int64) * rows * H + a0 * D * H, a0 * 0 + D * H, PREFETCH, INTERPRET)
+
+
 class QKV(TaskKind):
     name = "qkv"
     args = ("head_slot",)  # 0..hq-1: query heads, then hkv key heads, then hkv value heads (local)
     gpu = qkv_gpu
+    gpu_prefetch = qkv_prefetch
 
     def cost(self, shape, layer, a):
         return shape.matmul_bytes(shape.spec.head_dim, shape.spec.hidden_size)
