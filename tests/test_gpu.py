@@ -30,13 +30,17 @@ def test_tiny_float32_tokens_equal_transformers(name):
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
 def test_tiny_bfloat16_matches_reference_executor(name):
-    config = GraphConfig(batch=8, tile_rows=32, workers=sms())
-    runs = [Engine(name, backend=b, device="cuda", dtype=torch.bfloat16, config=config)
-            .generate(PROMPT, 16, return_logits=True) for b in ("reference", "triton")]
-    (ref_tokens, ref_logits), (tokens, logits) = runs
-    agree = sum(a == b for a, b in zip(tokens, ref_tokens)) / len(tokens)
-    assert agree >= 0.9, (tokens, ref_tokens)
-    assert ((logits[0] - ref_logits[0]).norm() / ref_logits[0].norm()).item() < 2e-2
+    """One 16-row step (teacher forcing): bf16 rounding may flip near-ties, so agreement, not identity."""
+    config = GraphConfig(batch=16, tile_rows=32, workers=sms())
+    prompt = list(range(10, 26))
+    outs = []
+    for backend in ("reference", "triton"):
+        engine = Engine(name, backend=backend, device="cuda", dtype=torch.bfloat16, config=config)
+        buf = engine.step(prompt, range(16), [engine.kv.allocate([], 16)] * 16)
+        outs.append((buf["next_token"][:16].tolist(), buf["logits"][:16].clone()))
+    (ref_tokens, ref_logits), (tokens, logits) = outs
+    assert sum(a == b for a, b in zip(tokens, ref_tokens)) >= 15, (tokens, ref_tokens)
+    assert ((logits - ref_logits).norm() / ref_logits.norm()).item() < 2e-2
 
 
 def test_graph_replay_equals_plain_launches():
@@ -117,7 +121,7 @@ def run_watchdog_script(device: str, workers: int, env=None) -> str:
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=env)
     assert proc.returncode == 0, proc.stderr
-    assert "WATCHDOG" in proc.stdout and "waited on event 5 'L0.attn.b0.kv0'" in proc.stdout, proc.stdout
+    assert "WATCHDOG" in proc.stdout and "first incomplete event is 5 'L0.attn.b0.kv0'" in proc.stdout, proc.stdout
     assert "rank 0 worker" in proc.stdout and "AFTER True" in proc.stdout
     return proc.stdout
 

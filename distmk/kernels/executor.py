@@ -14,7 +14,7 @@ import triton
 
 from distmk.errors import DistmkError
 from distmk.graph.lowering import num_lm_tiles
-from distmk.graph.table import TYPE
+from distmk.graph.table import SIGNAL, TYPE, WAIT
 from distmk.kernels.layout import stack_layers
 from distmk.kernels.megakernel import ERROR_FIELDS, TRACE_FIELDS, compile_ahead, load_megakernel
 from distmk.tasks import TASK_KINDS
@@ -29,10 +29,20 @@ def _pad(n: int, minimum: int = 16) -> int:
     return max(minimum, triton.next_power_of_2(n))
 
 
+def stalled_event(table, incomplete: torch.Tensor) -> int:
+    """Where a step stalled: an incomplete event none of whose signalling tasks waits on an incomplete event
+    (everything upstream arrived, yet it did not), as opposed to the events merely downstream of it."""
+    wait, signal = table.tasks[:, WAIT].long(), table.tasks[:, SIGNAL].long()
+    blocked = (wait >= 0) & incomplete[wait.clamp(min=0)]
+    has_blocked_signaller = torch.zeros_like(incomplete)
+    has_blocked_signaller[signal[(signal >= 0) & blocked]] = True
+    return int((incomplete & ~has_blocked_signaller).nonzero()[0])
+
+
 class TritonExecutor:
     def __init__(self, table, spec, weights, kv_cache, comm, dtype, *, timeout_s: float = 5.0,
-                 num_warps: int = 4, num_stages: int = 3, block_n: int = 32, block_k: int | None = None,
-                 mlp_block_n: int = 64, lm_block_n: int = 128, prefetch_kb: int = 0, trace: bool = False,
+                 num_warps: int = 4, num_stages: int = 4, block_n: int = 32, block_k: int | None = None,
+                 mlp_block_n: int = 64, lm_block_n: int = 128, prefetch_kb: int = 256, trace: bool = False,
                  cuda_graph: bool = True):
         if comm.world > 1:
             raise DistmkError("the triton backend runs tp=1 for now: tp>1 needs the NVSHMEM all-reduce tasks")
@@ -123,14 +133,18 @@ class TritonExecutor:
         err = dict(zip(ERROR_FIELDS, self.error.tolist()))
         if not err["failed"]:
             return
+        counters = self.counters.long()
         self.error.zero_()
         self.counters.zero_()               # the aborted step left counters mid-way: start over
         self.epoch.zero_()
+        targets = self.dev_table.event_need.long().cpu() * err["epoch"]
+        root = stalled_event(self.table, counters.cpu() < targets)
         kind = TASK_KINDS[int(self.table.tasks[err["task"], TYPE])].name
         raise WatchdogTimeout(
             f"rank {err['rank']} worker {err['worker']}: task {err['task']} ({kind}) waited on event {err['event']} "
             f"'{self.table.event_names[err['event']]}' and gave up at counter {err['seen']} < {err['target']} "
-            f"(step {err['epoch']})")
+            f"(step {err['epoch']}); the first incomplete event is {root} '{self.table.event_names[root]}' at "
+            f"{int(counters[root])}/{int(targets[root])}")
 
     def compile_ahead(self, arch: int = 90):
         """Compile the megakernel for CUDA compute capability `arch` without launching it (no GPU needed)."""

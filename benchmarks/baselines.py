@@ -1,0 +1,246 @@
+"""What distmk's decode step is measured against: the HBM read bandwidth that bounds it (and the bytes a
+step must read, which turn that bandwidth into a roofline), a per-op PyTorch decoder replayed as one CUDA
+graph (optionally torch.compile'd), and transformers' own eager generate.
+
+The PyTorch decoder reads the same RankWeights as distmk and splits work the same way under tensor
+parallelism (NCCL all-reduce after o_proj and down_proj, all-gather of the vocab-parallel logits).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from distmk.models.shard import RankWeights, ShardPlan, load_shard, plan_shard
+from distmk.models.spec import ModelSpec
+
+
+def tp_rank() -> tuple[int, int]:
+    """(world, rank) of the torch.distributed job, (1, 0) when none is initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def median_cuda_ms(fn: Callable[[], object], iters: int, warmup: int = 3, isolated: bool = True) -> float:
+    """Median GPU time of `fn` in ms between CUDA events. `isolated` synchronises after every call, as
+    distmk.kernels.bench times distmk's step, so launch latency counts the same on both sides; otherwise
+    calls run back to back and only the GPU's time is counted."""
+    for _ in range(warmup):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+        if isolated:
+            end.synchronize()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+# ----------------------------------------------------------------------------------------- roofline
+
+@triton.jit
+def _sum_chunks_kernel(x_ptr, out_ptr, chunk, BLOCK: tl.constexpr):
+    """Program p sums x[p * chunk : (p + 1) * chunk] (chunk a multiple of BLOCK) into out[p]."""
+    pid = tl.program_id(0)
+    start = x_ptr + pid.to(tl.int64) * chunk
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for offset in range(0, chunk, BLOCK):
+        acc += tl.load(start + offset + tl.arange(0, BLOCK)).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+
+def measure_hbm_read_bandwidth(device="cuda", gib: float = 4, iters: int = 20) -> float:
+    """Bytes/s a streaming read reaches on this GPU: the ceiling of a decode step, which reads every weight
+    once. Best median over a small sweep of grid sizes (2..16 programs per SM) and block sizes; the buffer
+    is far larger than L2, so nothing is served from cache. (H200: 4.57e12 to 4.68e12; torch's x.sum()
+    about 4.25e12.)"""
+    device = torch.device(device)
+    x = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    best = 0.0
+    for block in (4096, 8192):
+        for per_sm in (2, 4, 8, 16):
+            programs = per_sm * sms
+            chunk = x.numel() // programs // block * block
+            out = torch.empty(programs, dtype=torch.float32, device=device)
+            ms = median_cuda_ms(lambda: _sum_chunks_kernel[(programs,)](x, out, chunk, BLOCK=block, num_warps=8),
+                                iters, isolated=False)
+            best = max(best, programs * chunk * x.element_size() / (ms * 1e-3))
+    return best
+
+
+def decode_step_bytes(spec: ModelSpec, plan: ShardPlan, batch: int, context: int, dtype_bytes: int = 2) -> int:
+    """HBM bytes one rank must read in a decode step of `batch` rows attending to `context` positions each:
+    its weight shards (q/k/v with bias, o, gate, up, down, all norms, its lm_head rows including padding),
+    the K and V it attends to, and the `batch` embedding rows it looks up (not the whole table)."""
+    h, d = spec.hidden_size, spec.head_dim
+    qkv_rows = (plan.num_heads + 2 * plan.num_kv_heads) * d
+    layer_weights = (qkv_rows * h + (qkv_rows if spec.qkv_bias else 0) + (2 * d if spec.qk_norm else 0)
+                     + h * plan.num_heads * d + 3 * plan.inter * h + 2 * h)
+    keys = min(context, spec.sliding_window or context)
+    layer_kv = 2 * plan.num_kv_heads * d * keys * batch
+    return (spec.num_layers * (layer_weights + layer_kv) + h + plan.vocab * h + batch * h) * dtype_bytes
+
+
+# ----------------------------------------------------------------------------- per-op PyTorch decoder
+
+@dataclass
+class TorchDecoder:
+    """A built decoder: its capturable step and the static KV cache the step reads and writes."""
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens[B], positions[B]) -> next tokens[B]
+    k_cache: list[torch.Tensor]   # per layer [max_batch, local kv heads, max_context, head_dim]
+    v_cache: list[torch.Tensor]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm: normalise in float32, cast back, then scale."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [B, heads, D] with cos/sin [B, 1, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def build_torch_decoder(spec: ModelSpec, weights: RankWeights, device, dtype, max_batch: int,
+                        max_context: int) -> TorchDecoder:
+    """The decode step as plain per-op PyTorch kernels over one rank's shard, the way a well-written
+    PyTorch server runs it (gpt-fast style): the baseline a CUDA graph or torch.compile can make of it.
+    All state lives in static buffers, so `step` can be captured in a CUDA graph. The KV cache is one
+    tensor per layer (not one [layers, ...] tensor) so that torch.compile sees no aliased inputs mutated."""
+    plan, d, eps = weights.plan, spec.head_dim, spec.rms_norm_eps
+    world, _ = tp_rank()
+    hq, hkv = plan.num_heads, plan.num_kv_heads
+    cache_shape = (max_batch, hkv, max_context, d)
+    k_cache = [torch.zeros(cache_shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+    v_cache = [torch.zeros(cache_shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+    all_rows = torch.arange(max_batch, device=device)
+    key_positions = torch.arange(max_context, device=device)
+    inv_freq = weights.inv_freq.to(device=device, dtype=torch.float32)
+
+    def all_reduce(x):
+        if world > 1:
+            dist.all_reduce(x)
+        return x
+
+    def step(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        b = tokens.shape[0]
+        rows = all_rows[:b]
+        freqs = positions[:, None].float() * inv_freq
+        angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        visible = key_positions <= positions[:, None]
+        if spec.sliding_window:
+            visible &= key_positions > positions[:, None] - spec.sliding_window
+        mask = visible[:, None, None, :]                                   # [B, 1, 1, T]
+        x = F.embedding(tokens, weights.embed)
+        for lw, k_layer, v_layer in zip(weights.layers, k_cache, v_cache):
+            qkv = F.linear(rms_norm(x, lw.input_norm, eps), lw.wqkv, lw.bqkv)
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
+            if spec.qk_norm:
+                q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            k_layer[rows, :, positions] = k
+            v_layer[rows, :, positions] = v
+            # GQA without copying the cache: the query heads sharing a KV head become its query rows.
+            attn = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k_layer[:b], v_layer[:b],
+                                                  attn_mask=mask)
+            x = x + all_reduce(F.linear(attn.reshape(b, hq * d), lw.wo))
+            h = rms_norm(x, lw.post_norm, eps)
+            x = x + all_reduce(F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down))
+        logits = F.linear(rms_norm(x, weights.final_norm, eps), weights.lm_head)   # [B, local vocab]
+        if world > 1:
+            shards = [torch.empty_like(logits) for _ in range(world)]
+            dist.all_gather(shards, logits)
+            logits = torch.cat(shards, dim=-1)
+        return logits[:, :spec.vocab_size].argmax(dim=-1)
+
+    return TorchDecoder(step, k_cache, v_cache)
+
+
+def cudagraph_step_ms(spec: ModelSpec, source, batch: int, context: int, dtype=torch.bfloat16,
+                      compile: bool = False, iters: int = 200) -> float:
+    """Median ms of one decode step of the PyTorch decoder replayed as a single CUDA graph: `batch` rows at
+    position `context - 1`, so each attends to `context` keys of a KV cache filled with random values (the
+    step distmk.kernels.bench times). The graph removes launch overhead, which is what a megakernel must
+    beat on top of it. With compile=True the step is first torch.compile'd (max-autotune, no CUDA graphs of
+    its own), which fuses the small ops.
+    (H200, llama-3-8b, batch 1, context 1024, torch 2.11: 7.36 ms, compiled 5.13 ms; tp=2: 6.39, 4.55.)"""
+    world, rank = tp_rank()
+    device = torch.device("cuda", torch.cuda.current_device())
+    weights = load_shard(spec, source, plan_shard(spec, world, rank), dtype, device)
+    decoder = build_torch_decoder(spec, weights, device, dtype, batch, max_context=-(-context // 16) * 16)
+    for cache in decoder.k_cache + decoder.v_cache:
+        cache.normal_()
+    step = torch.compile(decoder.step, mode="max-autotune-no-cudagraphs") if compile else decoder.step
+    tokens = torch.randint(spec.vocab_size, (batch,), device=device)
+    positions = torch.full((batch,), context - 1, device=device)
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):                     # warm-up (and compilation) off the capture stream
+            for _ in range(3):
+                step(tokens, positions)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step(tokens, positions)
+        return median_cuda_ms(graph.replay, iters)
+
+
+# ----------------------------------------------------------------------------------- transformers
+
+def hf_model(spec: ModelSpec, source, device, dtype):
+    """transformers' own model class for the spec, holding the source's weights (copied one at a time)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = spec.to_hf_config()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg), dtype=dtype)
+    params = model.state_dict()
+    assert set(params) - set(spec.tensor_shapes()) <= {"lm_head.weight"}, "transformers names other tensors"
+    with torch.no_grad():
+        for name in spec.tensor_shapes():
+            params[name].copy_(source.read(name))
+    if spec.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model.eval()
+
+
+def hf_eager_ms_per_token(spec: ModelSpec, source, batch: int, context: int, new_tokens: int = 32,
+                          dtype=torch.bfloat16, device="cuda") -> float:
+    """ms per decoded token of transformers' greedy `generate` (eager, its default attention and dynamic
+    cache) after a random prompt of `context` tokens per row: what running the model in plain transformers
+    gives. Prefill is removed by timing a 1-token generate as well. (H200, llama-3-8b, context 1024,
+    transformers 5.17: 25 to 27 ms.)"""
+    device = torch.device(device)
+    model = hf_model(spec, source, device, dtype)
+    prompt = torch.randint(spec.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def seconds(n):
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        sync()
+        assert out.shape == (batch, context + n), out.shape
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        seconds(2)                                                      # warm-up
+        decode = statistics.median(seconds(new_tokens) for _ in range(3))
+        prefill = statistics.median(seconds(1) for _ in range(3))
+    return (decode - prefill) / (new_tokens - 1) * 1e3

@@ -1,0 +1,150 @@
+"""Time one decode step of distmk against its HBM roofline and against PyTorch baselines; one JSON object.
+
+    python benchmarks/decode.py --model llama-3-8b --batch 1 --context 1024 --json --out benchmarks/results/x.json
+    torchrun --standalone --nproc-per-node 2 benchmarks/decode.py --model llama-3-8b --batch 1 --context 1024
+
+Measured in one process: the GPU's streaming-read bandwidth, distmk's step (distmk.kernels.bench), the
+per-op PyTorch decoder replayed as a CUDA graph (and torch.compile'd with --compile-baseline), and
+transformers' eager generate. Under torchrun every rank runs tensor parallel over NCCL (transformers alone
+runs on rank 0, on one GPU) and rank 0 prints. Progress goes to stderr, the JSON to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import transformers
+import triton
+
+from baselines import (cudagraph_step_ms, decode_step_bytes, hf_eager_ms_per_token, measure_hbm_read_bandwidth,
+                       tp_rank)
+from distmk.dist import detect_launch, init_process_group
+from distmk.models.shard import plan_shard
+from distmk.models.weights import open_model
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="preset name or Hugging Face checkpoint directory")
+    p.add_argument("--batch", type=int, default=1, help="rows per decode step")
+    p.add_argument("--context", type=int, default=1024, help="positions each row attends to (it sits at context - 1)")
+    p.add_argument("--iters", type=int, default=200, help="timed steps of distmk and the CUDA-graph baselines")
+    p.add_argument("--json", action="store_true", help="print the JSON on one line (default: indented)")
+    p.add_argument("--out", help="also write the JSON to this file")
+    p.add_argument("--skip-hf", action="store_true", help="skip transformers' eager generate")
+    p.add_argument("--compile-baseline", action="store_true", help="also time the torch.compile'd CUDA graph")
+    args = p.parse_args(argv)
+    if min(args.batch, args.context, args.iters) < 1:
+        p.error("--batch, --context and --iters must be >= 1")
+    return args
+
+
+def time_distmk(args, log) -> dict:
+    """distmk's own step timing; if it cannot be imported or fails, the error instead, so that the
+    baselines still come out."""
+    try:
+        from distmk.kernels.bench import distmk_step_ms
+        return distmk_step_ms(args.model, args.batch, args.context, args.iters)
+    except Exception as e:
+        log(traceback.format_exc())
+        return {"step_ms": None, "distmk_error": f"{type(e).__name__}: {e}"}
+
+
+def run(args, launcher: str, log) -> dict:
+    world, rank = tp_rank()
+    device = torch.device("cuda", torch.cuda.current_device())
+    spec, source, _ = open_model(args.model, seed=0, device=device)
+    result = {"model": args.model, "tp": world, "batch": args.batch, "context": args.context, "dtype": "bfloat16"}
+
+    bandwidth = measure_hbm_read_bandwidth(device)
+    step_bytes = decode_step_bytes(spec, plan_shard(spec, world, rank), args.batch, args.context)
+    roofline_ms = step_bytes / bandwidth * 1e3
+    log(f"HBM read {bandwidth / 1e12:.2f} TB/s; {step_bytes / 1e9:.2f} GB per step -> roofline {roofline_ms:.3f} ms")
+
+    distmk = time_distmk(args, log)
+    step_ms = distmk["step_ms"]
+    log(f"distmk: {distmk}")
+    torch.cuda.empty_cache()
+
+    cudagraph_ms = cudagraph_step_ms(spec, source, args.batch, args.context, iters=args.iters)
+    log(f"PyTorch ops in a CUDA graph: {cudagraph_ms:.3f} ms")
+    torch.cuda.empty_cache()
+    compiled_ms = None
+    if args.compile_baseline:
+        compiled_ms = cudagraph_step_ms(spec, source, args.batch, args.context, compile=True, iters=args.iters)
+        log(f"torch.compile'd ops in a CUDA graph: {compiled_ms:.3f} ms")
+        torch.cuda.empty_cache()
+
+    hf_ms = None
+    if not args.skip_hf:
+        if rank == 0:
+            hf_ms = hf_eager_ms_per_token(spec, source, args.batch, args.context)
+            log(f"transformers eager generate (1 GPU): {hf_ms:.3f} ms/token")
+            torch.cuda.empty_cache()
+        if world > 1:
+            dist.barrier(device_ids=[device.index])
+
+    best_graph_ms = min(ms for ms in (cudagraph_ms, compiled_ms) if ms is not None)
+    result.update({
+        "step_ms": step_ms,
+        "distmk_mode": distmk.get("mode"),
+        "distmk_error": distmk.get("distmk_error"),
+        "roofline_ms": roofline_ms,
+        "efficiency": roofline_ms / step_ms if step_ms else None,
+        "step_bytes": step_bytes,
+        "hbm_bytes_per_s": bandwidth,
+        "hf_eager_ms": hf_ms,
+        "hf_eager_tp": 1,
+        "cudagraph_ms": cudagraph_ms,
+        "cudagraph_compiled_ms": compiled_ms,
+        "speedup_vs_hf": hf_ms / step_ms if step_ms and hf_ms else None,
+        "speedup_vs_cudagraph": best_graph_ms / step_ms if step_ms else None,
+        "distmk": distmk,
+        "gpu": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", *sys.argv]),
+        "launcher": launcher,
+    })
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    launch = detect_launch()
+    lead = launch.rank == 0
+
+    def log(msg):
+        if lead:
+            print(f"[decode] {msg}", file=sys.stderr, flush=True)
+
+    # The H200 hosts this runs on need NVLink multicast off (see launch/torchrun.sh).
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(launch.local_rank)
+    init_process_group(launch, "nccl")
+    try:
+        result = run(args, launch.launcher, log)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if lead:
+        text = json.dumps(result, indent=None if args.json else 2, default=str)
+        print(text, flush=True)
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
