@@ -15,7 +15,7 @@ for run in cold warm; do
   python3 -m distmk.generate --model llama-3-8b --prompt-ids 1,2,3 --max-new-tokens 1 --backend triton \
       --device cuda --json > /tmp/startup_$run.json 2>/dev/null
   t1=$(date +%s.%N)
-  echo "{\"run\": \"$run\", \"process_to_first_token_s\": $(echo "$t1 - $t0" | bc), \"generate\": $(cat /tmp/startup_$run.json)}"
+  echo "{\"run\": \"$run\", \"process_to_first_token_s\": $(python3 -c "print(round($t1 - $t0, 2))"), \"generate\": $(cat /tmp/startup_$run.json)}"
 done | tee "$OUT/startup_llama-3-8b.jsonl"
 
 for spec in llama-3-8b:1 llama-3-8b:8 qwen3-8b:1 qwen3-8b:8 llama-3.2-1b:1; do
