@@ -60,10 +60,10 @@ def hf_fp32_on_gpu(name):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg),
                                                  dtype=torch.float32)
     source = RandomWeights(spec, device="cuda")
-    with torch.no_grad():
+    with torch.no_grad():      # the bf16 weights distmk runs, computed in float32
         for pname, param in model.named_parameters():
             param.copy_(source.full("model.embed_tokens.weight" if pname == "lm_head.weight" and
-                                    spec.tie_word_embeddings else pname))
+                                    spec.tie_word_embeddings else pname).to(torch.bfloat16))
     return model.eval()
 
 

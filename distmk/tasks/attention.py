@@ -61,7 +61,8 @@ def attention_gpu(layer, a0, a1, a2, n, q, k_cache, v_cache, positions, block_ta
             p = tl.exp(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             vt = tl.load(v_cache + base[:, None] + rd[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
+            # probabilities stay float32 (exact fp32 product, as the reference computes p @ v)
+            acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
             m_i = m_new
         part = (b * HKV + kvh) * S + split
         tl.store(attn_o + (part * G + rg)[:, None] * D + rd[None, :], acc, mask=heads[:, None])

@@ -80,10 +80,9 @@ def row_parallel_gpu(inp, w, a0, a1, a2, n, x, partial, K: tl.constexpr, H: tl.c
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's RMSNorm: normalise in float32, round to the activation dtype, then scale."""
+    """RMSNorm in float32 (the caller rounds once, where it stores)."""
     x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(x.dtype)
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ def embed_gpu(a0, n, tokens, embed, x, H: tl.constexpr, BLOCK_H: tl.constexpr):
         token = tl.load(tokens + a0).to(tl.int64)
         for h0 in range(0, H, BLOCK_H):
             offs = h0 + tl.arange(0, BLOCK_H)
-            tl.store(x + a0 * H + offs, tl.load(embed + token * H + offs, mask=offs < H), mask=offs < H)
+            row = tl.load(embed + token * H + offs, mask=offs < H)
+            tl.store(x + a0 * H + offs, row.to(x.dtype.element_ty), mask=offs < H)
 
 
 class Embed(TaskKind):

@@ -1,6 +1,6 @@
 """A row tile of the MLP's gate and up projections with the SiLU-gated product: h[:, rows] =
-silu(xn @ Wgate[rows]^T) * (xn @ Wup[rows]^T). Column-parallel: no communication."""
-import torch.nn.functional as F
+silu(xn @ Wgate[rows]^T) * (xn @ Wup[rows]^T), in float32, rounded once. Column-parallel: no communication."""
+import torch
 import triton
 import triton.language as tl
 
@@ -19,10 +19,8 @@ def gate_up_gpu(layer, a0, a1, n, xn, w_gate, w_up, h, H: tl.constexpr, INTER: t
     for j in range(0, a1, MLP_BLOCK_N):
         gate, up = matmul_pair(xn, w_gate + offset, w_up + offset, n, a0 + j, a1 - j, H, B_PAD, MLP_BLOCK_N,
                                MLP_BLOCK_K, DOT_PRECISION)
-        gate = gate.to(act).to(tl.float32)
-        silu = (gate * tl.sigmoid(gate)).to(act).to(tl.float32)
         mask = (rb < n)[:, None] & (rn < a1 - j)[None, :]
-        tl.store(h + rb[:, None] * INTER + (a0 + j + rn)[None, :], (silu * up.to(act).to(tl.float32)).to(act),
+        tl.store(h + rb[:, None] * INTER + (a0 + j + rn)[None, :], (gate * tl.sigmoid(gate) * up).to(act),
                  mask=mask)
 
 
@@ -47,6 +45,6 @@ class GateUp(TaskKind):
         row0, nrows = a
         lw, n = ctx.weights.layers[layer], ctx.num_rows
         xn = ctx.buf["xn"][:n].float()
-        gate = (xn @ lw.w_gate[row0:row0 + nrows].float().t()).to(ctx.dtype)
-        up = (xn @ lw.w_up[row0:row0 + nrows].float().t()).to(ctx.dtype)
-        ctx.buf["h"][:n, row0:row0 + nrows] = F.silu(gate) * up
+        gate = xn @ lw.w_gate[row0:row0 + nrows].float().t()
+        up = xn @ lw.w_up[row0:row0 + nrows].float().t()
+        ctx.buf["h"][:n, row0:row0 + nrows] = (gate * torch.sigmoid(gate) * up).to(ctx.dtype)

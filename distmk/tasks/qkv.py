@@ -40,8 +40,6 @@ def qkv_gpu(layer, a0, n, xn, wqkv, bqkv, qk_norm, inv_freq, positions, block_ta
         lo += tl.load(bias + rd, mask=dmask, other=0.0).to(tl.float32)[None, :]
         hi += tl.load(bias + HALF + rd, mask=dmask, other=0.0).to(tl.float32)[None, :]
     act = xn.dtype.element_ty
-    lo = lo.to(act).to(tl.float32)
-    hi = hi.to(act).to(tl.float32)
     rb = tl.arange(0, B_PAD)
     pos = tl.load(positions + rb, mask=rb < n, other=0)
     if slot < HQ + HKV:
@@ -49,10 +47,8 @@ def qkv_gpu(layer, a0, n, xn, wqkv, bqkv, qk_norm, inv_freq, positions, block_ta
         if QK_NORM:
             rstd = tl.math.rsqrt((tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)) / D + EPS)
             weight = qk_norm + (2 * layer + is_k) * D        # [layers, 2, D]: q_norm, k_norm
-            lo = (lo * rstd[:, None]).to(act).to(tl.float32) * tl.load(weight + rd, mask=dmask).to(tl.float32)
-            hi = (hi * rstd[:, None]).to(act).to(tl.float32) * tl.load(weight + HALF + rd, mask=dmask).to(tl.float32)
-            lo = lo.to(act).to(tl.float32)
-            hi = hi.to(act).to(tl.float32)
+            lo = lo * rstd[:, None] * tl.load(weight + rd, mask=dmask).to(tl.float32)
+            hi = hi * rstd[:, None] * tl.load(weight + HALF + rd, mask=dmask).to(tl.float32)
         angle = pos[:, None].to(tl.float32) * tl.load(inv_freq + rd, mask=dmask, other=0.0)[None, :]
         cos = tl.cos(angle)
         sin = tl.sin(angle)
@@ -94,18 +90,18 @@ class QKV(TaskKind):
         out = ctx.buf["xn"][:n].float() @ lw.wqkv[rows].float().t()
         if lw.bqkv is not None:
             out = out + lw.bqkv[rows].float()
-        out = out.to(ctx.dtype)[:, None, :]                        # [n, 1, D]
+        out = out[:, None, :]                                       # [n, 1, D], float32 until stored
         pos = ctx.positions[:n]
         if slot < plan.num_heads + plan.num_kv_heads:               # q or k: norm, then rotate
             is_q = slot < plan.num_heads
             if spec.qk_norm:
                 out = rms_norm(out, lw.q_norm if is_q else lw.k_norm, spec.rms_norm_eps)
-            out = rope(out, pos, ctx.weights.inv_freq).to(ctx.dtype)
+            out = rope(out, pos, ctx.weights.inv_freq)
             if is_q:
-                ctx.buf["q"][:n, slot] = out[:, 0]
+                ctx.buf["q"][:n, slot] = out[:, 0].to(ctx.dtype)
                 return
             cache, head = ctx.k_cache, slot - plan.num_heads
         else:
             cache, head = ctx.v_cache, slot - plan.num_heads - plan.num_kv_heads
         blocks = ctx.block_table[torch.arange(n), pos // ctx.block_size]
-        cache[layer, blocks, pos % ctx.block_size, head] = out[:, 0]
+        cache[layer, blocks, pos % ctx.block_size, head] = out[:, 0].to(ctx.dtype)
