@@ -37,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="sampling seed (and preset weight seed)")
     p.add_argument("--batch", type=int, default=16, help="rows per step (prefill chunk)")
     p.add_argument("--max-context", type=int, default=None)
-    p.add_argument("--kv-splits", type=int, default=4)
+    p.add_argument("--kv-splits", type=int, default=0, help="0 = one attention split per worker, at most 16")
     p.add_argument("--tile-rows", type=int, default=0, help="0 = about one tile per worker")
     p.add_argument("--workers", type=int, default=None, help="worker queues (default: the GPU's SMs, or 132)")
     p.add_argument("--ignore-eos", action="store_true")

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--workers", type=int, default=132, help="worker queues (SMs on the GPU)")
-    p.add_argument("--kv-splits", type=int, default=4)
+    p.add_argument("--kv-splits", type=int, default=0, help="0 = one attention split per worker, at most 16")
     p.add_argument("--tile-rows", type=int, default=0, help="0 = about one tile per worker")
     p.add_argument("--lm-tile-rows", type=int, default=0, help="0 = about one tile per worker")
     p.add_argument("--context", type=int, default=512, help="context length the cost model assumes")

@@ -7,6 +7,7 @@ scheduler keeps within each worker queue.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ from distmk.tasks.rmsnorm import FINAL_NORM, INPUT_NORM, POST_ATTENTION_NORM
 @dataclass(frozen=True)
 class GraphConfig:
     batch: int = 1            # most rows (tokens) one step processes; fewer may be active at run time
-    kv_splits: int = 4        # attention splits along the KV length
+    kv_splits: int = 0        # attention splits along the KV length; 0 = one split per worker (at most 16)
     tile_rows: int = 0        # output rows of an o_proj / gate_up / down tile; 0 = about one tile per worker
     lm_tile_rows: int = 0     # output rows of an lm_head tile; 0 = about one tile per worker
     workers: int = 132        # worker queues (one per SM on the GPU)
@@ -31,12 +32,20 @@ class GraphConfig:
     dtype_bytes: int = 2      # element size of weights and activations, for the cost model
 
     def __post_init__(self):
-        for name in ("batch", "kv_splits", "workers", "context", "dtype_bytes"):
+        for name in ("batch", "workers", "context", "dtype_bytes"):
             if getattr(self, name) < 1:
                 raise GraphError(f"GraphConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("tile_rows", "lm_tile_rows"):
+        for name in ("kv_splits", "tile_rows", "lm_tile_rows"):
             if getattr(self, name) < 0:
                 raise GraphError(f"GraphConfig.{name} must be >= 0 (0 = automatic), got {getattr(self, name)}")
+
+    def resolved(self, plan: ShardPlan) -> "GraphConfig":
+        """kv_splits=0 made concrete: enough splits that every worker gets an attention task (at most 16),
+        so attention is one short pass over the keys instead of a long serial one on a few workers."""
+        if self.kv_splits:
+            return self
+        splits = max(1, min(16, self.workers // (self.batch * plan.num_kv_heads)))
+        return dataclasses.replace(self, kv_splits=splits)
 
     def rows_per_tile(self, total: int, size: int) -> int:
         """`size`, or when 0 the multiple of 16 that cuts `total` rows into about one tile per worker, so
@@ -80,6 +89,7 @@ def tiles(total: int, size: int) -> list[tuple[int, int]]:
 
 
 def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> GraphBuilder:
+    config = config.resolved(plan)
     g = GraphBuilder()
     B, S, H = config.batch, config.kv_splits, spec.hidden_size
     hq, hkv, group = plan.num_heads, plan.num_kv_heads, plan.group
@@ -141,6 +151,7 @@ def compile_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> TaskT
     """Lower, cost and schedule one decode step into a TaskTable."""
     from distmk.graph.scheduler import schedule
 
+    config = config.resolved(plan)
     builder = lower_decode_step(spec, plan, config)
     tasks, need = builder.tensors()
     shape = StepShape(spec, plan, config.batch, config.kv_splits, config.context,

@@ -39,8 +39,8 @@ class Engine:
         self.plan = plan_shard(self.spec, tp, rank)
         self.dtype, self.device, self.max_context = dtype, torch.device(device), max_context
         self.weights = load_shard(self.spec, source, self.plan, dtype=dtype, device=device, progress=progress)
-        self.config = config or GraphConfig()
-        self.table = compile_step(self.spec, self.plan, self.config)
+        self.table = compile_step(self.spec, self.plan, config or GraphConfig())
+        self.config = self.table.config
         blocks_per_seq = -(-max_context // block_size)
         self.kv = KVCache(self.spec.num_layers, blocks_per_seq * self.config.batch, block_size,
                           self.plan.num_kv_heads, self.spec.head_dim, dtype, device)
