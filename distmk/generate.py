@@ -45,6 +45,8 @@ def parse_args(argv=None):
                    help="triton backend: write a Chrome/Perfetto trace of the last step and print the "
                         "time per task type")
     p.add_argument("--timeout", type=float, default=5.0, help="triton backend: seconds a task may wait")
+    p.add_argument("--no-autotune", action="store_true",
+                   help="triton backend: use the cached or default kernel options, measure nothing")
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON line")
     return p.parse_args(argv)
 
@@ -71,7 +73,8 @@ def run(args) -> dict | None:
     kernel_options = {"trace": bool(args.trace), "timeout_s": args.timeout} if args.backend == "triton" else None
     engine = Engine(args.model, tp=launch.world, rank=launch.rank, comm=comm, dtype=dtype, device=device,
                     backend=args.backend, config=config, max_context=args.max_context, seed=args.seed,
-                    progress=launch.rank == 0 and not args.json, kernel_options=kernel_options)
+                    progress=launch.rank == 0 and not args.json, kernel_options=kernel_options,
+                    autotune=not args.no_autotune)
     tokenizer = load_tokenizer(engine.tokenizer_dir, engine.spec.vocab_size)
     if args.prompt is not None:
         prompt = tokenizer.encode(args.prompt)

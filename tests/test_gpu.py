@@ -21,7 +21,7 @@ def sms() -> int:
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_float32_tokens_equal_transformers(name):
     config = GraphConfig(**{**SMALL.__dict__, "workers": sms()})
-    engine = Engine(name, backend="triton", device="cuda", config=config)
+    engine = Engine(name, backend="triton", device="cuda", config=config, autotune=False)
     tokens, logits = engine.generate(PROMPT, 32, return_logits=True)
     ref_tokens, ref_logits = hf_greedy(name, weights_device="cuda")
     assert tokens == ref_tokens
@@ -35,7 +35,7 @@ def test_tiny_bfloat16_matches_reference_executor(name):
     prompt = list(range(10, 26))
     outs = []
     for backend in ("reference", "triton"):
-        engine = Engine(name, backend=backend, device="cuda", dtype=torch.bfloat16, config=config)
+        engine = Engine(name, backend=backend, device="cuda", dtype=torch.bfloat16, config=config, autotune=False)
         buf = engine.step(prompt, range(16), [engine.kv.allocate([], 16)] * 16)
         outs.append((buf["next_token"][:16].tolist(), buf["logits"][:16].clone()))
     (ref_tokens, ref_logits), (tokens, logits) = outs
@@ -45,7 +45,7 @@ def test_tiny_bfloat16_matches_reference_executor(name):
 
 def test_graph_replay_equals_plain_launches():
     config = GraphConfig(batch=4, tile_rows=32, workers=sms())
-    outs = [Engine("tiny-qwen2", backend="triton", device="cuda", config=config,
+    outs = [Engine("tiny-qwen2", backend="triton", device="cuda", config=config, autotune=False,
                    kernel_options={"cuda_graph": graph}).generate(PROMPT, 24) for graph in (True, False)]
     assert outs[0] == outs[1] == hf_greedy("tiny-qwen2", tuple(PROMPT), 24, weights_device="cuda")[0]
 
@@ -80,7 +80,7 @@ def test_8b_bfloat16_against_float32_transformers(name):
     del hf, out
     torch.cuda.empty_cache()
     engine = Engine(name, backend="triton", device="cuda", dtype=torch.bfloat16,
-                    config=GraphConfig(batch=16, workers=sms()), max_context=256)
+                    config=GraphConfig(batch=16, workers=sms()), max_context=256, autotune=False)
     _, logits = engine.generate(prompt, 1, return_logits=True)
     rel = ((logits[0].cuda() - ref_first_logits).norm() / ref_first_logits.norm()).item()
     # greedy agreement, teacher-forced: distmk's argmax at every position of transformers' sequence
@@ -102,7 +102,7 @@ from distmk.graph import GraphConfig
 from distmk.kernels.executor import WatchdogTimeout
 from distmk.runtime.engine import Engine
 engine = Engine("tiny-llama", backend="triton", device=DEVICE, config=GraphConfig(batch=2, workers=WORKERS),
-                kernel_options={"timeout_s": 0.5, "cuda_graph": False})
+                kernel_options={"timeout_s": 0.5, "cuda_graph": False}, autotune=False)
 healthy = engine.generate([1, 2, 3], 2)
 engine.executor.dev_table.event_need[5] += 1                 # event 5 can never complete now
 t0 = time.time()
@@ -140,3 +140,17 @@ def test_trace_records_every_task(tmp_path):
     events = json.load(open(tmp_path / "t.json"))["traceEvents"]
     assert len(events) == engine.table.num_tasks
     assert "attention" in breakdown(engine.table, timings)
+
+
+def test_autotune_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
+    from distmk.kernels import autotune
+    monkeypatch.setenv("DISTMK_CACHE_DIR", str(tmp_path))
+    config = GraphConfig(batch=2, workers=sms())
+    first = Engine("tiny-mistral", backend="triton", device="cuda", dtype=torch.bfloat16, config=config)
+    entry = json.load(open(autotune.cache_file()))
+    (key, value), = entry.items()
+    assert len(value["timings_ms"]) == len(autotune.CANDIDATES) and all(v > 0 for v in value["timings_ms"].values())
+    stamp = (tmp_path / "autotune.json").stat().st_mtime_ns
+    second = Engine("tiny-mistral", backend="triton", device="cuda", dtype=torch.bfloat16, config=config)
+    assert (tmp_path / "autotune.json").stat().st_mtime_ns == stamp        # read, not measured again
+    assert first.generate(PROMPT, 8) == second.generate(PROMPT, 8)

@@ -19,7 +19,7 @@ def decode_engine(model: str, batch: int, context: int, *, workers: int | None =
     max_context = -(-context // block_size) * block_size
     engine = Engine(model, backend="triton", device="cuda", dtype=torch.bfloat16, config=config,
                     max_context=max_context, block_size=block_size,
-                    kernel_options={"trace": trace, **kernel_options})
+                    kernel_options={"trace": trace, **kernel_options}, autotune=not kernel_options)
     engine.kv.k.normal_()
     engine.kv.v.normal_()
     blocks = [engine.kv.allocate([], context) for _ in range(batch)]

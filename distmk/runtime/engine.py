@@ -25,7 +25,7 @@ class Engine:
     def __init__(self, model: str, *, tp: int = 1, rank: int = 0, comm=None, dtype=torch.float32,
                  device="cpu", backend: str = "reference", config: GraphConfig | None = None,
                  max_context: int | None = None, block_size: int = 16, seed: int = 0, progress: bool = False,
-                 kernel_options: dict | None = None):
+                 kernel_options: dict | None = None, autotune: bool = True):
         if backend not in ("reference", "triton"):
             raise DistmkError(f"unknown backend {backend!r}: use reference or triton")
         self.comm = comm or SingleRank()
@@ -46,11 +46,26 @@ class Engine:
                           self.plan.num_kv_heads, self.spec.head_dim, dtype, device)
         self.blocks_per_seq = blocks_per_seq
         if backend == "triton":
-            from distmk.kernels.executor import TritonExecutor
-            self.executor = TritonExecutor(self.table, self.spec, self.weights, self.kv, self.comm, dtype,
-                                           **(kernel_options or {}))
+            self.executor = self._triton_executor(kernel_options or {}, autotune, progress)
         else:
             self.executor = ReferenceExecutor(self.table, self.spec, self.weights, self.kv, self.comm, dtype)
+
+    def _triton_executor(self, options: dict, autotune: bool, progress: bool):
+        """The megakernel executor with tuned options: explicit options win, then the on-disk choice for this
+        GPU and shape, then (autotune, on a GPU) a fresh measurement, else the defaults."""
+        from distmk.kernels import autotune as tuning
+        from distmk.kernels.executor import TritonExecutor
+
+        def make(extra):
+            return TritonExecutor(self.table, self.spec, self.weights, self.kv, self.comm, self.dtype,
+                                  **{**extra, **options})
+
+        key = tuning.tuning_key(self.spec, self.plan, self.config.batch, self.dtype, self.device)
+        tuned = tuning.cached_options(key)
+        if tuned is None and autotune and self.device.type == "cuda":
+            log = print if progress else None
+            tuned = tuning.tune(key, make, self.config.batch, min(511, self.max_context - 1), log)
+        return make(tuned or {})
 
     def step(self, tokens, positions, block_tables):
         """Run one step: tokens[i] at positions[i] of the sequence whose blocks are block_tables[i].

@@ -1,0 +1,88 @@
+"""Kernel options chosen by measurement: the first time a (GPU, model shape, tp, batch) is compiled, a few
+candidates are timed on the GPU and the fastest is cached on disk ($DISTMK_CACHE_DIR/autotune.json), so
+the next start is warm. Candidates vary what the device decides and the compiler cannot: pipeline depth,
+L2 prefetch before waits, and tile heights."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import torch
+
+CANDIDATES = [
+    {},                                   # the defaults (num_stages=4, prefetch_kb=256)
+    {"prefetch_kb": 0},
+    {"num_stages": 3},
+    {"mlp_block_n": 32, "lm_block_n": 64},
+]
+
+
+def cache_file() -> str:
+    root = os.environ.get("DISTMK_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "distmk")
+    os.makedirs(root, exist_ok=True)
+    return os.path.join(root, "autotune.json")
+
+
+def tuning_key(spec, plan, batch: int, dtype, device) -> str:
+    gpu = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu"
+    shape = (f"h{spec.hidden_size}-i{plan.inter}-q{plan.num_heads}-kv{plan.num_kv_heads}-d{spec.head_dim}"
+             f"-v{plan.vocab}-L{spec.num_layers}-bias{int(spec.qkv_bias)}-qkn{int(spec.qk_norm)}")
+    return f"{gpu}|{shape}|tp{plan.tp}|b{batch}|{str(dtype).removeprefix('torch.')}"
+
+
+def cached_options(key: str) -> dict | None:
+    try:
+        with open(cache_file()) as f:
+            return json.load(f)[key]["options"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _store(key: str, entry: dict) -> None:
+    path = cache_file()
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        data = {}
+    data[key] = entry
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def time_executor(executor, rows: int, position: int, iters: int = 20) -> float:
+    """Median ms of one step over `rows` rows at `position` (the KV cache contents do not matter here)."""
+    executor.rows.fill_(rows)
+    executor.positions.fill_(position)
+    for _ in range(3):
+        executor.launch()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        executor.launch()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    executor.check()
+    return statistics.median(times)
+
+
+def tune(key: str, make_executor, rows: int, position: int, log=None) -> dict:
+    """Time every candidate built by make_executor(options); cache and return the fastest options."""
+    timings = {}
+    for options in CANDIDATES:
+        t0 = time.perf_counter()
+        executor = make_executor(options)
+        timings[json.dumps(options)] = ms = time_executor(executor, rows, position)
+        del executor
+        torch.cuda.empty_cache()
+        if log:
+            log(f"autotune {options or 'defaults'}: {ms:.3f} ms/step ({time.perf_counter() - t0:.1f} s)")
+    best = json.loads(min(timings, key=timings.get))
+    _store(key, {"options": best, "timings_ms": timings, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    return best
