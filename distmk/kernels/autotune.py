@@ -54,11 +54,9 @@ def _store(key: str, entry: dict) -> None:
     os.replace(tmp, path)
 
 
-def time_executor(executor, rows: int, position: int, iters: int = 20) -> float:
-    """Median ms of one step over `rows` rows at `position` (the KV cache contents do not matter here)."""
-    executor.rows.fill_(rows)
-    executor.positions.fill_(position)
-    for _ in range(3):
+def launch_times(executor, iters: int, warmup: int = 3) -> list[float]:
+    """Milliseconds of `iters` steps as the runtime launches them (graph replays), each timed alone."""
+    for _ in range(warmup):
         executor.launch()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
@@ -69,7 +67,14 @@ def time_executor(executor, rows: int, position: int, iters: int = 20) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     executor.check()
-    return statistics.median(times)
+    return times
+
+
+def time_executor(executor, rows: int, position: int, iters: int = 20) -> float:
+    """Median ms of one step over `rows` rows at `position` (the KV cache contents do not matter here)."""
+    executor.rows.fill_(rows)
+    executor.positions.fill_(position)
+    return statistics.median(launch_times(executor, iters))
 
 
 def tune(key: str, make_executor, rows: int, position: int, log=None) -> dict:

@@ -7,6 +7,7 @@ import time
 import torch
 
 from distmk.graph import GraphConfig
+from distmk.kernels.autotune import launch_times
 
 
 def decode_engine(model: str, batch: int, context: int, *, workers: int | None = None, trace: bool = False,
@@ -33,18 +34,7 @@ def distmk_step_ms(model: str, batch: int, context: int, iters: int = 200, **opt
     engine = decode_engine(model, batch, context, **options)
     setup_s = time.perf_counter() - t0
     ex = engine.executor
-    for _ in range(10):
-        ex.launch()
-    torch.cuda.synchronize()
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(iters):
-        start.record()
-        ex.launch()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    ex.check()
+    times = launch_times(ex, iters, warmup=10)
     return {"step_ms": statistics.median(times), "step_ms_min": min(times),
             "mode": "cudagraph" if ex.use_graph else "launch", "workers": engine.table.num_workers,
             "tasks": engine.table.num_tasks, "setup_s": round(setup_s, 2)}
