@@ -59,8 +59,7 @@ class TritonExecutor:
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
         self.tokens = torch.zeros(config.batch, **i64)
         self.positions = torch.zeros(config.batch, **i64)
-        blocks_per_seq = kv_cache.k.shape[1] // config.batch
-        self.block_table = torch.zeros(config.batch, blocks_per_seq, **i64)
+        self.block_table = torch.zeros(config.batch, kv_cache.blocks_per_seq, **i64)
         self.rows = torch.zeros(1, **i32)
         self.epoch = torch.zeros(1, **i32)
         self.counters = torch.zeros(len(table.event_need), **i32)
@@ -80,7 +79,7 @@ class TritonExecutor:
             positions=self.positions, block_table=self.block_table, **self.buf,
             H=spec.hidden_size, D=spec.head_dim, HQ=plan.num_heads, HKV=plan.num_kv_heads, G=plan.group,
             G_PAD=_pad(plan.group), INTER=plan.inter, VOCAB_L=plan.vocab, B_PAD=_pad(config.batch),
-            MAXB=blocks_per_seq, BS=kv_cache.block_size, NBLK=kv_cache.num_blocks, S=config.kv_splits,
+            MAXB=kv_cache.blocks_per_seq, BS=kv_cache.block_size, NBLK=kv_cache.num_blocks, S=config.kv_splits,
             EPS=spec.rms_norm_eps, HAS_BIAS=spec.qkv_bias, QK_NORM=spec.qk_norm, WINDOW=spec.sliding_window or 0,
             SCALE=spec.head_dim ** -0.5, HALF_PAD=_pad(spec.head_dim // 2), LM_TILES=lm_tiles,
             LM_TILES_PAD=_pad(lm_tiles, 2), BLOCK_N=block_n, BLOCK_K=block_k, MLP_BLOCK_N=mlp_block_n,

@@ -41,10 +41,8 @@ class Engine:
         self.weights = load_shard(self.spec, source, self.plan, dtype=dtype, device=device, progress=progress)
         self.table = compile_step(self.spec, self.plan, config or GraphConfig())
         self.config = self.table.config
-        blocks_per_seq = -(-max_context // block_size)
-        self.kv = KVCache(self.spec.num_layers, blocks_per_seq * self.config.batch, block_size,
+        self.kv = KVCache(self.spec.num_layers, self.config.batch, -(-max_context // block_size), block_size,
                           self.plan.num_kv_heads, self.spec.head_dim, dtype, device)
-        self.blocks_per_seq = blocks_per_seq
         if backend == "triton":
             self.executor = self._triton_executor(kernel_options or {}, autotune, progress)
         else:
@@ -71,7 +69,7 @@ class Engine:
         """Run one step: tokens[i] at positions[i] of the sequence whose blocks are block_tables[i].
         Returns the workspace: next_token (greedy, all ranks agree) and this rank's logits slice."""
         n = len(tokens)
-        table = torch.zeros(n, self.blocks_per_seq, dtype=torch.int64)
+        table = torch.zeros(n, self.kv.blocks_per_seq, dtype=torch.int64)
         for i, blocks in enumerate(block_tables):
             table[i, :len(blocks)] = torch.as_tensor(blocks)
         dev = self.device

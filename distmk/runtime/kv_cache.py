@@ -10,12 +10,15 @@ from distmk.errors import DistmkError
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype, device):
+    """Room for `max_seqs` sequences of up to `blocks_per_seq` blocks each (the block-table width)."""
+
+    def __init__(self, num_layers: int, max_seqs: int, blocks_per_seq: int, block_size: int, kv_heads: int,
+                 head_dim: int, dtype, device):
+        num_blocks = max_seqs * blocks_per_seq
         shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.block_size, self.num_blocks = block_size, num_blocks
+        self.block_size, self.num_blocks, self.blocks_per_seq = block_size, num_blocks, blocks_per_seq
         self.free = list(range(num_blocks - 1, -1, -1))
 
     def allocate(self, blocks: list[int], length: int) -> list[int]:
