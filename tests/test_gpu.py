@@ -104,13 +104,14 @@ from distmk.runtime.engine import Engine
 engine = Engine("tiny-llama", backend="triton", device=DEVICE, config=GraphConfig(batch=2, workers=WORKERS),
                 kernel_options={"timeout_s": 0.5, "cuda_graph": False}, autotune=False)
 healthy = engine.generate([1, 2, 3], 2)
-engine.executor.dev_table.event_need[5] += 1                 # event 5 can never complete now
+stuck = engine.table.event_names.index("L0.attn.b0.kv0")
+engine.executor.dev_table.event_need[stuck] += 1             # this event can never complete now
 t0 = time.time()
 try:
     engine.generate([1, 2, 3], 2)
 except WatchdogTimeout as e:
     print("WATCHDOG", round(time.time() - t0, 2), e)
-engine.executor.dev_table.event_need[5] -= 1                 # and the engine recovers afterwards
+engine.executor.dev_table.event_need[stuck] -= 1             # and the engine recovers afterwards
 print("AFTER", engine.generate([1, 2, 3], 2) == healthy)
 """
 
@@ -121,7 +122,8 @@ def run_watchdog_script(device: str, workers: int, env=None) -> str:
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=env)
     assert proc.returncode == 0, proc.stderr
-    assert "WATCHDOG" in proc.stdout and "first incomplete event is 5 'L0.attn.b0.kv0'" in proc.stdout, proc.stdout
+    assert "WATCHDOG" in proc.stdout and "the step stalled at event" in proc.stdout, proc.stdout
+    assert "'L0.attn.b0.kv0' at" in proc.stdout.split("stalled at")[1]
     assert "rank 0 worker" in proc.stdout and "AFTER True" in proc.stdout
     return proc.stdout
 

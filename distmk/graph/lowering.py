@@ -1,8 +1,9 @@
 """Lowering: one decode step of one tensor-parallel rank → tile tasks joined by counted events.
 
 A consumer waits only on the event of the producer tiles it reads: attention for a KV head waits for
-that head group's q/k/v tiles, an all-reduce tile for the one matmul tile that produced its slice, a
-norm for every tile of the residual stream. Tasks are emitted in a topological order, which the
+that head group's q/k/v tiles, an all-reduce tile for the one matmul tile that produced its slice. The
+tiles that read the RMSNorm of the residual stream (QKV, gate/up, lm_head) normalise it themselves, so
+they wait for every tile of the stream and no single norm task stands between two phases. Tasks are emitted in a topological order, which the
 scheduler keeps within each worker queue.
 """
 from __future__ import annotations
@@ -18,7 +19,6 @@ from distmk.models.shard import ShardPlan
 from distmk.models.spec import ModelSpec
 from distmk.tasks import TASK_KINDS, TYPE_ID
 from distmk.tasks.base import ADD_RESIDUAL, WRITE_PARTIAL, StepShape
-from distmk.tasks.rmsnorm import FINAL_NORM, INPUT_NORM, POST_ATTENTION_NORM
 
 
 @dataclass(frozen=True)
@@ -112,12 +112,10 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
     for b in range(B):
         g.task("embed", 0, (b,), signal=x_ready)
     for layer in range(spec.num_layers):
-        xn = g.event(f"L{layer}.xn", 1)
-        g.task("rmsnorm", layer, (INPUT_NORM,), wait=x_ready, signal=xn)
         qkv_done = [g.event(f"L{layer}.qkv.kv{h}", group + 2) for h in range(hkv)]
         for slot in range(hq + 2 * hkv):
             head_group = slot // group if slot < hq else (slot - hq) % hkv
-            g.task("qkv", layer, (slot,), wait=xn, signal=qkv_done[head_group])
+            g.task("qkv", layer, (slot,), wait=x_ready, signal=qkv_done[head_group])
         attn_done = g.event(f"L{layer}.attn", B * hkv)
         for b in range(B):
             for h in range(hkv):
@@ -126,19 +124,15 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
                     g.task("attention", layer, (b, h, s), wait=qkv_done[h], signal=parts)
                 g.task("attn_reduce", layer, (b, h), wait=parts, signal=attn_done)
         x_mid = row_parallel("o_proj", layer, attn_done, "attn")
-        xn2 = g.event(f"L{layer}.xn2", 1)
-        g.task("rmsnorm", layer, (POST_ATTENTION_NORM,), wait=x_mid, signal=xn2)
         mlp_tiles = tiles(plan.inter, config.rows_per_tile(plan.inter, config.tile_rows))
         h_done = g.event(f"L{layer}.h", len(mlp_tiles))
         for row0, nrows in mlp_tiles:
-            g.task("gate_up", layer, (row0, nrows), wait=xn2, signal=h_done)
+            g.task("gate_up", layer, (row0, nrows), wait=x_mid, signal=h_done)
         x_ready = row_parallel("down", layer, h_done, "mlp")
-    xnf = g.event("final.xn", 1)
-    g.task("rmsnorm", spec.num_layers, (FINAL_NORM,), wait=x_ready, signal=xnf)
     lm_tiles = tiles(plan.vocab, config.rows_per_tile(plan.vocab, config.lm_tile_rows))
     logits = g.event("logits", len(lm_tiles))
     for i, (row0, nrows) in enumerate(lm_tiles):
-        g.task("lm_head", spec.num_layers, (row0, nrows, i), wait=xnf, signal=logits)
+        g.task("lm_head", spec.num_layers, (row0, nrows, i), wait=x_ready, signal=logits)
     g.task("argmax", spec.num_layers, (), wait=logits, signal=g.event("next_token", 1))
     return g
 

@@ -86,6 +86,7 @@ class TritonExecutor:
             MLP_BLOCK_K=pair_k, LM_BLOCK_N=lm_block_n, LM_BLOCK_K=pair_k, QKV_BLOCK_K=pair_k,
             PREFETCH=0 if self.interpret else prefetch_kb * 1024,
             BLOCK_H=min(1024, _pad(spec.hidden_size)), BLOCK_T=16,
+            NORM_BLOCK=min(_pad(spec.hidden_size), max(16, 8192 // _pad(config.batch))),
             DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
             TRACE=trace, INTERPRET=self.interpret)
         self.kernel = load_megakernel(TASK_KINDS)
@@ -142,7 +143,7 @@ class TritonExecutor:
         raise WatchdogTimeout(
             f"rank {err['rank']} worker {err['worker']}: task {err['task']} ({kind}) waited on event {err['event']} "
             f"'{self.table.event_names[err['event']]}' and gave up at counter {err['seen']} < {err['target']} "
-            f"(step {err['epoch']}); the first incomplete event is {root} '{self.table.event_names[root]}' at "
+            f"(step {err['epoch']}); the step stalled at event {root} '{self.table.event_names[root]}' at "
             f"{int(counters[root])}/{int(targets[root])}")
 
     def compile_ahead(self, arch: int = 90):

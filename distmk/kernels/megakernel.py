@@ -19,12 +19,12 @@ RUNTIME = ("layer", "a0", "a1", "a2", "a3", "n", "vocab0", "vocab_valid")
 # Tensors, passed by pointer (weights stacked over layers; see kernels/layout.py).
 BUFFERS = ("embed", "wqkv", "bqkv", "qk_norm", "wo", "w_gate", "w_up", "w_down", "norms", "lm_head", "inv_freq",
            "k_cache", "v_cache", "tokens", "positions", "block_table",
-           "x", "xn", "q", "attn_o", "attn_m", "attn_l", "attn", "partial", "h", "logits", "tile_max", "tile_arg",
+           "x", "q", "attn_o", "attn_m", "attn_l", "attn", "partial", "h", "logits", "tile_max", "tile_arg",
            "next_token")
 # Shapes and tile sizes, compile-time constants.
 CONSTANTS = ("H", "D", "HQ", "HKV", "G", "G_PAD", "INTER", "VOCAB_L", "B_PAD", "MAXB", "BS", "NBLK", "S", "EPS",
              "HAS_BIAS", "QK_NORM", "WINDOW", "SCALE", "HALF_PAD", "LM_TILES", "LM_TILES_PAD", "BLOCK_H", "BLOCK_T",
-             "DOT_PRECISION", "PREFETCH",
+             "DOT_PRECISION", "PREFETCH", "NORM_BLOCK",
              # matmul tiles per task family: (rows, K) of one pipelined load step
              "BLOCK_N", "BLOCK_K", "MLP_BLOCK_N", "MLP_BLOCK_K", "LM_BLOCK_N", "LM_BLOCK_K", "QKV_BLOCK_K")
 

@@ -12,8 +12,7 @@ from distmk.tasks.gate_up import GateUp
 from distmk.tasks.lm_head import LMHead
 from distmk.tasks.o_proj import OProj
 from distmk.tasks.qkv import QKV
-from distmk.tasks.rmsnorm import RMSNorm
 
-TASK_KINDS: list[TaskKind] = [Embed(), RMSNorm(), QKV(), Attention(), AttnReduce(), OProj(), AllReduce(),
-                              GateUp(), Down(), LMHead(), Argmax()]
+TASK_KINDS: list[TaskKind] = [Embed(), QKV(), Attention(), AttnReduce(), OProj(), AllReduce(), GateUp(), Down(),
+                              LMHead(), Argmax()]
 TYPE_ID = {kind.name: i for i, kind in enumerate(TASK_KINDS)}

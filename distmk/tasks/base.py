@@ -69,7 +69,7 @@ def row_parallel_gpu(inp, w, a0, a1, a2, n, x, partial, K: tl.constexpr, H: tl.c
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, BLOCK_N)
     for j in range(0, a1, BLOCK_N):
-        acc = matmul_block(inp, w, n, a0 + j, a1 - j, K, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        acc = matmul_block(inp, w, n, a0 + j, a1 - j, rb, w, K, B_PAD, BLOCK_N, BLOCK_K, False, DOT_PRECISION)
         offs = rb[:, None] * H + (a0 + j + rn)[None, :]
         mask = (rb < n)[:, None] & (rn < a1 - j)[None, :]
         if a2 == _ADD_RESIDUAL:
@@ -83,6 +83,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in float32 (the caller rounds once, where it stores)."""
     x32 = x.float()
     return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def normed_stream(ctx, weight: torch.Tensor) -> torch.Tensor:
+    """The RMSNorm of the residual stream's active rows in the activation dtype: the input of QKV, gate/up
+    and lm_head tiles, each of which computes it itself (the GPU tiles fuse it into their loads)."""
+    return rms_norm(ctx.buf["x"][:ctx.num_rows], weight, ctx.spec.rms_norm_eps).to(ctx.dtype)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

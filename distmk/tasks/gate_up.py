@@ -1,24 +1,27 @@
 """A row tile of the MLP's gate and up projections with the SiLU-gated product: h[:, rows] =
-silu(xn @ Wgate[rows]^T) * (xn @ Wup[rows]^T), in float32, rounded once. Column-parallel: no communication."""
+silu(xn @ Wgate[rows]^T) * (xn @ Wup[rows]^T), in float32, rounded once, where xn is the post-attention
+RMSNorm of the residual stream (computed by each tile). Column-parallel: no communication."""
 import torch
 import triton
 import triton.language as tl
 
-from distmk.kernels.primitives import matmul_pair, prefetch_l2
-from distmk.tasks.base import TaskKind
+from distmk.kernels.primitives import matmul_pair, prefetch_l2, row_rstd
+from distmk.tasks.base import TaskKind, normed_stream
 
 
 @triton.jit
-def gate_up_gpu(layer, a0, a1, n, xn, w_gate, w_up, h, H: tl.constexpr, INTER: tl.constexpr,
-                B_PAD: tl.constexpr, MLP_BLOCK_N: tl.constexpr, MLP_BLOCK_K: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
+def gate_up_gpu(layer, a0, a1, n, x, norms, w_gate, w_up, h, H: tl.constexpr, INTER: tl.constexpr,
+                B_PAD: tl.constexpr, EPS: tl.constexpr, NORM_BLOCK: tl.constexpr, MLP_BLOCK_N: tl.constexpr,
+                MLP_BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offset = layer.to(tl.int64) * INTER * H
     act = h.dtype.element_ty
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, MLP_BLOCK_N)
+    rstd = row_rstd(x, n, H, EPS, B_PAD, NORM_BLOCK)              # post-attention RMSNorm, fused
+    norm_w = norms + (2 * layer + 1) * H
     for j in range(0, a1, MLP_BLOCK_N):
-        gate, up = matmul_pair(xn, w_gate + offset, w_up + offset, n, a0 + j, a1 - j, H, B_PAD, MLP_BLOCK_N,
-                               MLP_BLOCK_K, DOT_PRECISION)
+        gate, up = matmul_pair(x, w_gate + offset, w_up + offset, n, a0 + j, a1 - j, rstd, norm_w, H, B_PAD,
+                               MLP_BLOCK_N, MLP_BLOCK_K, True, DOT_PRECISION)
         mask = (rb < n)[:, None] & (rn < a1 - j)[None, :]
         tl.store(h + rb[:, None] * INTER + (a0 + j + rn)[None, :], (gate * tl.sigmoid(gate) * up).to(act),
                  mask=mask)
@@ -44,7 +47,7 @@ class GateUp(TaskKind):
     def run(self, ctx, layer, a):
         row0, nrows = a
         lw, n = ctx.weights.layers[layer], ctx.num_rows
-        xn = ctx.buf["xn"][:n].float()
+        xn = normed_stream(ctx, lw.post_norm).float()
         gate = xn @ lw.w_gate[row0:row0 + nrows].float().t()
         up = xn @ lw.w_up[row0:row0 + nrows].float().t()
         ctx.buf["h"][:n, row0:row0 + nrows] = (gate * torch.sigmoid(gate) * up).to(ctx.dtype)

@@ -1,25 +1,30 @@
-"""A row tile of the vocab-parallel lm_head: logits for this rank's vocabulary rows, plus the tile's
-argmax per batch row (first index on ties; padding rows past the vocabulary never win)."""
+"""A row tile of the vocab-parallel lm_head over the final RMSNorm of the residual stream (computed by each
+tile): logits for this rank's vocabulary rows, plus the tile's argmax per batch row (first index on ties;
+padding rows past the vocabulary never win)."""
 import math
 
 import triton
 import triton.language as tl
 
-from distmk.kernels.primitives import matmul_block, prefetch_l2
-from distmk.tasks.base import TaskKind
+from distmk.kernels.primitives import matmul_block, prefetch_l2, row_rstd
+from distmk.tasks.base import TaskKind, normed_stream
 
 
 @triton.jit
-def lm_head_gpu(a0, a1, a2, n, xn, lm_head, logits, tile_max, tile_arg, vocab0, vocab_valid, H: tl.constexpr,
-                VOCAB_L: tl.constexpr, LM_TILES: tl.constexpr, B_PAD: tl.constexpr, LM_BLOCK_N: tl.constexpr,
-                LM_BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def lm_head_gpu(layer, a0, a1, a2, n, x, norms, lm_head, logits, tile_max, tile_arg, vocab0, vocab_valid,
+                H: tl.constexpr, VOCAB_L: tl.constexpr, LM_TILES: tl.constexpr, B_PAD: tl.constexpr, EPS: tl.constexpr,
+                NORM_BLOCK: tl.constexpr, LM_BLOCK_N: tl.constexpr, LM_BLOCK_K: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, LM_BLOCK_N)
     best = tl.full((B_PAD,), float("-inf"), dtype=tl.float32)
     best_id = tl.full((B_PAD,), -1, dtype=tl.int64)
+    rstd = row_rstd(x, n, H, EPS, B_PAD, NORM_BLOCK)              # final RMSNorm, fused
+    norm_w = norms + 2 * layer * H                                # layer == layers: the final norm's row
     for j in range(0, a1, LM_BLOCK_N):
         row0 = a0 + j
-        acc = matmul_block(xn, lm_head, n, row0, a1 - j, H, B_PAD, LM_BLOCK_N, LM_BLOCK_K, DOT_PRECISION)
+        acc = matmul_block(x, lm_head, n, row0, a1 - j, rstd, norm_w, H, B_PAD, LM_BLOCK_N, LM_BLOCK_K, True,
+                           DOT_PRECISION)
         cols = rn < a1 - j
         tl.store(logits + rb[:, None] * VOCAB_L + (row0 + rn)[None, :], acc, mask=(rb < n)[:, None] & cols[None, :])
         scores = tl.where((cols & (row0 + rn < vocab_valid))[None, :], acc, float("-inf"))
@@ -49,7 +54,7 @@ class LMHead(TaskKind):
     def run(self, ctx, layer, a):
         row0, nrows, tile = a
         n = ctx.num_rows
-        logits = ctx.buf["xn"][:n].float() @ ctx.weights.lm_head[row0:row0 + nrows].float().t()
+        logits = normed_stream(ctx, ctx.weights.final_norm).float() @ ctx.weights.lm_head[row0:row0 + nrows].float().t()
         ctx.buf["logits"][:n, row0:row0 + nrows] = logits
         valid = max(0, min(nrows, ctx.plan.vocab_valid - row0))
         if valid == 0:

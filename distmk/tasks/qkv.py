@@ -1,12 +1,13 @@
-"""One head of the fused QKV projection for all rows: matmul (+bias), then for q and k heads the
+"""One head of the fused QKV projection for all rows, of the input-RMSNormed residual stream (the norm is
+computed by each tile): matmul (+bias), then for q and k heads the
 per-head q/k-norm (Qwen3) and RoPE; q goes to the q buffer, k and v are appended to the paged KV cache
 at each row's position. A tile is one head so that norm and RoPE see whole heads."""
 import torch
 import triton
 import triton.language as tl
 
-from distmk.kernels.primitives import matmul_pair, prefetch_l2
-from distmk.tasks.base import TaskKind, rms_norm, rope
+from distmk.kernels.primitives import matmul_pair, prefetch_l2, row_rstd
+from distmk.tasks.base import TaskKind, normed_stream, rms_norm, rope
 
 
 @triton.jit
@@ -23,23 +24,26 @@ def store_kv(cache, layer, head, lo, hi, rb, rd, pos, n, block_table, D: tl.cons
 
 
 @triton.jit
-def qkv_gpu(layer, a0, n, xn, wqkv, bqkv, qk_norm, inv_freq, positions, block_table, q, k_cache, v_cache,
+def qkv_gpu(layer, a0, n, x, norms, wqkv, bqkv, qk_norm, inv_freq, positions, block_table, q, k_cache, v_cache,
             H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, B_PAD: tl.constexpr,
             HALF_PAD: tl.constexpr, MAXB: tl.constexpr, BS: tl.constexpr, NBLK: tl.constexpr, EPS: tl.constexpr,
-            HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, QKV_BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, QKV_BLOCK_K: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
     # The head's two halves are separate accumulators, so rotate-half RoPE pairs columns elementwise.
     HALF: tl.constexpr = D // 2
     rows: tl.constexpr = (HQ + 2 * HKV) * D
     slot = a0
     w = wqkv + layer.to(tl.int64) * rows * H
-    lo, hi = matmul_pair(xn, w, w + HALF * H, n, slot * D, HALF, H, B_PAD, HALF_PAD, QKV_BLOCK_K, DOT_PRECISION)
+    rstd = row_rstd(x, n, H, EPS, B_PAD, NORM_BLOCK)              # input RMSNorm, fused into the loads
+    lo, hi = matmul_pair(x, w, w + HALF * H, n, slot * D, HALF, rstd, norms + 2 * layer * H, H, B_PAD, HALF_PAD,
+                         QKV_BLOCK_K, True, DOT_PRECISION)
     rd = tl.arange(0, HALF_PAD)
     dmask = rd < HALF
     if HAS_BIAS:
         bias = bqkv + layer * rows + slot * D
         lo += tl.load(bias + rd, mask=dmask, other=0.0).to(tl.float32)[None, :]
         hi += tl.load(bias + HALF + rd, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    act = xn.dtype.element_ty
+    act = q.dtype.element_ty
     rb = tl.arange(0, B_PAD)
     pos = tl.load(positions + rb, mask=rb < n, other=0)
     if slot < HQ + HKV:
@@ -88,7 +92,7 @@ class QKV(TaskKind):
         spec, plan, lw = ctx.spec, ctx.plan, ctx.weights.layers[layer]
         d, n = spec.head_dim, ctx.num_rows
         rows = slice(slot * d, (slot + 1) * d)
-        out = ctx.buf["xn"][:n].float() @ lw.wqkv[rows].float().t()
+        out = normed_stream(ctx, lw.input_norm).float() @ lw.wqkv[rows].float().t()
         if lw.bqkv is not None:
             out = out + lw.bqkv[rows].float()
         out = out[:, None, :]                                       # [n, 1, D], float32 until stored

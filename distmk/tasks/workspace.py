@@ -10,7 +10,6 @@ def allocate_workspace(spec, plan, batch: int, kv_splits: int, lm_tiles: int, dt
     act = dict(dtype=dtype, device=device)
     return {
         "x": torch.zeros(B, H, **f32),                               # residual stream, kept in float32
-        "xn": torch.zeros(B, H, **act),                              # normed input of the next matmuls
         "q": torch.zeros(B, plan.num_heads, D, **act),               # roped queries
         "attn_o": torch.zeros(B, plan.num_kv_heads, kv_splits, g, D, **f32),  # split-KV partials
         "attn_m": torch.zeros(B, plan.num_kv_heads, kv_splits, g, **f32),
