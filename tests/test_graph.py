@@ -19,11 +19,18 @@ from conftest import PROMPT, SMALL
 
 def table_for(name="tiny-qwen3", tp=2, **cfg):
     spec = PRESETS[name]
-    return compile_step(spec, plan_shard(spec, tp, 0), GraphConfig(**{**SMALL.__dict__, **cfg}))
+    table = compile_step(spec, plan_shard(spec, tp, 0), GraphConfig(**{**SMALL.__dict__, **cfg}))
+    return table
+
+
+def signal_weight(table, t) -> int:
+    """Signals task t adds to its event: one, or one per rank for an exchange (every rank pushes)."""
+    return table.tp if TASK_KINDS[int(table.tasks[t, TYPE])].signals_all_ranks else 1
 
 
 def simulate(table):
-    """Run the queues without computing anything; return the order tasks ran in (the executor's rule)."""
+    """Run the queues without computing anything; return the order tasks ran in (the executor's rule).
+    Every rank runs the same table, so an exchange's pushes from all ranks arrive with the local one."""
     need, counters = table.event_need.tolist(), collections.Counter()
     queues = [table.worker_queue(w) for w in range(table.num_workers)]
     heads, order = [0] * len(queues), []
@@ -36,7 +43,7 @@ def simulate(table):
                 if e >= 0 and counters[e] < need[e]:
                     break
                 order.append(t)
-                counters[int(table.tasks[t, SIGNAL])] += 1
+                counters[int(table.tasks[t, SIGNAL])] += signal_weight(table, t)
                 heads[w] += 1
                 moved = True
         assert moved, "deadlock"
@@ -55,7 +62,7 @@ def test_every_task_once_and_dependencies_before_use(workers):
     for t in range(table.num_tasks):
         e = int(table.tasks[t, WAIT])
         if e >= 0:
-            assert len(signalers[e]) == table.event_need[e]
+            assert sum(signal_weight(table, p) for p in signalers[e]) == table.event_need[e]
             assert all(ran_at[p] < ran_at[t] for p in signalers[e])
 
 
@@ -87,8 +94,10 @@ def test_consumers_wait_only_on_the_tiles_they_read():
         by_signal[r[SIGNAL]].append(r)
     allreduces = [r for r in rows if r[TYPE] == TYPE_ID["allreduce"]]
     assert allreduces
-    for r in allreduces:      # exactly the one matmul tile that produced the same rows of the same layer
-        (producer,) = by_signal[r[WAIT]]
+    for r in allreduces:      # the push of the same rows, which waits on exactly the matmul tile producing them
+        (push,) = by_signal[r[WAIT]]
+        assert push[TYPE] == TYPE_ID["ar_push"] and (push[LAYER], push[A0], push[A1]) == (r[LAYER], r[A0], r[A1])
+        (producer,) = by_signal[push[WAIT]]
         assert producer[TYPE] in (TYPE_ID["o_proj"], TYPE_ID["down"])
         assert (producer[LAYER], producer[A0], producer[A1]) == (r[LAYER], r[A0], r[A1])
     plan = plan_shard(PRESETS["tiny-qwen3"], 2, 0)

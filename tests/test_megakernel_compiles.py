@@ -20,3 +20,15 @@ def test_megakernel_compiles_for_sm90(name, dtype, batch):
     compiled = engine.executor.compile_ahead(arch=90)
     assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
     assert "megakernel" in compiled.asm["ptx"]
+
+
+def test_tensor_parallel_megakernel_compiles_for_sm90():
+    """tp=2: exchange pushes into peers' symmetric buffers and events signalled on every rank."""
+    from distmk.reference.comm import run_simulated_ranks
+
+    def compile_rank(rank, comm):
+        engine = Engine("llama-3-8b", tp=2, rank=rank, comm=comm, backend="triton", device="meta",
+                        dtype=torch.bfloat16, max_context=1024, config=GraphConfig(batch=4, workers=132))
+        return engine.executor.compile_ahead(arch=90).metadata.shared
+
+    assert all(shared <= HOPPER_SHARED_BYTES for shared in run_simulated_ranks(2, compile_rank))

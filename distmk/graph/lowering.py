@@ -73,10 +73,13 @@ class GraphBuilder:
         self.rows.append([TYPE_ID[kind], layer, *args, *[0] * (4 - len(args)), wait, signal])
         return len(self.rows) - 1
 
-    def tensors(self):
+    def tensors(self, tp: int):
         tasks = torch.tensor(self.rows, dtype=torch.int32).reshape(-1, len(COLUMNS))
         need = torch.tensor(self.event_need, dtype=torch.int32)
-        got = torch.bincount(tasks[:, -1][tasks[:, -1] >= 0].long(), minlength=len(need))
+        signalled = tasks[:, -1] >= 0
+        per_signal = torch.tensor([tp if TASK_KINDS[t].signals_all_ranks else 1 for t in tasks[:, 0].tolist()])
+        got = torch.bincount(tasks[:, -1][signalled].long(), weights=per_signal[signalled].double(),
+                             minlength=len(need)).long()
         bad = (got != need).nonzero().flatten().tolist()
         if bad:
             e = bad[0]
@@ -105,7 +108,9 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
                 tile_done = g.event(f"L{layer}.{name}.tile{row0}", 1)
                 g.task(kind, layer, (row0, nrows, WRITE_PARTIAL), wait=wait, signal=tile_done)
                 slot = 2 * layer + (kind == "down")
-                g.task("allreduce", layer, (row0, nrows, slot), wait=tile_done, signal=done)
+                arrived = g.event(f"L{layer}.{name}.ar{row0}", plan.tp)    # one push from every rank
+                g.task("ar_push", layer, (row0, nrows, slot), wait=tile_done, signal=arrived)
+                g.task("allreduce", layer, (row0, nrows, slot), wait=arrived, signal=done)
         return done
 
     x_ready = g.event("x.embed", B)
@@ -133,7 +138,9 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
     logits = g.event("logits", len(lm_tiles))
     for i, (row0, nrows) in enumerate(lm_tiles):
         g.task("lm_head", spec.num_layers, (row0, nrows, i), wait=x_ready, signal=logits)
-    g.task("argmax", spec.num_layers, (), wait=logits, signal=g.event("next_token", 1))
+    best = g.event("best_per_rank", plan.tp)
+    g.task("argmax_push", spec.num_layers, (), wait=logits, signal=best)
+    g.task("argmax", spec.num_layers, (), wait=best, signal=g.event("next_token", 1))
     return g
 
 
@@ -147,9 +154,11 @@ def compile_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> TaskT
 
     config = config.resolved(plan)
     builder = lower_decode_step(spec, plan, config)
-    tasks, need = builder.tensors()
+    tasks, need = builder.tensors(plan.tp)
     shape = StepShape(spec, plan, config.batch, config.kv_splits, config.context,
                       config.dtype_bytes, config.dtype_bytes)
     cost = torch.tensor([TASK_KINDS[t[0]].cost(shape, t[1], tuple(t[2:6])) for t in builder.rows],
                         dtype=torch.int64)
-    return schedule(tasks, need, cost, builder.event_names, config)
+    table = schedule(tasks, need, cost, builder.event_names, config)
+    table.tp = plan.tp
+    return table

@@ -26,6 +26,7 @@ class TaskTable:
     cost: torch.Tensor
     event_names: list[str] = field(default_factory=list)
     config: object = None       # the GraphConfig it was compiled for
+    tp: int = 1                 # ranks running the same table (an exchange's event needs one signal from each)
     schedule: dict = field(default_factory=dict)   # scheduler's estimates (makespan, critical path, ...)
 
     @property
@@ -42,4 +43,5 @@ class TaskTable:
     def to(self, device) -> "TaskTable":
         """The same table with its int tensors on `device` (for the GPU kernel)."""
         moved = {k: getattr(self, k).to(device) for k in ("tasks", "event_need", "queue_ptr", "queue", "cost")}
-        return TaskTable(**moved, event_names=self.event_names, config=self.config, schedule=self.schedule)
+        return TaskTable(**moved, event_names=self.event_names, config=self.config, tp=self.tp,
+                         schedule=self.schedule)

@@ -44,8 +44,6 @@ class TritonExecutor:
                  num_warps: int = 4, num_stages: int = 4, block_n: int = 32, block_k: int | None = None,
                  mlp_block_n: int = 64, lm_block_n: int = 128, prefetch_kb: int = 256, trace: bool = False,
                  cuda_graph: bool = True):
-        if comm.world > 1:
-            raise DistmkError("the triton backend runs tp=1 for now: tp>1 needs the NVSHMEM all-reduce tasks")
         missing = sorted({TASK_KINDS[t].name for t in table.tasks[:, TYPE].tolist() if TASK_KINDS[t].gpu is None})
         if missing:
             raise DistmkError(f"task types {missing} have no GPU implementation")
@@ -62,23 +60,31 @@ class TritonExecutor:
         self.block_table = torch.zeros(config.batch, kv_cache.blocks_per_seq, **i64)
         self.rows = torch.zeros(1, **i32)
         self.epoch = torch.zeros(1, **i32)
-        self.counters = torch.zeros(len(table.event_need), **i32)
+        # symmetric memory: peers bump our exchange events and write our exchange buffers
+        self.counters, counter_peers = comm.symmetric((len(table.event_need),), torch.int32, device)
+        b_pad = _pad(config.batch)
+        exchange = comm.symmetric((2, comm.world, b_pad, spec.hidden_size), torch.float32, device)
+        best = comm.symmetric((comm.world, b_pad), torch.float32, device)
+        best_id = comm.symmetric((comm.world, b_pad), torch.int64, device)
         self.error = torch.zeros(len(ERROR_FIELDS), **i64)
         self.trace = torch.zeros(table.num_tasks if trace else 1, len(TRACE_FIELDS), **i64)
-        self.timeout = 1000 if self.interpret else int(timeout_s * 1e9)   # polls when interpreted
+        # polls when interpreted: simulated ranks (threads) may have to wait for each other a while
+        self.timeout = (1000 if comm.world == 1 else 10 ** 6) if self.interpret else int(timeout_s * 1e9)
         lm_tiles = num_lm_tiles(plan, config)
         # 16-32 KB of weights per load step in bf16; float32 (tests) halves K to stay in shared memory
         block_k = block_k or (128 if dtype == torch.float32 else 256)
         pair_k = block_k // 2                   # gate+up and the two halves of a head load two tiles a step
         self.args = dict(
             tasks=self.dev_table.tasks, queue=self.dev_table.queue, queue_ptr=self.dev_table.queue_ptr,
-            event_need=self.dev_table.event_need, counters=self.counters, epoch_ptr=self.epoch,
+            event_need=self.dev_table.event_need, counters=self.counters, counter_peers=counter_peers,
+            exchange=exchange[0], exchange_peers=exchange[1], best=best[0], best_peers=best[1],
+            best_id=best_id[0], best_id_peers=best_id[1], WORLD=comm.world, epoch_ptr=self.epoch,
             rows_ptr=self.rows, error=self.error, trace=self.trace, rank=comm.rank, timeout=self.timeout,
             vocab0=plan.vocab0, vocab_valid=plan.vocab_valid,
             **stack_layers(weights), k_cache=kv_cache.k, v_cache=kv_cache.v, tokens=self.tokens,
             positions=self.positions, block_table=self.block_table, **self.buf,
             H=spec.hidden_size, D=spec.head_dim, HQ=plan.num_heads, HKV=plan.num_kv_heads, G=plan.group,
-            G_PAD=_pad(plan.group), INTER=plan.inter, VOCAB_L=plan.vocab, B_PAD=_pad(config.batch),
+            G_PAD=_pad(plan.group), INTER=plan.inter, VOCAB_L=plan.vocab, B_PAD=b_pad,
             MAXB=kv_cache.blocks_per_seq, BS=kv_cache.block_size, NBLK=kv_cache.num_blocks, S=config.kv_splits,
             EPS=spec.rms_norm_eps, HAS_BIAS=spec.qkv_bias, QK_NORM=spec.qk_norm, WINDOW=spec.sliding_window or 0,
             SCALE=spec.head_dim ** -0.5, HALF_PAD=_pad(spec.head_dim // 2), LM_TILES=lm_tiles,

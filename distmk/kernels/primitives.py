@@ -101,9 +101,13 @@ def now_ns():
 
 
 @triton.jit
-def load_acquire(ptr, INTERPRET: tl.constexpr):
+def load_acquire(ptr, INTERPRET: tl.constexpr, SYSTEM: tl.constexpr):
+    """Acquire load of an event counter; system scope when other GPUs signal it."""
     if INTERPRET:
-        value = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        value = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    elif SYSTEM:
+        value = tl.inline_asm_elementwise("ld.global.acquire.sys.b32 $0, [$1];", "=r,l", [ptr],
+                                          dtype=tl.int32, is_pure=False, pack=1)
     else:
         value = tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr],
                                           dtype=tl.int32, is_pure=False, pack=1)
@@ -111,20 +115,20 @@ def load_acquire(ptr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def wait_event(counter_ptr, target, abort_ptr, timeout_ns, INTERPRET: tl.constexpr):
+def wait_event(counter_ptr, target, abort_ptr, timeout_ns, INTERPRET: tl.constexpr, SYSTEM: tl.constexpr):
     """Spin until *counter_ptr >= target. Returns the last value seen: below target means the wait gave up
     (timeout, or another worker already aborted the step)."""
-    value = load_acquire(counter_ptr, INTERPRET)
+    value = load_acquire(counter_ptr, INTERPRET, SYSTEM)
     if INTERPRET:
         polls = 0
         while (value < target) & (polls < timeout_ns):
-            value = load_acquire(counter_ptr, INTERPRET)
+            value = load_acquire(counter_ptr, INTERPRET, SYSTEM)
             polls += 1
     else:
         deadline = now_ns() + timeout_ns
         aborted = tl.load(abort_ptr, volatile=True)
         while (value < target) & (aborted == 0) & (now_ns() < deadline):
-            value = load_acquire(counter_ptr, INTERPRET)
+            value = load_acquire(counter_ptr, INTERPRET, SYSTEM)
             aborted = tl.load(abort_ptr, volatile=True)
     tl.debug_barrier()
     return value
@@ -134,3 +138,13 @@ def wait_event(counter_ptr, target, abort_ptr, timeout_ns, INTERPRET: tl.constex
 def signal_event(counter_ptr):
     tl.debug_barrier()   # every thread's stores of this task precede the release
     tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def signal_all_ranks(counter_peers, event, WORLD: tl.constexpr):
+    """Bump `event` on every rank (the exchange tasks' signal): a release at system scope into each peer's
+    counters, through the peer pointers of the symmetric counter array."""
+    tl.debug_barrier()
+    for p in tl.static_range(WORLD):
+        peer = tl.load(counter_peers + p).to(tl.pointer_type(tl.int32))
+        tl.atomic_add(peer + event, 1, sem="release", scope="sys")

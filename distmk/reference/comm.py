@@ -1,8 +1,13 @@
-"""How reference tasks that communicate reach the other ranks: `gather(t)` returns every rank's `t`, in
-rank order, so each task combines them in a fixed order and all ranks compute bit-identical results.
+"""How tasks that communicate reach the other ranks.
 
-SingleRank (tp=1), ThreadRanks (tp ranks simulated by threads of one process, for tests) and TorchDist
-(torch.distributed, gloo on the CPU, under torchrun or MPI).
+`gather(t)` returns every rank's `t`, in rank order, so reference tasks combine them in a fixed order and
+all ranks compute bit-identical results. `symmetric(shape, dtype, device)` allocates a tensor that every
+rank has, and returns it with the addresses of all ranks' copies (peer pointers), which the megakernel
+writes into directly.
+
+SingleRank (tp=1), ThreadRanks (tp ranks simulated by threads of one process, for tests; their tensors
+share one address space, so they are symmetric memory) and TorchDist (torch.distributed, gloo on the CPU,
+under torchrun or MPI; no symmetric memory).
 """
 from __future__ import annotations
 
@@ -22,6 +27,15 @@ class SingleRank:
 
     def gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         return [t.clone()]
+
+    def symmetric(self, shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        return _with_peers(torch.zeros(shape, dtype=dtype, device=device), self)
+
+
+def _with_peers(local: torch.Tensor, comm) -> tuple[torch.Tensor, torch.Tensor]:
+    """local, and an int64 tensor of every rank's address of its copy (exchanged with gather)."""
+    addresses = comm.gather(torch.tensor([local.data_ptr()], dtype=torch.int64))
+    return local, torch.cat(addresses).to(local.device)
 
 
 class _ThreadGroup:
@@ -47,6 +61,9 @@ class ThreadRanks:
         except threading.BrokenBarrierError:
             raise PeerFailed(f"simulated rank {self.rank}: a peer rank failed or timed out") from None
         return out
+
+    def symmetric(self, shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        return _with_peers(torch.zeros(shape, dtype=dtype, device=device), self)
 
 
 def run_simulated_ranks(world: int, fn, timeout: float = 120.0) -> list:
@@ -88,3 +105,7 @@ class TorchDist:
         out = [torch.empty_like(t) for _ in range(self.world)]
         self.dist.all_gather(out, t)
         return out
+
+    def symmetric(self, shape, dtype, device):
+        raise DistmkError("the triton backend at tp>1 needs symmetric memory across processes (NVSHMEM), "
+                          "which torch.distributed does not give; use --backend reference")

@@ -35,6 +35,9 @@ class StepContext:
     positions: torch.Tensor = None    # [rows] int64
     block_table: torch.Tensor = None  # [rows, max_blocks] int64
     num_rows: int = 0
+    wait: int = -1                    # the running task's events (exchanges are keyed by them)
+    signal: int = -1
+    published: dict = None            # what this rank's push tasks made visible to the others, by event
 
 
 class ReferenceExecutor:
@@ -47,9 +50,11 @@ class ReferenceExecutor:
             buf=allocate_workspace(spec, plan, config.batch, config.kv_splits, num_lm_tiles(plan, config),
                                    dtype, device),
             k_cache=kv_cache.k, v_cache=kv_cache.v, block_size=kv_cache.block_size,
-            kv_splits=config.kv_splits, comm=comm, dtype=dtype)
+            kv_splits=config.kv_splits, comm=comm, dtype=dtype, published={})
         self.rows = [(TASK_KINDS[r[TYPE]], r[LAYER], tuple(r[A0:A0 + len(TASK_KINDS[r[TYPE]].args)]),
                       r[WAIT], r[SIGNAL]) for r in table.tasks.tolist()]
+        # an exchange's event counts one signal per rank; here the other ranks meet inside comm.gather
+        self.signal_step = [comm.world if kind.signals_all_ranks else 1 for kind, *_ in self.rows]
         self.need = table.event_need.tolist()
         self.queues = [table.worker_queue(w) for w in range(table.num_workers)]
         self.counters = [0] * len(self.need)
@@ -68,12 +73,14 @@ class ReferenceExecutor:
             moved = 0
             for w, q in enumerate(self.queues):
                 while heads[w] < len(q):
-                    kind, layer, args, wait, signal = self.rows[q[heads[w]]]
+                    task = q[heads[w]]
+                    kind, layer, args, wait, signal = self.rows[task]
                     if wait >= 0 and self.counters[wait] < self.epoch * self.need[wait]:
                         break
+                    c.wait, c.signal = wait, signal
                     kind.run(c, layer, args)
                     if signal >= 0:
-                        self.counters[signal] += 1
+                        self.counters[signal] += self.signal_step[task]
                     heads[w] += 1
                     moved += 1
             remaining -= moved

@@ -2,7 +2,9 @@
 
 Adding a task type means one new file in this package and one line below."""
 from distmk.tasks.allreduce import AllReduce
+from distmk.tasks.ar_push import ArPush
 from distmk.tasks.argmax import Argmax
+from distmk.tasks.argmax_push import ArgmaxPush
 from distmk.tasks.attention import Attention
 from distmk.tasks.attn_reduce import AttnReduce
 from distmk.tasks.base import TaskKind
@@ -13,6 +15,6 @@ from distmk.tasks.lm_head import LMHead
 from distmk.tasks.o_proj import OProj
 from distmk.tasks.qkv import QKV
 
-TASK_KINDS: list[TaskKind] = [Embed(), QKV(), Attention(), AttnReduce(), OProj(), AllReduce(), GateUp(), Down(),
-                              LMHead(), Argmax()]
+TASK_KINDS: list[TaskKind] = [Embed(), QKV(), Attention(), AttnReduce(), OProj(), ArPush(), AllReduce(), GateUp(),
+                              Down(), LMHead(), ArgmaxPush(), Argmax()]
 TYPE_ID = {kind.name: i for i, kind in enumerate(TASK_KINDS)}

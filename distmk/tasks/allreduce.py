@@ -1,25 +1,44 @@
-"""All-reduce of one row tile of a row-parallel output: x[:, rows] += sum of every rank's partial, summed
-in rank order so that all ranks hold bit-identical results. Waits only for the local matmul tile that
-produced the slice; on the GPU the exchange goes through NVSHMEM symmetric memory."""
+"""Second half of the all-reduce of one row tile: once every rank's partial of the rows has arrived (the
+push event completes with one signal per rank), x[:, rows] += their sum, taken in rank order so that all
+ranks hold bit-identical results."""
 import torch
+import triton
+import triton.language as tl
 
 from distmk.tasks.base import TaskKind
 
 
+@triton.jit
+def allreduce_gpu(a0, a1, a2, n, x, exchange, H: tl.constexpr, B_PAD: tl.constexpr, WORLD: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    rb = tl.arange(0, B_PAD)
+    rn = tl.arange(0, BLOCK_N)
+    for j in range(0, a1, BLOCK_N):
+        cols = a0 + j + rn
+        mask = (rb < n)[:, None] & (rn < a1 - j)[None, :]
+        total = tl.zeros((B_PAD, BLOCK_N), dtype=tl.float32)
+        for src in tl.static_range(WORLD):
+            slot = ((a2 % 2) * WORLD + src) * B_PAD
+            total += tl.load(exchange + (slot + rb)[:, None] * H + cols[None, :], mask=mask, other=0.0)
+        offs = rb[:, None] * H + cols[None, :]
+        residual = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(x + offs, (residual + total).to(x.dtype.element_ty), mask=mask)
+
+
 class AllReduce(TaskKind):
     name = "allreduce"
-    args = ("row0", "nrows", "slot")  # slot: which row-parallel output (2*layer for o_proj, 2*layer+1 for down)
+    args = ("row0", "nrows", "slot")
     communicates = True
+    gpu = allreduce_gpu
 
     def cost(self, shape, layer, a):
-        # own partial out, every peer's partial in, residual read and written
-        return shape.batch * a[1] * (4 * shape.plan.tp + 2 * shape.act_bytes)
+        return shape.batch * a[1] * (4 * shape.plan.tp + 8)
 
     def run(self, ctx, layer, a):
         row0, nrows, _slot = a
         n, x = ctx.num_rows, ctx.buf["x"]
-        parts = ctx.comm.gather(ctx.buf["partial"][:n, row0:row0 + nrows])
-        total = parts[0].clone()
-        for p in parts[1:]:
+        parts = ctx.comm.gather(ctx.published.pop(ctx.wait))
+        total = torch.zeros_like(parts[0])
+        for p in parts:
             total += p
         x[:n, row0:row0 + nrows] = (x[:n, row0:row0 + nrows].float() + total).to(x.dtype)
