@@ -51,17 +51,33 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def run(args) -> dict | None:
+def open_comm(args, launch):
+    """None for one rank; torch.distributed for the reference backend; NVSHMEM for the megakernel."""
+    if launch.world == 1:
+        return None
+    init_process_group(launch, "gloo" if args.device == "cpu" else "nccl")
+    if args.backend == "triton":
+        from distmk.comm.nvshmem import NvshmemComm
+        return NvshmemComm(launch)
+    from distmk.reference.comm import TorchDist
+    return TorchDist()
+
+
+def run(args) -> dict:
     launch = detect_launch()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise DistmkError("--device cuda: no CUDA device is visible")
     if args.device == "cuda":
         torch.cuda.set_device(launch.local_rank)
-    comm = None
-    if launch.world > 1:
-        from distmk.reference.comm import TorchDist
-        init_process_group(launch, "gloo" if args.device == "cpu" else "nccl")
-        comm = TorchDist()
+    comm = open_comm(args, launch)
+    try:
+        return run_with(args, launch, comm)
+    finally:
+        if hasattr(comm, "close"):    # NVSHMEM: free symmetric memory and finalize, or the process hangs at exit
+            comm.close()
+
+
+def run_with(args, launch, comm) -> dict:
     device = args.device if args.device == "cpu" else f"cuda:{launch.local_rank}"
     dtype = DTYPES[args.dtype or ("float32" if args.device == "cpu" else "bfloat16")]
     config = GraphConfig(batch=args.batch, kv_splits=args.kv_splits, tile_rows=args.tile_rows,

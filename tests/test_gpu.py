@@ -156,3 +156,17 @@ def test_autotune_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     second = Engine("tiny-mistral", backend="triton", device="cuda", dtype=torch.bfloat16, config=config)
     assert (tmp_path / "autotune.json").stat().st_mtime_ns == stamp        # read, not measured again
     assert first.generate(PROMPT, 8) == second.generate(PROMPT, 8)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_tp2_megakernel_over_nvshmem_matches_transformers(name):
+    """Two ranks, one GPU each: exchanges through NVSHMEM symmetric memory inside the megakernel."""
+    from conftest import torchrun
+    from test_cli import only_json_line
+    proc = torchrun(2, "-m", "distmk.generate", "--model", name, "--prompt-ids", "1,2,3,4,5,6,7",
+                    "--max-new-tokens", "32", "--backend", "triton", "--device", "cuda", "--dtype", "float32",
+                    "--json", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not freed" not in proc.stderr
+    assert only_json_line(proc.stdout)["tokens"] == hf_greedy(name, weights_device="cuda")[0]

@@ -96,6 +96,10 @@ class TritonExecutor:
             DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
             TRACE=trace, INTERPRET=self.interpret)
         self.kernel = load_megakernel(TASK_KINDS)
+        if comm.world > 1:          # no rank may push into a peer's buffers before the peer has zeroed them
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            comm.gather(torch.zeros(1, device=device))
         self.launch_options = dict(num_warps=num_warps, num_stages=1 if self.interpret else num_stages)
         self.use_graph = cuda_graph and device.type == "cuda"
         self.graph = None

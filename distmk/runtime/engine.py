@@ -60,7 +60,8 @@ class Engine:
 
         key = tuning.tuning_key(self.spec, self.plan, self.config.batch, self.dtype, self.device)
         tuned = tuning.cached_options(key)
-        if tuned is None and autotune and self.device.type == "cuda":
+        # tensor-parallel ranks take the cached or default options: tuning them would need a common choice
+        if tuned is None and autotune and self.device.type == "cuda" and self.comm.world == 1:
             log = print if progress else None
             tuned = tuning.tune(key, make, self.config.batch, min(511, self.max_context - 1), log)
         return make(tuned or {})
