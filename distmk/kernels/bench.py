@@ -10,31 +10,46 @@ from distmk.graph import GraphConfig
 from distmk.kernels.autotune import launch_times
 
 
-def decode_engine(model: str, batch: int, context: int, *, workers: int | None = None, trace: bool = False,
-                  block_size: int = 16, **kernel_options):
-    """A bf16 triton Engine whose `batch` rows sit at position `context - 1` of their own sequences, with
-    random KV-cache contents, ready for `engine.executor.launch()`."""
+def decode_engine(model: str, batch: int, context: int, *, comm=None, workers: int | None = None,
+                  trace: bool = False, block_size: int = 16, **kernel_options):
+    """A bf16 triton Engine (one rank of `comm`'s, or alone) whose `batch` rows sit at position
+    `context - 1` of their own sequences, with random KV-cache contents, ready for executor.launch()."""
     from distmk.runtime.engine import Engine
-    workers = workers or torch.cuda.get_device_properties(0).multi_processor_count
+    device = torch.device("cuda", torch.cuda.current_device())
+    workers = workers or torch.cuda.get_device_properties(device).multi_processor_count
     config = GraphConfig(batch=batch, workers=workers, context=context)
     max_context = -(-context // block_size) * block_size
-    engine = Engine(model, backend="triton", device="cuda", dtype=torch.bfloat16, config=config,
+    engine = Engine(model, tp=comm.world if comm else 1, rank=comm.rank if comm else 0, comm=comm,
+                    backend="triton", device=device, dtype=torch.bfloat16, config=config,
                     max_context=max_context, block_size=block_size,
                     kernel_options={"trace": trace, **kernel_options}, autotune=not kernel_options)
     engine.kv.k.normal_()
     engine.kv.v.normal_()
     blocks = [engine.kv.allocate([], context) for _ in range(batch)]
-    tokens = torch.randint(0, engine.spec.vocab_size, (batch,)).tolist()
+    generator = torch.Generator().manual_seed(0)            # every rank steps the same tokens
+    tokens = torch.randint(0, engine.spec.vocab_size, (batch,), generator=generator).tolist()
     engine.step(tokens, [context - 1] * batch, blocks)     # compiles, captures, checks the watchdog
     return engine
 
 
 def distmk_step_ms(model: str, batch: int, context: int, iters: int = 200, **options) -> dict:
-    t0 = time.perf_counter()
-    engine = decode_engine(model, batch, context, **options)
-    setup_s = time.perf_counter() - t0
-    ex = engine.executor
-    times = launch_times(ex, iters, warmup=10)
-    return {"step_ms": statistics.median(times), "step_ms_min": min(times),
-            "mode": "cudagraph" if ex.use_graph else "launch", "workers": engine.table.num_workers,
-            "tasks": engine.table.num_tasks, "setup_s": round(setup_s, 2)}
+    """Median step time of this rank; under torchrun every rank runs its shard and they exchange through
+    NVSHMEM, so each rank's step includes the waits on its peers."""
+    import torch.distributed as dist
+    comm = None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        from distmk.comm.nvshmem import NvshmemComm
+        from distmk.dist import detect_launch
+        comm = NvshmemComm(detect_launch())
+    try:
+        t0 = time.perf_counter()
+        engine = decode_engine(model, batch, context, comm=comm, **options)
+        setup_s = time.perf_counter() - t0
+        ex = engine.executor
+        times = launch_times(ex, iters, warmup=10)
+        return {"step_ms": statistics.median(times), "step_ms_min": min(times), "tp": engine.plan.tp,
+                "mode": "cudagraph" if ex.use_graph else "launch", "workers": engine.table.num_workers,
+                "tasks": engine.table.num_tasks, "setup_s": round(setup_s, 2)}
+    finally:
+        if comm is not None:
+            comm.close()
