@@ -90,7 +90,7 @@ def run_with(args, launch, comm) -> dict:
     engine = Engine(args.model, tp=launch.world, rank=launch.rank, comm=comm, dtype=dtype, device=device,
                     backend=args.backend, config=config, max_context=args.max_context, seed=args.seed,
                     progress=launch.rank == 0 and not args.json, kernel_options=kernel_options,
-                    autotune=not args.no_autotune)
+                    autotune=not args.no_autotune, max_seqs=1)
     tokenizer = load_tokenizer(engine.tokenizer_dir, engine.spec.vocab_size)
     if args.prompt is not None:
         prompt = tokenizer.encode(args.prompt)

@@ -49,6 +49,13 @@ class TritonExecutor:
             raise DistmkError(f"task types {missing} have no GPU implementation")
         self.interpret = os.environ.get("TRITON_INTERPRET") == "1"
         self.device = device = weights.embed.device
+        if self.interpret and table.num_workers > 1:
+            raise DistmkError("under TRITON_INTERPRET programs run one after another, so a table for "
+                              f"{table.num_workers} workers would wait forever: compile it for workers=1")
+        if device.type == "cuda" and table.num_workers > torch.cuda.get_device_properties(device).multi_processor_count:
+            raise DistmkError(f"a table for {table.num_workers} workers cannot run on "
+                              f"{torch.cuda.get_device_properties(device).multi_processor_count} SMs: every worker "
+                              f"of the persistent kernel must be resident at once (set GraphConfig.workers)")
         config, plan = table.config, weights.plan
         self.table, self.spec, self.plan, self.rank = table, spec, plan, comm.rank
         self.dev_table = table.to(device)
@@ -103,6 +110,7 @@ class TritonExecutor:
         self.launch_options = dict(num_warps=num_warps, num_stages=1 if self.interpret else num_stages)
         self.use_graph = cuda_graph and device.type == "cuda"
         self.graph = None
+        self.comm_world, self.failed = comm.world, False
 
     def _launch(self) -> None:
         if self.device.type != "cuda" and not self.interpret:
@@ -125,6 +133,8 @@ class TritonExecutor:
         self.graph.replay()
 
     def step(self, tokens, positions, block_table) -> dict:
+        if self.failed:
+            raise WatchdogTimeout("an earlier step timed out on this tensor-parallel rank: restart the job")
         n = len(tokens)
         if not 1 <= n <= self.tokens.shape[0]:
             raise DistmkError(f"a step takes 1..{self.tokens.shape[0]} rows, got {n}")
@@ -143,6 +153,8 @@ class TritonExecutor:
         err = dict(zip(ERROR_FIELDS, self.error.tolist()))
         if not err["failed"]:
             return
+        # one rank cannot restart its counters while peers still signal into them: tp>1 stays failed
+        self.failed = self.comm_world > 1
         counters = self.counters.long()
         self.error.zero_()
         self.counters.zero_()               # the aborted step left counters mid-way: start over

@@ -68,8 +68,8 @@ def megakernel(tasks, queue, queue_ptr, event_need, counters, counter_peers, epo
 {prefetch}
         if wait >= 0:
             target = epoch * tl.load(event_need + wait)
-            seen = wait_event(counters + wait, target, error, timeout, INTERPRET, WORLD > 1)
-            if seen < target:
+            short = wait_event(counters + wait, target, error, timeout, INTERPRET, WORLD > 1)
+            if short < 0:
                 ok = 0
                 first = tl.atomic_cas(error, tl.full((), 0, tl.int64), tl.full((), 1, tl.int64)) == 0
                 if first:   # the first worker to give up reports
@@ -77,7 +77,7 @@ def megakernel(tasks, queue, queue_ptr, event_need, counters, counter_peers, epo
                     tl.store(error + 2, worker.to(tl.int64))
                     tl.store(error + 3, t.to(tl.int64))
                     tl.store(error + 4, wait.to(tl.int64))
-                    tl.store(error + 5, seen.to(tl.int64))
+                    tl.store(error + 5, (target + short).to(tl.int64))
                     tl.store(error + 6, target.to(tl.int64))
                     tl.store(error + 7, epoch.to(tl.int64))
         if ok == 1:
@@ -163,6 +163,6 @@ def compile_ahead(kernel, args: dict, options: dict, arch: int = 90):
             signature[name] = "*" + type_names[value.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]     # as the launcher specialises aligned tensors
         else:
-            signature[name] = "i32"
+            signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                           options=options)

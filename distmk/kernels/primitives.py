@@ -116,22 +116,23 @@ def load_acquire(ptr, INTERPRET: tl.constexpr, SYSTEM: tl.constexpr):
 
 @triton.jit
 def wait_event(counter_ptr, target, abort_ptr, timeout_ns, INTERPRET: tl.constexpr, SYSTEM: tl.constexpr):
-    """Spin until *counter_ptr >= target. Returns the last value seen: below target means the wait gave up
-    (timeout, or another worker already aborted the step)."""
+    """Spin until *counter_ptr reaches target. Returns the last value seen minus target: negative means the
+    wait gave up (timeout, or another worker already aborted the step). Differences, not plain comparisons,
+    so that counters and targets may wrap around int32 on long runs."""
     value = load_acquire(counter_ptr, INTERPRET, SYSTEM)
     if INTERPRET:
         polls = 0
-        while (value < target) & (polls < timeout_ns):
+        while (value - target < 0) & (polls < timeout_ns):
             value = load_acquire(counter_ptr, INTERPRET, SYSTEM)
             polls += 1
     else:
         deadline = now_ns() + timeout_ns
         aborted = tl.load(abort_ptr, volatile=True)
-        while (value < target) & (aborted == 0) & (now_ns() < deadline):
+        while (value - target < 0) & (aborted == 0) & (now_ns() < deadline):
             value = load_acquire(counter_ptr, INTERPRET, SYSTEM)
             aborted = tl.load(abort_ptr, volatile=True)
     tl.debug_barrier()
-    return value
+    return value - target
 
 
 @triton.jit

@@ -21,11 +21,19 @@ from distmk.runtime.sampling import SamplingParams, sample
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def default_workers(backend: str, device) -> int:
+    """Worker queues: one per SM for the megakernel on a GPU, one under Triton's (sequential) interpreter."""
+    if backend == "triton":
+        device = torch.device(device)
+        return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return 132
+
+
 class Engine:
     def __init__(self, model: str, *, tp: int = 1, rank: int = 0, comm=None, dtype=torch.float32,
                  device="cpu", backend: str = "reference", config: GraphConfig | None = None,
                  max_context: int | None = None, block_size: int = 16, seed: int = 0, progress: bool = False,
-                 kernel_options: dict | None = None, autotune: bool = True):
+                 kernel_options: dict | None = None, autotune: bool = True, max_seqs: int | None = None):
         if backend not in ("reference", "triton"):
             raise DistmkError(f"unknown backend {backend!r}: use reference or triton")
         self.comm = comm or SingleRank()
@@ -39,10 +47,12 @@ class Engine:
         self.plan = plan_shard(self.spec, tp, rank)
         self.dtype, self.device, self.max_context = dtype, torch.device(device), max_context
         self.weights = load_shard(self.spec, source, self.plan, dtype=dtype, device=device, progress=progress)
-        self.table = compile_step(self.spec, self.plan, config or GraphConfig())
+        config = config or GraphConfig(workers=default_workers(backend, device))
+        self.table = compile_step(self.spec, self.plan, config)
         self.config = self.table.config
-        self.kv = KVCache(self.spec.num_layers, self.config.batch, -(-max_context // block_size), block_size,
-                          self.plan.num_kv_heads, self.spec.head_dim, dtype, device)
+        # KV-cache room: max_seqs sequences of max_context tokens (default: one per row of a step)
+        self.kv = KVCache(self.spec.num_layers, max_seqs or self.config.batch, -(-max_context // block_size),
+                          block_size, self.plan.num_kv_heads, self.spec.head_dim, dtype, device)
         if backend == "triton":
             self.executor = self._triton_executor(kernel_options or {}, autotune, progress)
         else:
@@ -86,6 +96,8 @@ class Engine:
                  stop_on_eos: bool = True, return_logits: bool = False):
         """Tokens generated after `prompt` (and, on request, the [steps, vocab] logits that chose them)."""
         params = params or SamplingParams()
+        if max_new_tokens < 1:
+            raise DistmkError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if not prompt:
             raise DistmkError("the prompt is empty")
         bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
