@@ -8,6 +8,7 @@ step() raises WatchdogTimeout naming the task and the event.
 from __future__ import annotations
 
 import os
+import zlib
 
 import torch
 import triton
@@ -103,10 +104,17 @@ class TritonExecutor:
             DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
             TRACE=trace, INTERPRET=self.interpret)
         self.kernel = load_megakernel(TASK_KINDS)
-        if comm.world > 1:          # no rank may push into a peer's buffers before the peer has zeroed them
+        if comm.world > 1:
+            # Exchanges address events by id and buffers by shape: every rank must run the same table. The
+            # gather also keeps every rank from pushing into a peer's buffers before the peer zeroed them.
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            comm.gather(torch.zeros(1, device=device))
+            digest = zlib.crc32(table.tasks.numpy().tobytes() + table.event_need.numpy().tobytes())
+            on = device if device.type == "cuda" else "cpu"       # NCCL gathers CUDA tensors; meta has no values
+            digests = [int(d) for d in comm.gather(torch.tensor([digest], dtype=torch.int64, device=on))]
+            if len(set(digests)) > 1:
+                raise DistmkError(f"tensor-parallel ranks compiled different task tables (digests {digests}): "
+                                  f"give every rank the same GraphConfig (workers, batch, tiles) and model")
         self.launch_options = dict(num_warps=num_warps, num_stages=1 if self.interpret else num_stages)
         self.use_graph = cuda_graph and device.type == "cuda"
         self.graph = None

@@ -132,6 +132,12 @@ def wait_event(counter_ptr, target, abort_ptr, timeout_ns, INTERPRET: tl.constex
             value = load_acquire(counter_ptr, INTERPRET, SYSTEM)
             aborted = tl.load(abort_ptr, volatile=True)
     tl.debug_barrier()
+    # Threads poll on their own and may leave the loop differently (one by the deadline or the abort flag,
+    # another just after the event completed). A thread that gave up looks again after the barrier: if
+    # any thread saw the event complete, the counter reached the target before that barrier, so it sees it
+    # too, and the whole CTA takes one branch (a split CTA would hang at the task's next barrier).
+    if value - target < 0:
+        value = load_acquire(counter_ptr, INTERPRET, SYSTEM)
     return value - target
 
 
