@@ -74,6 +74,7 @@ def test_unsupported_architecture(tmp_path):
     (lambda p: _edit_config(p, num_hidden_layers=3), "lacks .* tensor"),
     (lambda p: _edit_config(p, num_attention_heads=None), "required field 'num_attention_heads' is missing"),
     (lambda p: _edit_config(p, rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope type 'yarn'"),
+    (lambda p: _edit_config(p, use_sliding_window=True), "use_sliding_window=true is not supported"),
 ])
 def test_broken_checkpoint_errors(tmp_path, damage, message):
     path = write_ckpt(tmp_path)

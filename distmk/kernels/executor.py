@@ -57,7 +57,11 @@ class TritonExecutor:
             raise DistmkError(f"a table for {table.num_workers} workers cannot run on "
                               f"{torch.cuda.get_device_properties(device).multi_processor_count} SMs: every worker "
                               f"of the persistent kernel must be resident at once (set GraphConfig.workers)")
+        if spec.head_dim & (spec.head_dim - 1):
+            raise DistmkError(f"the triton backend needs a power-of-two head_dim, the model has {spec.head_dim}")
         config, plan = table.config, weights.plan
+        if (spec.hidden_size | plan.inter) % 8:
+            prefetch_kb = 0                 # bulk prefetch needs 16-byte aligned rows
         self.table, self.spec, self.plan, self.rank = table, spec, plan, comm.rank
         self.dev_table = table.to(device)
         self.buf = allocate_workspace(spec, plan, config.batch, config.kv_splits, num_lm_tiles(plan, config),

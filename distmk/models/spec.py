@@ -172,7 +172,10 @@ def spec_from_hf_config(cfg: dict, source: str = "config.json") -> ModelSpec:
         raise ModelError(f"{source}: attention_bias=true is not supported for {arch}")
     if cfg.get("mlp_bias"):
         raise ModelError(f"{source}: mlp_bias=true is not supported")
-    window = cfg.get("sliding_window") if (family == "mistral" or cfg.get("use_sliding_window")) else None
+    if family != "mistral" and cfg.get("use_sliding_window"):
+        raise ModelError(f"{source}: use_sliding_window=true is not supported for {arch} (its window applies "
+                         f"from layer max_window_layers on only)")
+    window = cfg.get("sliding_window") if family == "mistral" else None
     spec = ModelSpec(
         architecture=arch,
         vocab_size=int(need("vocab_size")),
