@@ -14,7 +14,7 @@ import torch
 from distmk.dist import detect_launch, init_process_group
 from distmk.errors import DistmkError
 from distmk.graph.lowering import GraphConfig
-from distmk.runtime.engine import DTYPES, Engine
+from distmk.runtime.engine import DTYPES, Engine, default_workers
 from distmk.runtime.sampling import SamplingParams
 from distmk.runtime.tokenizer import load_tokenizer
 
@@ -39,7 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--kv-splits", type=int, default=0, help="0 = one attention split per worker, at most 16")
     p.add_argument("--tile-rows", type=int, default=0, help="0 = about one tile per worker")
-    p.add_argument("--workers", type=int, default=None, help="worker queues (default: the GPU's SMs, or 132)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="worker queues (default: the GPU's SMs for the triton backend, else 132)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--trace", metavar="OUT.json",
                    help="triton backend: write a Chrome/Perfetto trace of the last step and print the "
@@ -81,8 +82,7 @@ def run_with(args, launch, comm) -> dict:
     device = args.device if args.device == "cpu" else f"cuda:{launch.local_rank}"
     dtype = DTYPES[args.dtype or ("float32" if args.device == "cpu" else "bfloat16")]
     config = GraphConfig(batch=args.batch, kv_splits=args.kv_splits, tile_rows=args.tile_rows,
-                         workers=args.workers or (torch.cuda.get_device_properties(device).multi_processor_count
-                                                  if args.device == "cuda" else 132))
+                         workers=args.workers or default_workers(args.backend, device))
     t0 = time.perf_counter()
     if args.trace and args.backend != "triton":
         raise DistmkError("--trace needs --backend triton")

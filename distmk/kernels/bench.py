@@ -14,9 +14,9 @@ def decode_engine(model: str, batch: int, context: int, *, comm=None, workers: i
                   trace: bool = False, block_size: int = 16, **kernel_options):
     """A bf16 triton Engine (one rank of `comm`'s, or alone) whose `batch` rows sit at position
     `context - 1` of their own sequences, with random KV-cache contents, ready for executor.launch()."""
-    from distmk.runtime.engine import Engine
+    from distmk.runtime.engine import Engine, default_workers
     device = torch.device("cuda", torch.cuda.current_device())
-    workers = workers or torch.cuda.get_device_properties(device).multi_processor_count
+    workers = workers or default_workers("triton", device)
     config = GraphConfig(batch=batch, workers=workers, context=context)
     max_context = -(-context // block_size) * block_size
     engine = Engine(model, tp=comm.world if comm else 1, rank=comm.rank if comm else 0, comm=comm,

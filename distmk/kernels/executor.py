@@ -53,9 +53,9 @@ class TritonExecutor:
         if self.interpret and table.num_workers > 1:
             raise DistmkError("under TRITON_INTERPRET programs run one after another, so a table for "
                               f"{table.num_workers} workers would wait forever: compile it for workers=1")
-        if device.type == "cuda" and table.num_workers > torch.cuda.get_device_properties(device).multi_processor_count:
-            raise DistmkError(f"a table for {table.num_workers} workers cannot run on "
-                              f"{torch.cuda.get_device_properties(device).multi_processor_count} SMs: every worker "
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+        if sms and table.num_workers > sms:
+            raise DistmkError(f"a table for {table.num_workers} workers cannot run on {sms} SMs: every worker "
                               f"of the persistent kernel must be resident at once (set GraphConfig.workers)")
         if spec.head_dim & (spec.head_dim - 1):
             raise DistmkError(f"the triton backend needs a power-of-two head_dim, the model has {spec.head_dim}")
