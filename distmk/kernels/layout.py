@@ -9,6 +9,13 @@ from distmk.models.shard import RankWeights
 
 
 def stack_layers(weights: RankWeights) -> dict[str, torch.Tensor]:
+    """The stacked tensors, built once per RankWeights (every executor of an engine shares them)."""
+    if weights.stacked is None:
+        weights.stacked = _stack(weights)
+    return weights.stacked
+
+
+def _stack(weights: RankWeights) -> dict[str, torch.Tensor]:
     layers = weights.layers
     out = {}
 

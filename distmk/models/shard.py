@@ -88,12 +88,7 @@ class RankWeights:
     final_norm: torch.Tensor      # [H]
     lm_head: torch.Tensor         # [V_local, H], zero rows past vocab_valid
     inv_freq: torch.Tensor = field(default=None)  # [D/2] float32
-
-    def named_tensors(self) -> dict[str, torch.Tensor]:
-        out = {"embed": self.embed, "final_norm": self.final_norm, "lm_head": self.lm_head}
-        for i, lw in enumerate(self.layers):
-            out.update({f"layers.{i}.{k}": v for k, v in vars(lw).items() if v is not None})
-        return out
+    stacked: dict | None = None   # per-kind tensors stacked over layers for the megakernel (kernels/layout.py)
 
 
 def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, device="cpu",

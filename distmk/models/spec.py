@@ -6,7 +6,7 @@ here and nowhere else: the rest of distmk reads flags off the spec.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, field
 
 import torch
 
@@ -125,9 +125,6 @@ class ModelSpec:
             "bos_token_id": self.bos_token_id,
         }
         return cfg
-
-    def describe(self) -> dict:
-        return asdict(self)
 
 
 def spec_from_hf_config(cfg: dict, source: str = "config.json") -> ModelSpec:
