@@ -4,6 +4,7 @@ in distmk that reads launcher environment variables."""
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 from distmk.errors import DistmkError
@@ -50,10 +51,28 @@ def detect_launch(env=None) -> LaunchEnv:
 
 def init_process_group(launch: LaunchEnv, backend: str) -> None:
     """torch.distributed over the launcher's ranks. torchrun provides the rendezvous address; under MPI or
-    SLURM on one node it defaults to 127.0.0.1 (set MASTER_ADDR/MASTER_PORT for several nodes)."""
+    SLURM it defaults to 127.0.0.1 (set MASTER_ADDR for several nodes) and a port the ranks agree on."""
     import torch.distributed as dist
     if launch.world == 1 or dist.is_initialized():
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_agreed_port(launch))
     dist.init_process_group(backend, rank=launch.rank, world_size=launch.world)
+
+
+def _agreed_port(launch: LaunchEnv) -> int:
+    """Under mpirun, a free port of rank 0's, broadcast with mpi4py; under SLURM, one derived from the job
+    id (every task computes the same, and two jobs on a node rarely collide)."""
+    if launch.launcher == "slurm":
+        return 20000 + int(os.environ.get("SLURM_JOB_ID", 0)) % 20000
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return 29500
+    port = None
+    if launch.rank == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+    return MPI.COMM_WORLD.bcast(port, root=0)
