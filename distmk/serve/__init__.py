@@ -1,0 +1,1 @@
+"""Serving: continuous batching over the engine (the OpenAI-compatible HTTP server builds on it)."""
