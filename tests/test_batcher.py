@@ -4,7 +4,7 @@ import pytest
 from distmk.errors import DistmkError
 from distmk.graph import GraphConfig
 from distmk.runtime.engine import Engine
-from distmk.serve.batcher import Batcher, Sequence
+from distmk.runtime.batcher import Batcher, Sequence
 
 
 @pytest.fixture(scope="module")

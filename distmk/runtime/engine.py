@@ -15,8 +15,9 @@ from distmk.models.shard import load_shard, plan_shard
 from distmk.models.weights import open_model
 from distmk.reference.comm import SingleRank
 from distmk.reference.executor import ReferenceExecutor
+from distmk.runtime.batcher import Batcher, Sequence
 from distmk.runtime.kv_cache import KVCache
-from distmk.runtime.sampling import SamplingParams, sample
+from distmk.runtime.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -94,38 +95,14 @@ class Engine:
 
     def generate(self, prompt: list[int], max_new_tokens: int, params: SamplingParams | None = None,
                  stop_on_eos: bool = True, return_logits: bool = False):
-        """Tokens generated after `prompt` (and, on request, the [steps, vocab] logits that chose them)."""
-        params = params or SamplingParams()
-        if max_new_tokens < 1:
-            raise DistmkError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if not prompt:
-            raise DistmkError("the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise DistmkError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{self.spec.vocab_size - 1}")
-        if len(prompt) + max_new_tokens > self.max_context:
-            raise DistmkError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the context "
-                              f"of {self.max_context} tokens")
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        blocks = self.kv.allocate([], len(prompt) + max_new_tokens)
-        out, logits_seen = [], []
+        """Tokens generated after `prompt` (and, on request, the [steps, vocab] logits that chose them):
+        one sequence through the same continuous batcher that serves many."""
+        batcher = Batcher(self)
+        seq = batcher.submit(Sequence(list(prompt), max_new_tokens, params or SamplingParams(), stop_on_eos,
+                                      keep_logits=return_logits))
         try:
-            pos, pending = 0, list(prompt)
-            while len(out) < max_new_tokens:
-                chunk = pending[:self.config.batch]
-                n = len(chunk)
-                buf = self.step(chunk, range(pos, pos + n), [blocks] * n)
-                pos, pending = pos + n, pending[n:]
-                if pending:
-                    continue                                 # still prefilling
-                logits = self.full_logits(buf, n)[-1] if (return_logits or not params.greedy) else None
-                token = int(buf["next_token"][n - 1]) if params.greedy else sample(logits, params, gen)
-                if return_logits:
-                    logits_seen.append(logits)
-                out.append(token)
-                if stop_on_eos and token in self.spec.eos_token_id:
-                    break
-                pending = [token]
+            while batcher.busy:
+                batcher.step()
         finally:
-            self.kv.release(blocks)
-        return (out, torch.stack(logits_seen)) if return_logits else out
+            batcher.cancel(seq)                      # an error mid-way still returns the KV blocks
+        return (seq.output, torch.stack(seq.logits)) if return_logits else seq.output

@@ -28,6 +28,8 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "length", "stop" or "cancelled"
     generator: torch.Generator | None = None
+    keep_logits: bool = False         # record the [vocab] logits each new token was chosen from
+    logits: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -103,7 +105,7 @@ class Batcher:
         buf = self.engine.step([seq.tokens[i] for seq, i in batch], [i for _, i in batch],
                                [seq.blocks for seq, _ in batch])
         produced = []
-        needs_logits = any(not seq.params.greedy for seq, _ in batch)
+        needs_logits = any(seq.keep_logits or not seq.params.greedy for seq, _ in batch)
         logits = self.engine.full_logits(buf, len(batch)) if needs_logits else None
         for row, (seq, i) in enumerate(batch):
             if i != len(seq.tokens) - 1:                   # a prompt row that is not the prompt's last
@@ -111,6 +113,8 @@ class Batcher:
             token = int(buf["next_token"][row]) if seq.params.greedy else sample(logits[row], seq.params,
                                                                                  seq.generator)
             seq.output.append(token)
+            if seq.keep_logits:
+                seq.logits.append(logits[row])
             produced.append((seq, token))
             if seq.stop_on_eos and token in self.engine.spec.eos_token_id:
                 self._finish(seq, "stop")
