@@ -64,8 +64,7 @@ class TritonExecutor:
             prefetch_kb = 0                 # bulk prefetch needs 16-byte aligned rows
         self.table, self.spec, self.plan, self.rank = table, spec, plan, comm.rank
         self.dev_table = table.to(device)
-        self.buf = allocate_workspace(spec, plan, config.batch, config.kv_splits, num_lm_tiles(plan, config),
-                                      dtype, device)
+        self.buf = allocate_workspace(spec, plan, config, dtype, device)
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
         self.tokens = torch.zeros(config.batch, **i64)
         self.positions = torch.zeros(config.batch, **i64)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from distmk.errors import DistmkError, GraphError
-from distmk.graph.lowering import num_lm_tiles
 from distmk.graph.table import A0, LAYER, SIGNAL, TYPE, WAIT, TaskTable
 from distmk.tasks import TASK_KINDS
 from distmk.tasks.workspace import allocate_workspace
@@ -47,8 +46,7 @@ class ReferenceExecutor:
         device = weights.embed.device
         self.ctx = StepContext(
             spec=spec, plan=plan, weights=weights,
-            buf=allocate_workspace(spec, plan, config.batch, config.kv_splits, num_lm_tiles(plan, config),
-                                   dtype, device),
+            buf=allocate_workspace(spec, plan, config, dtype, device),
             k_cache=kv_cache.k, v_cache=kv_cache.v, block_size=kv_cache.block_size,
             kv_splits=config.kv_splits, comm=comm, dtype=dtype, published={})
         self.rows = [(TASK_KINDS[r[TYPE]], r[LAYER], tuple(r[A0:A0 + len(TASK_KINDS[r[TYPE]].args)]),

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import torch
 
+from distmk.graph.lowering import num_lm_tiles
 
-def allocate_workspace(spec, plan, batch: int, kv_splits: int, lm_tiles: int, dtype, device) -> dict:
-    B, H, D, g = batch, spec.hidden_size, spec.head_dim, plan.group
+
+def allocate_workspace(spec, plan, config, dtype, device) -> dict:
+    """Buffers for a table compiled with `config` (its batch, attention splits and lm_head tiles)."""
+    B, H, D, g = config.batch, spec.hidden_size, spec.head_dim, plan.group
+    kv_splits, lm_tiles = config.kv_splits, num_lm_tiles(plan, config)
     f32 = dict(dtype=torch.float32, device=device)
     act = dict(dtype=dtype, device=device)
     return {
