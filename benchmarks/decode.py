@@ -51,7 +51,7 @@ def time_distmk(args, log) -> dict:
     baselines still come out."""
     try:
         from distmk.kernels.bench import distmk_step_ms
-        return distmk_step_ms(args.model, args.batch, args.context, args.iters)
+        return distmk_step_ms(args.model, args.batch, args.context, args.iters, breakdown=True)
     except Exception as e:
         log(traceback.format_exc())
         return {"step_ms": None, "distmk_error": f"{type(e).__name__}: {e}"}
@@ -70,6 +70,7 @@ def run(args, launcher: str, log) -> dict:
 
     distmk = time_distmk(args, log)
     step_ms = distmk["step_ms"]
+    log(distmk.pop("breakdown", ""))
     log(f"distmk: {distmk}")
     torch.cuda.empty_cache()
 
@@ -96,6 +97,8 @@ def run(args, launcher: str, log) -> dict:
         "step_ms": step_ms,
         "distmk_mode": distmk.get("mode"),
         "distmk_error": distmk.get("distmk_error"),
+        "allreduce_us": distmk.get("allreduce_us"),
+        "peer_wait_fraction": distmk.get("peer_wait_fraction"),
         "roofline_ms": roofline_ms,
         "efficiency": roofline_ms / step_ms if step_ms else None,
         "step_bytes": step_bytes,

@@ -1,11 +1,13 @@
 """Time the megakernel's decode step and show where the time goes:
-    python benchmarks/profile_step.py --model llama-3-8b --batch 1 --context 512 [--trace step.json]
-Prints the median step time (CUDA-graph replays) and the per-task-type breakdown of one traced step."""
+    python benchmarks/profile_step.py --model llama-3-8b --batch 1 --context 512
+    torchrun --standalone --nproc-per-node 2 benchmarks/profile_step.py --model llama-3-8b
+Prints the median step time (CUDA-graph replays) and the per-task-type breakdown of one traced step
+(running and waiting time per type; under torchrun, rank 0's)."""
 import argparse
 import json
+import os
 
-from distmk.kernels.bench import decode_engine, distmk_step_ms
-from distmk.kernels.trace import breakdown, write_trace
+import torch
 
 
 def main():
@@ -14,19 +16,21 @@ def main():
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--iters", type=int, default=100)
-    p.add_argument("--trace", help="write a Chrome/Perfetto trace of one step here")
     p.add_argument("--options", default="{}", help='kernel options as JSON, e.g. {"block_n": 64}')
     args = p.parse_args()
+    from distmk.dist import detect_launch, init_process_group
+    from distmk.kernels.bench import distmk_step_ms
+    launch = detect_launch()
+    torch.cuda.set_device(launch.local_rank)
+    if launch.world > 1:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        init_process_group(launch, "nccl")
     options = json.loads(args.options)
-    result = distmk_step_ms(args.model, args.batch, args.context, args.iters, **options)
-    print(json.dumps({"model": args.model, "batch": args.batch, "context": args.context, **options, **result}))
-    engine = decode_engine(args.model, args.batch, args.context, trace=True, **options)
-    engine.executor.launch()
-    engine.executor.check()
-    timings = engine.executor.timings()
-    print(breakdown(engine.table, timings))
-    if args.trace:
-        write_trace(args.trace, engine.table, timings)
+    result = distmk_step_ms(args.model, args.batch, args.context, args.iters, breakdown=True, **options)
+    if launch.rank == 0:
+        text = result.pop("breakdown")
+        print(json.dumps({"model": args.model, "batch": args.batch, "context": args.context, **result}))
+        print(text, flush=True)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,9 @@ class TritonExecutor:
         if (spec.hidden_size | plan.inter) % 8:
             prefetch_kb = 0                 # bulk prefetch needs 16-byte aligned rows
         self.table, self.spec, self.plan, self.rank = table, spec, plan, comm.rank
+        self.options = dict(timeout_s=timeout_s, num_warps=num_warps, num_stages=num_stages, block_n=block_n,
+                            block_k=block_k, mlp_block_n=mlp_block_n, lm_block_n=lm_block_n,
+                            prefetch_kb=prefetch_kb, trace=trace, cuda_graph=cuda_graph)
         self.dev_table = table.to(device)
         self.buf = allocate_workspace(spec, plan, config, dtype, device)
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
@@ -77,6 +80,8 @@ class TritonExecutor:
         exchange = comm.symmetric((2, comm.world, b_pad, spec.hidden_size), torch.float32, device)
         best = comm.symmetric((comm.world, b_pad), torch.float32, device)
         best_id = comm.symmetric((comm.world, b_pad), torch.int64, device)
+        # scratch of each worker: the RMS-normed input a tile computes for itself (primitives.rms_norm_rows)
+        xn = torch.zeros(table.num_workers, b_pad, spec.hidden_size, dtype=dtype, device=device)
         self.error = torch.zeros(len(ERROR_FIELDS), **i64)
         self.trace = torch.zeros(table.num_tasks if trace else 1, len(TRACE_FIELDS), **i64)
         # polls when interpreted: simulated ranks (threads) may have to wait for each other a while
@@ -93,7 +98,7 @@ class TritonExecutor:
             rows_ptr=self.rows, error=self.error, trace=self.trace, rank=comm.rank, timeout=self.timeout,
             vocab0=plan.vocab0, vocab_valid=plan.vocab_valid,
             **stack_layers(weights), k_cache=kv_cache.k, v_cache=kv_cache.v, tokens=self.tokens,
-            positions=self.positions, block_table=self.block_table, **self.buf,
+            positions=self.positions, block_table=self.block_table, xn=xn, **self.buf,
             H=spec.hidden_size, D=spec.head_dim, HQ=plan.num_heads, HKV=plan.num_kv_heads, G=plan.group,
             G_PAD=_pad(plan.group), INTER=plan.inter, VOCAB_L=plan.vocab, B_PAD=b_pad,
             MAXB=kv_cache.blocks_per_seq, BS=kv_cache.block_size, NBLK=kv_cache.num_blocks, S=config.kv_splits,
@@ -184,5 +189,5 @@ class TritonExecutor:
         return compile_ahead(self.kernel, self.args, self.launch_options, arch)
 
     def timings(self) -> torch.Tensor:
-        """[tasks, 3] (start ns, end ns, SM) of the last step, when built with trace=True."""
+        """[tasks, 4] (wait start ns, start ns, end ns, SM) of the last step, when built with trace=True."""
         return self.trace.cpu()

@@ -1,5 +1,5 @@
-"""Device helpers shared by the task kernels: the matmul tile every projection is made of (with the
-RMSNorm of its input fused in where the input is the residual stream), L2 prefetch, and the event
+"""Device helpers shared by the task kernels: the matmul tile every projection is made of, the RMSNorm
+of the residual stream that a tile computes for itself, L2 prefetch, and the event
 wait/signal that orders tasks across workers.
 
 Ordering: a task's threads store their outputs, meet at a CTA barrier, then one release atomic bumps the
@@ -12,35 +12,35 @@ import triton.language as tl
 
 
 @triton.jit
-def row_rstd(x, n, H: tl.constexpr, EPS: tl.constexpr, B_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr):
-    """1 / RMS of each row of the float32 residual stream x[:n, :H]: the first half of an RMSNorm, which
-    every tile that consumes the normed stream computes for itself (8 KB a row: cheaper than a task)."""
+def rms_norm_rows(x, n, norm_w, out, H: tl.constexpr, EPS: tl.constexpr, B_PAD: tl.constexpr,
+                  NORM_BLOCK: tl.constexpr):
+    """out[:n, :H] = RMSNorm(x[:n]) * norm_w, rounded once to out's dtype (as the reference's
+    rms_norm(...).to(dtype)): the input of a tile that reads the normed residual stream. Each such tile
+    writes it to its worker's own scratch rows (L2-resident) and streams it from there, so the matmul loop
+    stays a plain load-dot loop; normalising inside that loop instead cost a third of its bandwidth."""
     rb = tl.arange(0, B_PAD)
     rh = tl.arange(0, NORM_BLOCK)
+    rows = (rb < n)[:, None]
     sum_sq = tl.zeros((B_PAD, NORM_BLOCK), dtype=tl.float32)
     for h0 in range(0, H, NORM_BLOCK):
         cols = h0 + rh
-        v = tl.load(x + rb[:, None] * H + cols[None, :], mask=(rb < n)[:, None] & (cols < H)[None, :], other=0.0)
+        v = tl.load(x + rb[:, None] * H + cols[None, :], mask=rows & (cols < H)[None, :], other=0.0)
         sum_sq += v * v
-    return tl.math.rsqrt(tl.sum(sum_sq, axis=1) / H + EPS)
+    rstd = tl.math.rsqrt(tl.sum(sum_sq, axis=1) / H + EPS)
+    for h0 in range(0, H, NORM_BLOCK):
+        cols = h0 + rh
+        mask = rows & (cols < H)[None, :]
+        v = tl.load(x + rb[:, None] * H + cols[None, :], mask=mask, other=0.0)
+        w = tl.load(norm_w + cols, mask=cols < H, other=0.0).to(tl.float32)
+        tl.store(out + rb[:, None] * H + cols[None, :], (v * rstd[:, None] * w[None, :]).to(out.dtype.element_ty),
+                 mask=mask)
+    tl.debug_barrier()      # the whole CTA reads what its threads wrote
 
 
 @triton.jit
-def load_input(inp, rb, kk, n, K: tl.constexpr, rstd, norm_w, NORMED: tl.constexpr, dtype: tl.constexpr):
-    """An input tile [B_PAD, BLOCK_K]; with NORMED, the RMSNorm of float32 inp (rstd per row, norm_w per
-    column), rounded to the weights' dtype once, as the reference's rms_norm(...).to(dtype)."""
-    x = tl.load(inp + rb[:, None] * K + kk[None, :], mask=(rb[:, None] < n) & (kk[None, :] < K), other=0.0)
-    if NORMED:
-        w = tl.load(norm_w + kk, mask=kk < K, other=0.0).to(tl.float32)
-        x = x * rstd[:, None] * w[None, :]
-    return x.to(dtype)
-
-
-@triton.jit
-def matmul_block(inp, w, n, row0, rows_valid, rstd, norm_w, K: tl.constexpr, B_PAD: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORMED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc[B_PAD, BLOCK_N] = inp[:n, :K] @ w[row0:row0 + BLOCK_N, :K]^T in float32 (inp RMS-normed on the
-    fly when NORMED, see load_input).
+def matmul_block(inp, w, n, row0, rows_valid, K: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc[B_PAD, BLOCK_N] = inp[:n, :K] @ w[row0:row0 + BLOCK_N, :K]^T in float32.
 
     Batch rows >= n and weight rows >= rows_valid read as zero. Weights stream once, K-contiguous, so
     each thread issues wide coalesced loads; the batch (padded to the mma minimum) rides along."""
@@ -51,15 +51,15 @@ def matmul_block(inp, w, n, row0, rows_valid, rstd, norm_w, K: tl.constexpr, B_P
     w_rows = w + (row0 + rn)[:, None].to(tl.int64) * K
     for k in range(0, K, BLOCK_K):
         kk = k + rk
-        x = load_input(inp, rb, kk, n, K, rstd, norm_w, NORMED, w.dtype.element_ty)
+        x = tl.load(inp + rb[:, None] * K + kk[None, :], mask=(rb[:, None] < n) & (kk[None, :] < K), other=0.0)
         wt = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < rows_valid) & (kk[None, :] < K), other=0.0)
-        acc += tl.dot(x, tl.trans(wt), input_precision=DOT_PRECISION)
+        acc += tl.dot(x.to(wt.dtype), tl.trans(wt), input_precision=DOT_PRECISION)
     return acc
 
 
 @triton.jit
-def matmul_pair(inp, w1, w2, n, row0, rows_valid, rstd, norm_w, K: tl.constexpr, B_PAD: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORMED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def matmul_pair(inp, w1, w2, n, row0, rows_valid, K: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Two matmul_blocks over the same input in one K loop (gate and up; the two halves of a head): twice
     the weight bytes in flight per step, one pipeline fill instead of two."""
     rb = tl.arange(0, B_PAD)
@@ -70,12 +70,12 @@ def matmul_pair(inp, w1, w2, n, row0, rows_valid, rstd, norm_w, K: tl.constexpr,
     rows = (row0 + rn)[:, None].to(tl.int64) * K
     for k in range(0, K, BLOCK_K):
         kk = k + rk
-        x = load_input(inp, rb, kk, n, K, rstd, norm_w, NORMED, w1.dtype.element_ty)
+        x = tl.load(inp + rb[:, None] * K + kk[None, :], mask=(rb[:, None] < n) & (kk[None, :] < K), other=0.0)
         wmask = (rn[:, None] < rows_valid) & (kk[None, :] < K)
         wt1 = tl.load(w1 + rows + kk[None, :], mask=wmask, other=0.0)
         wt2 = tl.load(w2 + rows + kk[None, :], mask=wmask, other=0.0)
-        acc1 += tl.dot(x, tl.trans(wt1), input_precision=DOT_PRECISION)
-        acc2 += tl.dot(x, tl.trans(wt2), input_precision=DOT_PRECISION)
+        acc1 += tl.dot(x.to(wt1.dtype), tl.trans(wt1), input_precision=DOT_PRECISION)
+        acc2 += tl.dot(x.to(wt1.dtype), tl.trans(wt2), input_precision=DOT_PRECISION)
     return acc1, acc2
 
 

@@ -11,31 +11,64 @@ from distmk.tasks import TASK_KINDS
 
 
 def chrome_trace(table, timings: torch.Tensor, rank: int = 0) -> dict:
-    """timings: [tasks, 3] int64 (start ns, end ns, SM) from one step."""
+    """timings: [tasks, 4] int64 (wait start ns, start ns, end ns, SM) from one step. A task's wait shows
+    as a slice of its own ("wait:<type>") before the task."""
     t0 = int(timings[:, 0].min())
     events = []
-    for task, (start, end, sm) in enumerate(timings.tolist()):
+    for task, (waited, start, end, sm) in enumerate(timings.tolist()):
         kind = TASK_KINDS[int(table.tasks[task, TYPE])].name
         args = dict(zip(("layer", "a0", "a1", "a2", "a3"), table.tasks[task, 1:6].tolist()))
+        if start > waited:
+            events.append({"name": f"wait:{kind}", "cat": "wait", "ph": "X", "pid": rank, "tid": int(sm),
+                           "ts": (waited - t0) / 1e3, "dur": (start - waited) / 1e3, "args": {"task": task}})
         events.append({"name": kind, "cat": kind, "ph": "X", "pid": rank, "tid": int(sm),
                        "ts": (start - t0) / 1e3, "dur": (end - start) / 1e3, "args": {"task": task, **args}})
     return {"traceEvents": events, "displayTimeUnit": "ns"}
 
 
+def wait_summary(table, timings: torch.Tensor) -> dict:
+    """Worker time spent running tasks and waiting for their events, in ns, summed over workers; `peer_wait`
+    is the part spent by tasks that wait on other ranks (an exchange's arrivals)."""
+    kinds = [TASK_KINDS[int(t)] for t in table.tasks[:, TYPE].tolist()]
+    wait = (timings[:, 1] - timings[:, 0]).tolist()
+    run = (timings[:, 2] - timings[:, 1]).tolist()
+    span = int(timings[:, 2].max() - timings[:, 0].min())
+    peer = sum(w for w, k in zip(wait, kinds) if k.communicates and not k.signals_all_ranks)
+    return {"span_ns": span, "workers": table.num_workers, "run_ns": sum(run), "wait_ns": sum(wait),
+            "peer_wait_ns": peer, "peer_wait_fraction": peer / (span * table.num_workers) if span else 0.0}
+
+
+def exposed_allreduce_ns(table, timings: torch.Tensor) -> float | None:
+    """Mean over the step's all-reduces (one per row-parallel output) of how long after this rank published
+    its last partial tile the last reduced tile was written: the all-reduce time the schedule did not hide."""
+    kinds = [TASK_KINDS[int(t)].name for t in table.tasks[:, TYPE].tolist()]
+    pushed, reduced = collections.defaultdict(int), collections.defaultdict(int)
+    for task, kind in enumerate(kinds):
+        slot = int(table.tasks[task, 4])
+        if kind == "ar_push":
+            pushed[slot] = max(pushed[slot], int(timings[task, 2]))
+        elif kind == "allreduce":
+            reduced[slot] = max(reduced[slot], int(timings[task, 2]))
+    gaps = [reduced[s] - pushed[s] for s in pushed]
+    return sum(gaps) / len(gaps) if gaps else None
+
+
 def breakdown(table, timings: torch.Tensor) -> str:
-    """Time per task type, summed over workers, and the step's span."""
-    busy = collections.Counter()
-    count = collections.Counter()
-    for task, (start, end, _) in enumerate(timings.tolist()):
+    """Time per task type (running, and waiting for its event), summed over workers, and the step's span."""
+    busy, waiting, count = collections.Counter(), collections.Counter(), collections.Counter()
+    for task, (waited, start, end, _) in enumerate(timings.tolist()):
         kind = TASK_KINDS[int(table.tasks[task, TYPE])].name
         busy[kind] += end - start
+        waiting[kind] += start - waited
         count[kind] += 1
-    span = int(timings[:, 1].max() - timings[:, 0].min())
+    summary = wait_summary(table, timings)
     total = sum(busy.values())
-    lines = [f"step span {span / 1e3:.1f} us; task time summed over workers {total / 1e3:.1f} us"]
+    lines = [f"step span {summary['span_ns'] / 1e3:.1f} us over {summary['workers']} workers; running "
+             f"{total / 1e3:.1f} us, waiting {summary['wait_ns'] / 1e3:.1f} us (on peers "
+             f"{100 * summary['peer_wait_fraction']:.1f}% of workers x span), summed over workers"]
     for kind, ns in busy.most_common():
-        lines.append(f"  {kind:<12} {count[kind]:>6} tasks  {ns / 1e3:>10.1f} us  {100 * ns / total:5.1f}%  "
-                     f"{ns / count[kind] / 1e3:7.2f} us/task")
+        lines.append(f"  {kind:<12} {count[kind]:>6} tasks  run {ns / 1e3:>9.1f} us {100 * ns / total:5.1f}%  "
+                     f"{ns / count[kind] / 1e3:7.2f} us/task   wait {waiting[kind] / 1e3:>9.1f} us")
     return "\n".join(lines)
 
 

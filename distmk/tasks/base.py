@@ -70,7 +70,7 @@ def row_parallel_gpu(inp, w, a0, a1, a2, n, x, partial, K: tl.constexpr, H: tl.c
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, BLOCK_N)
     for j in range(0, a1, BLOCK_N):
-        acc = matmul_block(inp, w, n, a0 + j, a1 - j, rb, w, K, B_PAD, BLOCK_N, BLOCK_K, False, DOT_PRECISION)
+        acc = matmul_block(inp, w, n, a0 + j, a1 - j, K, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
         offs = rb[:, None] * H + (a0 + j + rn)[None, :]
         mask = (rb < n)[:, None] & (rn < a1 - j)[None, :]
         if a2 == _ADD_RESIDUAL:

@@ -5,23 +5,23 @@ import torch
 import triton
 import triton.language as tl
 
-from distmk.kernels.primitives import matmul_pair, prefetch_l2, row_rstd
+from distmk.kernels.primitives import matmul_pair, prefetch_l2, rms_norm_rows
 from distmk.tasks.base import TaskKind, normed_stream
 
 
 @triton.jit
-def gate_up_gpu(layer, a0, a1, n, x, norms, w_gate, w_up, h, H: tl.constexpr, INTER: tl.constexpr,
+def gate_up_gpu(layer, a0, a1, n, worker, x, xn, norms, w_gate, w_up, h, H: tl.constexpr, INTER: tl.constexpr,
                 B_PAD: tl.constexpr, EPS: tl.constexpr, NORM_BLOCK: tl.constexpr, MLP_BLOCK_N: tl.constexpr,
                 MLP_BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offset = layer.to(tl.int64) * INTER * H
     act = h.dtype.element_ty
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, MLP_BLOCK_N)
-    rstd = row_rstd(x, n, H, EPS, B_PAD, NORM_BLOCK)              # post-attention RMSNorm, fused
-    norm_w = norms + (2 * layer + 1) * H
+    inp = xn + worker * B_PAD * H                                 # post-attention RMSNorm, by this tile
+    rms_norm_rows(x, n, norms + (2 * layer + 1) * H, inp, H, EPS, B_PAD, NORM_BLOCK)
     for j in range(0, a1, MLP_BLOCK_N):
-        gate, up = matmul_pair(x, w_gate + offset, w_up + offset, n, a0 + j, a1 - j, rstd, norm_w, H, B_PAD,
-                               MLP_BLOCK_N, MLP_BLOCK_K, True, DOT_PRECISION)
+        gate, up = matmul_pair(inp, w_gate + offset, w_up + offset, n, a0 + j, a1 - j, H, B_PAD, MLP_BLOCK_N,
+                               MLP_BLOCK_K, DOT_PRECISION)
         mask = (rb < n)[:, None] & (rn < a1 - j)[None, :]
         tl.store(h + rb[:, None] * INTER + (a0 + j + rn)[None, :], (gate * tl.sigmoid(gate) * up).to(act),
                  mask=mask)

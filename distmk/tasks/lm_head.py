@@ -6,12 +6,12 @@ import math
 import triton
 import triton.language as tl
 
-from distmk.kernels.primitives import matmul_block, prefetch_l2, row_rstd
+from distmk.kernels.primitives import matmul_block, prefetch_l2, rms_norm_rows
 from distmk.tasks.base import TaskKind, normed_stream
 
 
 @triton.jit
-def lm_head_gpu(layer, a0, a1, a2, n, x, norms, lm_head, logits, tile_max, tile_arg, vocab0, vocab_valid,
+def lm_head_gpu(layer, a0, a1, a2, n, worker, x, xn, norms, lm_head, logits, tile_max, tile_arg, vocab0, vocab_valid,
                 H: tl.constexpr, VOCAB_L: tl.constexpr, LM_TILES: tl.constexpr, B_PAD: tl.constexpr, EPS: tl.constexpr,
                 NORM_BLOCK: tl.constexpr, LM_BLOCK_N: tl.constexpr, LM_BLOCK_K: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):
@@ -19,12 +19,11 @@ def lm_head_gpu(layer, a0, a1, a2, n, x, norms, lm_head, logits, tile_max, tile_
     rn = tl.arange(0, LM_BLOCK_N)
     best = tl.full((B_PAD,), float("-inf"), dtype=tl.float32)
     best_id = tl.full((B_PAD,), -1, dtype=tl.int64)
-    rstd = row_rstd(x, n, H, EPS, B_PAD, NORM_BLOCK)              # final RMSNorm, fused
-    norm_w = norms + 2 * layer * H                                # layer == layers: the final norm's row
+    inp = xn + worker * B_PAD * H                                 # final RMSNorm (norms row `layers`)
+    rms_norm_rows(x, n, norms + 2 * layer * H, inp, H, EPS, B_PAD, NORM_BLOCK)
     for j in range(0, a1, LM_BLOCK_N):
         row0 = a0 + j
-        acc = matmul_block(x, lm_head, n, row0, a1 - j, rstd, norm_w, H, B_PAD, LM_BLOCK_N, LM_BLOCK_K, True,
-                           DOT_PRECISION)
+        acc = matmul_block(inp, lm_head, n, row0, a1 - j, H, B_PAD, LM_BLOCK_N, LM_BLOCK_K, DOT_PRECISION)
         cols = rn < a1 - j
         tl.store(logits + rb[:, None] * VOCAB_L + (row0 + rn)[None, :], acc, mask=(rb < n)[:, None] & cols[None, :])
         scores = tl.where((cols & (row0 + rn < vocab_valid))[None, :], acc, float("-inf"))

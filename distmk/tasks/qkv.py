@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from distmk.kernels.primitives import matmul_pair, prefetch_l2, row_rstd
+from distmk.kernels.primitives import matmul_pair, prefetch_l2, rms_norm_rows
 from distmk.tasks.base import TaskKind, normed_stream, rms_norm, rope
 
 
@@ -24,7 +24,7 @@ def store_kv(cache, layer, head, lo, hi, rb, rd, pos, n, block_table, D: tl.cons
 
 
 @triton.jit
-def qkv_gpu(layer, a0, n, x, norms, wqkv, bqkv, qk_norm, inv_freq, positions, block_table, q, k_cache, v_cache,
+def qkv_gpu(layer, a0, n, worker, x, xn, norms, wqkv, bqkv, qk_norm, inv_freq, positions, block_table, q, k_cache, v_cache,
             H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, B_PAD: tl.constexpr,
             HALF_PAD: tl.constexpr, MAXB: tl.constexpr, BS: tl.constexpr, NBLK: tl.constexpr, EPS: tl.constexpr,
             HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, QKV_BLOCK_K: tl.constexpr,
@@ -34,9 +34,9 @@ def qkv_gpu(layer, a0, n, x, norms, wqkv, bqkv, qk_norm, inv_freq, positions, bl
     rows: tl.constexpr = (HQ + 2 * HKV) * D
     slot = a0
     w = wqkv + layer.to(tl.int64) * rows * H
-    rstd = row_rstd(x, n, H, EPS, B_PAD, NORM_BLOCK)              # input RMSNorm, fused into the loads
-    lo, hi = matmul_pair(x, w, w + HALF * H, n, slot * D, HALF, rstd, norms + 2 * layer * H, H, B_PAD, HALF_PAD,
-                         QKV_BLOCK_K, True, DOT_PRECISION)
+    inp = xn + worker * B_PAD * H                                 # input RMSNorm, by this tile
+    rms_norm_rows(x, n, norms + 2 * layer * H, inp, H, EPS, B_PAD, NORM_BLOCK)
+    lo, hi = matmul_pair(inp, w, w + HALF * H, n, slot * D, HALF, H, B_PAD, HALF_PAD, QKV_BLOCK_K, DOT_PRECISION)
     rd = tl.arange(0, HALF_PAD)
     dmask = rd < HALF
     if HAS_BIAS:
