@@ -46,6 +46,9 @@ def parse_args(argv=None):
                    help="triton backend: write a Chrome/Perfetto trace of the last step and print the "
                         "time per task type")
     p.add_argument("--timeout", type=float, default=5.0, help="triton backend: seconds a task may wait")
+    p.add_argument("--transport", choices=("auto", "pointer", "nvshmem"), default="auto",
+                   help="triton backend at tp>1: how all-reduce tiles reach peers (auto: peer pointers when every "
+                        "peer is reachable by one, else NVSHMEM put-with-signal)")
     p.add_argument("--no-autotune", action="store_true",
                    help="triton backend: use the cached or default kernel options, measure nothing")
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON line")
@@ -86,7 +89,8 @@ def run_with(args, launch, comm) -> dict:
     t0 = time.perf_counter()
     if args.trace and args.backend != "triton":
         raise DistmkError("--trace needs --backend triton")
-    kernel_options = {"trace": bool(args.trace), "timeout_s": args.timeout} if args.backend == "triton" else None
+    kernel_options = ({"trace": bool(args.trace), "timeout_s": args.timeout, "transport": args.transport}
+                      if args.backend == "triton" else None)
     engine = Engine(args.model, tp=launch.world, rank=launch.rank, comm=comm, dtype=dtype, device=device,
                     backend=args.backend, config=config, max_context=args.max_context, seed=args.seed,
                     progress=launch.rank == 0 and not args.json, kernel_options=kernel_options,

@@ -1,8 +1,8 @@
 """NvshmemComm: GPU ranks that share NVSHMEM symmetric memory.
 
-The megakernel's exchange tasks store straight into peers' symmetric buffers through peer pointers
-(nvshmem_ptr) and bump their event counters with system-scope release atomics, so every peer must be
-reachable by pointer (one node, NVLink or PCIe P2P). Host-side gathers (sampling's logits) go over
+The megakernel's exchange tasks either store straight into peers' symmetric buffers through peer pointers
+(nvshmem_ptr: every peer on this node, NVLink or PCIe P2P) and bump their event counters with system-scope
+release atomics, or use NVSHMEM put-with-signal (any peer, across nodes too). Host-side gathers (sampling's logits) go over
 torch.distributed. NVSHMEM is bootstrapped from a unique id that rank 0 creates and broadcasts: over
 torch.distributed when it is up (torchrun, or mpirun/srun with MASTER_ADDR), else over mpi4py.
 """
@@ -35,6 +35,8 @@ class NvshmemComm:
         except ImportError as e:
             raise DistmkError(f"the triton backend at tp>1 needs nvshmem4py (pip install -e '.[gpu]'): {e}") from None
         self.rank, self.world = launch.rank, launch.world
+        # exchange transports the megakernel may use; "pointer" goes once a peer is not reachable by pointer
+        self.transports = ("pointer", "nvshmem")
         self._nvshmem, self._tensors = nvshmem, []
         uid = nvshmem.get_unique_id(empty=launch.rank != 0)
         _broadcast_bytes(uid._data.view(np.int8), launch.rank)
@@ -56,10 +58,9 @@ class NvshmemComm:
         peers = []
         for pe in range(self.world):
             peer = nvshmem_torch.get_peer_tensor(local, pe)
-            if peer is None:
-                raise DistmkError(f"rank {pe} is not reachable by pointer from rank {self.rank}: the megakernel's "
-                                  f"exchanges need all ranks on one node with peer access (NVLink or P2P)")
-            peers.append(peer.data_ptr())
+            if peer is None:                  # another node: only put-with-signal reaches it
+                self.transports = ("nvshmem",)
+            peers.append(peer.data_ptr() if peer is not None else 0)
         return local, torch.tensor(peers, dtype=torch.int64, device=device)
 
     def barrier(self) -> None:

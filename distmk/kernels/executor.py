@@ -40,11 +40,28 @@ def stalled_event(table, incomplete: torch.Tensor) -> int:
     return int((incomplete & ~has_blocked_signaller).nonzero()[0])
 
 
+TRANSPORTS = ("pointer", "nvshmem")     # the megakernel's TRANSPORT constant is the index
+
+
+def choose_transport(requested: str, comm) -> str:
+    """How exchange tasks reach peers: stores through peer pointers where every peer is reachable by one
+    (one node), else NVSHMEM put-with-signal; `requested` forces one."""
+    available = getattr(comm, "transports", ("pointer",))
+    if requested == "auto":
+        return "pointer" if "pointer" in available else "nvshmem"
+    if requested not in TRANSPORTS:
+        raise DistmkError(f"unknown transport {requested!r}: use auto, pointer or nvshmem")
+    if requested not in available:
+        raise DistmkError(f"the {requested} transport is not available with {type(comm).__name__} "
+                          f"(available: {', '.join(available)})")
+    return requested
+
+
 class TritonExecutor:
     def __init__(self, table, spec, weights, kv_cache, comm, dtype, *, timeout_s: float = 5.0,
                  num_warps: int = 4, num_stages: int = 4, block_n: int = 32, block_k: int | None = None,
                  mlp_block_n: int = 64, lm_block_n: int = 128, prefetch_kb: int = 256, trace: bool = False,
-                 cuda_graph: bool = True):
+                 cuda_graph: bool = True, transport: str = "auto"):
         missing = sorted({TASK_KINDS[t].name for t in table.tasks[:, TYPE].tolist() if TASK_KINDS[t].gpu is None})
         if missing:
             raise DistmkError(f"task types {missing} have no GPU implementation")
@@ -65,7 +82,7 @@ class TritonExecutor:
         self.table, self.spec, self.plan, self.rank = table, spec, plan, comm.rank
         self.options = dict(timeout_s=timeout_s, num_warps=num_warps, num_stages=num_stages, block_n=block_n,
                             block_k=block_k, mlp_block_n=mlp_block_n, lm_block_n=lm_block_n,
-                            prefetch_kb=prefetch_kb, trace=trace, cuda_graph=cuda_graph)
+                            prefetch_kb=prefetch_kb, trace=trace, cuda_graph=cuda_graph, transport=transport)
         self.dev_table = table.to(device)
         self.buf = allocate_workspace(spec, plan, config, dtype, device)
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
@@ -75,9 +92,9 @@ class TritonExecutor:
         self.rows = torch.zeros(1, **i32)
         self.epoch = torch.zeros(1, **i32)
         # symmetric memory: peers bump our exchange events and write our exchange buffers
-        self.counters, counter_peers = comm.symmetric((len(table.event_need),), torch.int32, device)
+        self.counters, counter_peers = comm.symmetric((len(table.event_need),), torch.int64, device)
         b_pad = _pad(config.batch)
-        exchange = comm.symmetric((2, comm.world, b_pad, spec.hidden_size), torch.float32, device)
+        exchange = comm.symmetric((2, comm.world, b_pad * spec.hidden_size), torch.float32, device)
         best = comm.symmetric((comm.world, b_pad), torch.float32, device)
         best_id = comm.symmetric((comm.world, b_pad), torch.int64, device)
         # scratch of each worker: the RMS-normed input a tile computes for itself (primitives.rms_norm_rows)
@@ -87,6 +104,13 @@ class TritonExecutor:
         # polls when interpreted: simulated ranks (threads) may have to wait for each other a while
         self.timeout = (1000 if comm.world == 1 else 10 ** 6) if self.interpret else int(timeout_s * 1e9)
         lm_tiles = num_lm_tiles(plan, config)
+        self.transport = choose_transport(transport, comm)
+        self.launch_options = dict(num_warps=num_warps, num_stages=1 if self.interpret else num_stages)
+        signal_add = -1                         # only the NVSHMEM transport uses it
+        if self.transport == "nvshmem":
+            from distmk.comm.nvshmem_device import extern_libs, signal_constants
+            signal_add = signal_constants()["SIGNAL_ADD"]
+            self.launch_options["extern_libs"] = extern_libs()
         # 16-32 KB of weights per load step in bf16; float32 (tests) halves K to stay in shared memory
         block_k = block_k or (128 if dtype == torch.float32 else 256)
         pair_k = block_k // 2                   # gate+up and the two halves of a head load two tiles a step
@@ -110,6 +134,7 @@ class TritonExecutor:
             BLOCK_H=min(1024, _pad(spec.hidden_size)), BLOCK_T=16,
             NORM_BLOCK=min(_pad(spec.hidden_size), max(16, 8192 // _pad(config.batch))),
             DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+            TRANSPORT=TRANSPORTS.index(self.transport), SIGNAL_ADD=signal_add,
             TRACE=trace, INTERPRET=self.interpret)
         self.kernel = load_megakernel(TASK_KINDS)
         if comm.world > 1:
@@ -123,7 +148,9 @@ class TritonExecutor:
             if len(set(digests)) > 1:
                 raise DistmkError(f"tensor-parallel ranks compiled different task tables (digests {digests}): "
                                   f"give every rank the same GraphConfig (workers, batch, tiles) and model")
-        self.launch_options = dict(num_warps=num_warps, num_stages=1 if self.interpret else num_stages)
+        if self.transport == "nvshmem":
+            from distmk.comm.nvshmem_device import compile_for_nvshmem
+            compile_for_nvshmem(self.kernel, (table.num_workers,), **self.args, **self.launch_options)
         self.use_graph = cuda_graph and device.type == "cuda"
         self.graph = None
         self.comm_world, self.failed = comm.world, False
@@ -171,7 +198,7 @@ class TritonExecutor:
             return
         # one rank cannot restart its counters while peers still signal into them: tp>1 stays failed
         self.failed = self.comm_world > 1
-        counters = self.counters.long()
+        counters = self.counters.to("cpu", copy=True)     # the device counters are reset below
         self.error.zero_()
         self.counters.zero_()               # the aborted step left counters mid-way: start over
         self.epoch.zero_()

@@ -15,18 +15,22 @@ import os
 from distmk.errors import DistmkError
 
 # Per task: values read from its table row; per step: rows active (n), this rank's vocabulary slice.
-RUNTIME = ("layer", "a0", "a1", "a2", "a3", "n", "worker", "rank", "vocab0", "vocab_valid")
+RUNTIME = ("layer", "a0", "a1", "a2", "a3", "n", "worker", "rank", "signal", "vocab0", "vocab_valid")
 # Tensors, passed by pointer (weights stacked over layers; see kernels/layout.py).
 BUFFERS = ("embed", "wqkv", "bqkv", "qk_norm", "wo", "w_gate", "w_up", "w_down", "norms", "lm_head", "inv_freq",
            "k_cache", "v_cache", "tokens", "positions", "block_table",
            "x", "xn", "q", "attn_o", "attn_m", "attn_l", "attn", "partial", "h", "logits", "tile_max", "tile_arg",
            "next_token",
-           # symmetric memory (tp > 1): this rank's exchange buffers and the peers' addresses of them
-           "exchange", "exchange_peers", "best", "best_id", "best_peers", "best_id_peers")
+           # symmetric memory (tp > 1): this rank's event counters and exchange buffers, and the peers'
+           # addresses of them
+           "counters", "counter_peers", "exchange", "exchange_peers", "best", "best_id", "best_peers",
+           "best_id_peers")
 # Shapes and tile sizes, compile-time constants.
 CONSTANTS = ("H", "D", "HQ", "HKV", "G", "G_PAD", "INTER", "VOCAB_L", "B_PAD", "MAXB", "BS", "NBLK", "S", "EPS",
              "HAS_BIAS", "QK_NORM", "WINDOW", "SCALE", "HALF_PAD", "LM_TILES", "LM_TILES_PAD", "BLOCK_H", "BLOCK_T",
              "DOT_PRECISION", "PREFETCH", "NORM_BLOCK", "WORLD",
+             # exchanges: 0 = stores through peer pointers, 1 = NVSHMEM put-with-signal (tasks/ar_push.py)
+             "TRANSPORT", "SIGNAL_ADD",
              # matmul tiles per task family: (rows, K) of one pipelined load step
              "BLOCK_N", "BLOCK_K", "MLP_BLOCK_N", "MLP_BLOCK_K", "LM_BLOCK_N", "LM_BLOCK_K", "QKV_BLOCK_K")
 
@@ -38,12 +42,12 @@ _TEMPLATE = '''\
 import triton
 import triton.language as tl
 
-from distmk.kernels.primitives import now_ns, signal_all_ranks, signal_event, wait_event
+from distmk.kernels.primitives import now_ns, signal_event, wait_event
 {imports}
 
 
 @triton.jit(do_not_specialize=["rank", "timeout", "vocab0", "vocab_valid"])
-def megakernel(tasks, queue, queue_ptr, event_need, counters, counter_peers, epoch_ptr, rows_ptr, error, trace,
+def megakernel(tasks, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, trace,
                rank, timeout,
                vocab0, vocab_valid, {buffers},
                {constants}, TRACE: tl.constexpr, INTERPRET: tl.constexpr):
@@ -69,7 +73,7 @@ def megakernel(tasks, queue, queue_ptr, event_need, counters, counter_peers, epo
         if TRACE:
             tl.store(trace + t * 4, now_ns())
         if wait >= 0:
-            target = epoch * tl.load(event_need + wait)
+            target = epoch.to(tl.int64) * tl.load(event_need + wait)
             short = wait_event(counters + wait, target, error, timeout, INTERPRET, WORLD > 1)
             if short < 0:
                 ok = 0
@@ -89,11 +93,8 @@ def megakernel(tasks, queue, queue_ptr, event_need, counters, counter_peers, epo
             if TRACE:
                 tl.store(trace + t * 4 + 2, now_ns())
                 tl.store(trace + t * 4 + 3, tl.extra.cuda.smid().to(tl.int64))
-            if signal >= 0:
-                if {broadcast}:
-                    signal_all_ranks(counter_peers, signal, WORLD)
-                else:
-                    signal_event(counters + signal)
+            if (signal >= 0) & ~({broadcast}):   # exchanges signal every rank themselves
+                signal_event(counters + signal)
         i += 1
 '''
 
@@ -122,7 +123,7 @@ def generate_source(kinds) -> str:
     imports = []
     dispatch = _dispatch(kinds, "gpu", " " * 12, imports)
     prefetch = _dispatch(kinds, "gpu_prefetch", " " * 12, imports)
-    broadcast = " | ".join(f"(kind == {i})" for i, k in enumerate(kinds) if k.signals_all_ranks) or "False"
+    broadcast = " | ".join(f"(kind == {i})" for i, k in enumerate(kinds) if k.signals_all_ranks) or "(kind < 0)"
     return _TEMPLATE.format(imports="\n".join(imports), buffers=", ".join(BUFFERS),
                             constants=", ".join(f"{c}: tl.constexpr" for c in CONSTANTS),
                             dispatch=dispatch, prefetch=prefetch, broadcast=broadcast)

@@ -1,6 +1,6 @@
 """Device helpers shared by the task kernels: the matmul tile every projection is made of, the RMSNorm
 of the residual stream that a tile computes for itself, L2 prefetch, and the event
-wait/signal that orders tasks across workers.
+wait/signal that orders tasks across workers (event counters are int64, the width of NVSHMEM signals).
 
 Ordering: a task's threads store their outputs, meet at a CTA barrier, then one release atomic bumps the
 event counter (gpu scope). A waiting worker polls the counter with acquire loads, then meets its own
@@ -102,15 +102,16 @@ def now_ns():
 
 @triton.jit
 def load_acquire(ptr, INTERPRET: tl.constexpr, SYSTEM: tl.constexpr):
-    """Acquire load of an event counter; system scope when other GPUs signal it."""
+    """Acquire load of an (int64: NVSHMEM signals are 64-bit) event counter; system scope when other GPUs
+    signal it."""
     if INTERPRET:
         value = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
     elif SYSTEM:
-        value = tl.inline_asm_elementwise("ld.global.acquire.sys.b32 $0, [$1];", "=r,l", [ptr],
-                                          dtype=tl.int32, is_pure=False, pack=1)
+        value = tl.inline_asm_elementwise("ld.global.acquire.sys.b64 $0, [$1];", "=l,l", [ptr],
+                                          dtype=tl.int64, is_pure=False, pack=1)
     else:
-        value = tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr],
-                                          dtype=tl.int32, is_pure=False, pack=1)
+        value = tl.inline_asm_elementwise("ld.global.acquire.gpu.b64 $0, [$1];", "=l,l", [ptr],
+                                          dtype=tl.int64, is_pure=False, pack=1)
     return value
 
 
@@ -118,7 +119,7 @@ def load_acquire(ptr, INTERPRET: tl.constexpr, SYSTEM: tl.constexpr):
 def wait_event(counter_ptr, target, abort_ptr, timeout_ns, INTERPRET: tl.constexpr, SYSTEM: tl.constexpr):
     """Spin until *counter_ptr reaches target. Returns the last value seen minus target: negative means the
     wait gave up (timeout, or another worker already aborted the step). Differences, not plain comparisons,
-    so that counters and targets may wrap around int32 on long runs."""
+    so that a wrap-around of counters and targets on very long runs stays harmless."""
     value = load_acquire(counter_ptr, INTERPRET, SYSTEM)
     if INTERPRET:
         polls = 0
@@ -153,5 +154,5 @@ def signal_all_ranks(counter_peers, event, WORLD: tl.constexpr):
     counters, through the peer pointers of the symmetric counter array."""
     tl.debug_barrier()
     for p in tl.static_range(WORLD):
-        peer = tl.load(counter_peers + p).to(tl.pointer_type(tl.int32))
+        peer = tl.load(counter_peers + p).to(tl.pointer_type(tl.int64))
         tl.atomic_add(peer + event, 1, sem="release", scope="sys")

@@ -1,10 +1,11 @@
 """Second half of the all-reduce of one row tile: once every rank's partial of the rows has arrived (the
 push event completes with one signal per rank), x[:, rows] += their sum, taken in rank order so that all
-ranks hold bit-identical results."""
+ranks hold bit-identical results. The exchange layout is ar_push's."""
 import torch
 import triton
 import triton.language as tl
 
+from distmk.tasks.ar_push import exchange_region
 from distmk.tasks.base import TaskKind
 
 
@@ -14,13 +15,13 @@ def allreduce_gpu(a0, a1, a2, n, x, exchange, H: tl.constexpr, B_PAD: tl.constex
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, BLOCK_N)
     for j in range(0, a1, BLOCK_N):
-        cols = a0 + j + rn
-        mask = (rb < n)[:, None] & (rn < a1 - j)[None, :]
+        cols = j + rn
+        mask = (rb < n)[:, None] & (cols < a1)[None, :]
         total = tl.zeros((B_PAD, BLOCK_N), dtype=tl.float32)
         for src in tl.static_range(WORLD):
-            slot = ((a2 % 2) * WORLD + src) * B_PAD
-            total += tl.load(exchange + (slot + rb)[:, None] * H + cols[None, :], mask=mask, other=0.0)
-        offs = rb[:, None] * H + cols[None, :]
+            region = exchange_region(a0, a2, src, H, B_PAD, WORLD)
+            total += tl.load(exchange + region + rb[:, None] * a1 + cols[None, :], mask=mask, other=0.0)
+        offs = rb[:, None] * H + (a0 + cols)[None, :]
         residual = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(x + offs, (residual + total).to(x.dtype.element_ty), mask=mask)
 

@@ -2,28 +2,55 @@
 of the rows to every rank, and signal the exchange's event on every rank (it completes when all ranks
 have pushed). Waits only for the local matmul tile that produced the slice.
 
-On the GPU the rows go straight into each peer's symmetric exchange buffer (slot parity = a2 % 2: a rank
-cannot be two row-parallel outputs ahead of a peer that still reads the older one), then a release
-atomic bumps the event counter in each peer's memory."""
+Exchange buffers are symmetric, [2, WORLD, B_PAD * H] float32 on every rank: slot parity a2 % 2 (a rank
+cannot be two row-parallel outputs ahead of a peer that still reads the older one), then the source rank,
+then the tile's rows packed contiguously ([n, nrows] at offset row0 * B_PAD), so one put moves a tile.
+Two transports (TRANSPORT): 0 stores straight into each peer's buffer through its address (nvshmem_ptr;
+one node) and bumps the peer's event counter with a system-scope release atomic; 1 writes its own slot,
+then NVSHMEM put-with-signal copies it to each peer and adds 1 to the peer's counter (works across nodes).
+"""
 import triton
 import triton.language as tl
 
+from distmk.comm.nvshmem_device import putmem_signal_block
+from distmk.kernels.primitives import signal_all_ranks
 from distmk.tasks.base import TaskKind
 
 
 @triton.jit
-def ar_push_gpu(a0, a1, a2, n, rank, partial, exchange_peers, H: tl.constexpr, B_PAD: tl.constexpr,
-                WORLD: tl.constexpr, BLOCK_N: tl.constexpr):
+def exchange_region(a0, a2, src, H: tl.constexpr, B_PAD: tl.constexpr, WORLD: tl.constexpr):
+    """Offset of rank src's packed rows [row0, row0 + nrows) of row-parallel output a2 in the exchange."""
+    return ((a2 % 2) * WORLD + src).to(tl.int64) * B_PAD * H + a0 * B_PAD
+
+
+@triton.jit
+def ar_push_gpu(a0, a1, a2, n, rank, signal, partial, exchange, exchange_peers, counters, counter_peers,
+                H: tl.constexpr, B_PAD: tl.constexpr, WORLD: tl.constexpr, BLOCK_N: tl.constexpr,
+                TRANSPORT: tl.constexpr, SIGNAL_ADD: tl.constexpr):
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, BLOCK_N)
-    base = ((a2 % 2) * WORLD + rank) * B_PAD          # exchange is [2, WORLD, B_PAD, H] float32 on every rank
+    region = exchange_region(a0, a2, rank, H, B_PAD, WORLD)
     for j in range(0, a1, BLOCK_N):
-        cols = a0 + j + rn
-        mask = (rb < n)[:, None] & (rn < a1 - j)[None, :]
-        rows = tl.load(partial + rb[:, None] * H + cols[None, :], mask=mask, other=0.0)
+        cols = j + rn
+        mask = (rb < n)[:, None] & (cols < a1)[None, :]
+        rows = tl.load(partial + rb[:, None] * H + (a0 + cols)[None, :], mask=mask, other=0.0)
+        packed = region + rb[:, None] * a1 + cols[None, :]
+        if TRANSPORT == 0:
+            for p in tl.static_range(WORLD):
+                peer = tl.load(exchange_peers + p).to(tl.pointer_type(tl.float32))
+                tl.store(peer + packed, rows, mask=mask)
+        else:
+            tl.store(exchange + packed, rows, mask=mask)
+    if TRANSPORT == 0:
+        signal_all_ranks(counter_peers, signal, WORLD)
+    else:
+        tl.debug_barrier()              # the whole tile is in our slot before the CTA puts it
+        src = (exchange + region).to(tl.int64)
         for p in tl.static_range(WORLD):
-            peer = tl.load(exchange_peers + p).to(tl.pointer_type(tl.float32))
-            tl.store(peer + (base + rb)[:, None] * H + cols[None, :], rows, mask=mask)
+            if p != rank:
+                putmem_signal_block(src, src, (n * a1 * 4).to(tl.int64), (counters + signal).to(tl.int64),
+                                    tl.full((), 1, tl.uint64), SIGNAL_ADD, p)
+        tl.atomic_add(counters + signal, 1, sem="release", scope="sys")
 
 
 class ArPush(TaskKind):

@@ -1,26 +1,46 @@
 """First half of the greedy choice: this rank's best (logit, token id) per row over its lm_head tiles,
-published to every rank (vocab-parallel lm_head), signalling the exchange's event on every rank."""
+published to every rank (vocab-parallel lm_head), signalling the exchange's event on every rank.
+best and best_id are symmetric [WORLD, B_PAD] on every rank; transports as in ar_push."""
 import triton
 import triton.language as tl
 
+from distmk.comm.nvshmem_device import fence, putmem_block, putmem_signal_block
+from distmk.kernels.primitives import signal_all_ranks
 from distmk.tasks.base import TaskKind
 
 
 @triton.jit
-def argmax_push_gpu(n, rank, tile_max, tile_arg, best_peers, best_id_peers, B_PAD: tl.constexpr,
-                    LM_TILES: tl.constexpr, LM_TILES_PAD: tl.constexpr, WORLD: tl.constexpr):
+def argmax_push_gpu(n, rank, signal, tile_max, tile_arg, best, best_id, best_peers, best_id_peers, counters,
+                    counter_peers, B_PAD: tl.constexpr, LM_TILES: tl.constexpr, LM_TILES_PAD: tl.constexpr,
+                    WORLD: tl.constexpr, TRANSPORT: tl.constexpr, SIGNAL_ADD: tl.constexpr):
     rb = tl.arange(0, B_PAD)
     rt = tl.arange(0, LM_TILES_PAD)
     mask = (rb < n)[:, None] & (rt < LM_TILES)[None, :]
     maxes = tl.load(tile_max + rb[:, None] * LM_TILES + rt[None, :], mask=mask, other=float("-inf"))
     best_tile = tl.argmax(maxes, axis=1, tie_break_left=True)   # tiles in vocabulary order: lowest id wins
-    best = tl.max(maxes, axis=1)
+    top = tl.max(maxes, axis=1)
     token = tl.load(tile_arg + rb * LM_TILES + best_tile, mask=rb < n, other=0)
-    for p in tl.static_range(WORLD):               # best and best_id are [WORLD, B_PAD] on every rank
-        peer_best = tl.load(best_peers + p).to(tl.pointer_type(tl.float32))
-        peer_id = tl.load(best_id_peers + p).to(tl.pointer_type(tl.int64))
-        tl.store(peer_best + rank * B_PAD + rb, best, mask=rb < n)
-        tl.store(peer_id + rank * B_PAD + rb, token, mask=rb < n)
+    mine = rank * B_PAD + rb
+    if TRANSPORT == 0:
+        for p in tl.static_range(WORLD):
+            peer_best = tl.load(best_peers + p).to(tl.pointer_type(tl.float32))
+            peer_id = tl.load(best_id_peers + p).to(tl.pointer_type(tl.int64))
+            tl.store(peer_best + mine, top, mask=rb < n)
+            tl.store(peer_id + mine, token, mask=rb < n)
+        signal_all_ranks(counter_peers, signal, WORLD)
+    else:
+        tl.store(best + mine, top, mask=rb < n)
+        tl.store(best_id + mine, token, mask=rb < n)
+        tl.debug_barrier()
+        values = (best + rank * B_PAD).to(tl.int64)
+        ids = (best_id + rank * B_PAD).to(tl.int64)
+        for p in tl.static_range(WORLD):
+            if p != rank:
+                putmem_block(values, values, (n * 4).to(tl.int64), p)
+                fence()                 # the values land before the ids' signal
+                putmem_signal_block(ids, ids, (n * 8).to(tl.int64), (counters + signal).to(tl.int64),
+                                    tl.full((), 1, tl.uint64), SIGNAL_ADD, p)
+        tl.atomic_add(counters + signal, 1, sem="release", scope="sys")
 
 
 class ArgmaxPush(TaskKind):

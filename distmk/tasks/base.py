@@ -24,7 +24,7 @@ class TaskKind:
     name: str = ""
     args: tuple[str, ...] = ()   # meaning of a0..a3 (at most four)
     communicates = False         # needs the other ranks (all-reduce, distributed argmax)
-    signals_all_ranks = False    # its event is signalled on every rank (need = tp): an exchange's arrivals
+    signals_all_ranks = False    # signals its event on every rank itself (need = tp), through the transport
     gpu = None                   # the @triton.jit device function the megakernel dispatches to
     gpu_prefetch = None          # optional: starts pulling the task's weights into L2 before it waits
 
