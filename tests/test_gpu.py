@@ -158,6 +158,62 @@ def test_autotune_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     assert first.generate(PROMPT, 8) == second.generate(PROMPT, 8)
 
 
+TP2_SCRIPT = """
+import json, sys, time, torch
+import torch.distributed as dist
+from distmk.comm.nvshmem import NvshmemComm
+from distmk.dist import detect_launch, init_process_group
+from distmk.graph import GraphConfig
+from distmk.kernels.executor import WatchdogTimeout
+from distmk.runtime.engine import Engine
+launch = detect_launch()
+torch.cuda.set_device(launch.local_rank)
+init_process_group(launch, "nccl")
+comm = NvshmemComm(launch)
+report = {}
+try:
+    engine = Engine("tiny-llama", tp=2, rank=launch.rank, comm=comm, backend="triton", device="cuda",
+                    config=GraphConfig(batch=4, workers=16), autotune=False,
+                    kernel_options={"transport": TRANSPORT, "timeout_s": 1.0, "cuda_graph": False})
+    report["transport"] = engine.executor.transport
+    report["tokens"] = engine.generate([1, 2, 3, 4, 5, 6, 7], 32)
+    x = engine.executor.buf["x"]
+    report["identical"] = all(torch.equal(t, x) for t in comm.gather(x))   # the residual stream after the last step
+    blocks = engine.kv.allocate([], 8)
+    t0 = time.time()
+    if launch.rank == 0:            # rank 1 stays away: rank 0's exchange never completes
+        try:
+            engine.step([1], [0], [blocks])
+        except WatchdogTimeout as e:
+            report["watchdog"] = str(e)
+    report["watchdog_s"] = round(time.time() - t0, 2)
+    dist.barrier()
+finally:
+    comm.close()
+print("REPORT", json.dumps(report), flush=True)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("transport", ["pointer", "nvshmem"])
+def test_tp2_transports_tokens_bit_identical_ranks_and_watchdog(transport, tmp_path):
+    """Two ranks, one GPU each, over each exchange transport: transformers' tokens, bit-identical residual
+    streams on both ranks, and a rank whose peer never pushes gets a watchdog error naming it (no hang)."""
+    from conftest import torchrun
+    script = tmp_path / "tp2.py"
+    script.write_text(TP2_SCRIPT.replace("TRANSPORT", repr(transport)))
+    proc = torchrun(2, str(script), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not freed" not in proc.stderr
+    reports = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("REPORT")]
+    assert len(reports) == 2
+    ref_tokens = hf_greedy("tiny-llama", weights_device="cuda")[0]
+    for r in reports:
+        assert r["transport"] == transport and r["identical"] and r["tokens"] == ref_tokens
+    watchdog = [r["watchdog"] for r in reports if "watchdog" in r]
+    assert len(watchdog) == 1 and watchdog[0].startswith("rank 0 worker") and "waited on event" in watchdog[0]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
 def test_tp2_megakernel_over_nvshmem_matches_transformers(name):

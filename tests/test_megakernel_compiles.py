@@ -32,3 +32,33 @@ def test_tensor_parallel_megakernel_compiles_for_sm90():
         return engine.executor.compile_ahead(arch=90).metadata.shared
 
     assert all(shared <= HOPPER_SHARED_BYTES for shared in run_simulated_ranks(2, compile_rank))
+
+
+def nvshmem_bitcode() -> str | None:
+    """libnvshmem_device.bc from the nvidia-nvshmem wheel (a dev dependency), if installed."""
+    import importlib.util
+    import os
+    spec = importlib.util.find_spec("nvidia.nvshmem")
+    for root in (spec.submodule_search_locations if spec else []):
+        path = os.path.join(root, "lib", "libnvshmem_device.bc")
+        if os.path.exists(path):
+            return path
+    return None
+
+
+@pytest.mark.skipif(nvshmem_bitcode() is None, reason="needs the nvidia-nvshmem-cu13 wheel's device bitcode")
+def test_nvshmem_transport_links_and_compiles_for_sm90():
+    """The put-with-signal transport: Triton's calls into libnvshmem_device.bc link and assemble for sm_90
+    (the signal op's value does not matter to the compiler; on a GPU it comes from nvshmem4py)."""
+    from distmk.kernels.megakernel import compile_ahead
+    from distmk.reference.comm import run_simulated_ranks
+
+    def compile_rank(rank, comm):
+        engine = Engine("llama-3-8b", tp=2, rank=rank, comm=comm, backend="triton", device="meta",
+                        dtype=torch.bfloat16, max_context=1024, config=GraphConfig(batch=4, workers=132))
+        ex = engine.executor
+        options = {**ex.launch_options, "extern_libs": {"libnvshmem_device": nvshmem_bitcode()}}
+        return compile_ahead(ex.kernel, {**ex.args, "TRANSPORT": 1, "SIGNAL_ADD": 10}, options, 90)
+
+    for compiled in run_simulated_ranks(2, compile_rank):
+        assert "nvshmemx_putmem_signal_block" in compiled.asm["ptx"] or "putmem_signal" in compiled.asm["llir"]
