@@ -1,15 +1,29 @@
 #!/usr/bin/env bash
-# One session on 2 H200s (device kind nvidia-h200-x2): tensor-parallel tests and the tp=2 decode benchmark.
-# The device image lacks nvshmem4py: carry its wheel in .whl/ (benchmarks/README.md says how).
-# Usage, from the repository root: OUT=dir bash benchmarks/run_h200x2.sh
+# One session on 2 H200s (device kind nvidia-h200-x2): tensor-parallel GPU tests, the all-reduce and overlap
+# benchmarks, and the tp=2 decode benchmarks. The device image lacks nvshmem4py: carry its wheel in .whl/
+# (benchmarks/README.md says how). Usage, from the repository root: OUT=dir bash benchmarks/run_h200x2.sh
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1   # never NVLink multicast here
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
-timeout 300 python3 -m pytest -q -s tests/test_gpu.py -k "tp2" 2>&1 | grep -v Warn | tee "$OUT/gpu_tests_tp2.log" | tail -n 6
-for model in llama-3-8b qwen3-8b; do
-  timeout 150 torchrun --standalone --nproc-per-node 2 benchmarks/decode.py --model "$model" --batch 1 \
-      --context 512 --iters 100 --json --skip-hf --out "$OUT/decode_${model}_b1_tp2.json" 2>/dev/null | tail -c 600
+quiet() { grep -v -E "Warn|warn_once|^W[0-9]{4}|\*{10}|OMP_NUM_THREADS"; }
+timeout 240 python3 -m pytest -q -s tests/test_gpu.py -k "tp2" 2>&1 | quiet | tee "$OUT/gpu_tests_tp2.log" | tail -n 8
+timeout 150 torchrun --standalone --nproc-per-node 2 benchmarks/allreduce.py --out "$OUT/allreduce_tp2.json" 2>&1 \
+    | quiet | grep -v '^\[{' | tail -n 12
+timeout 100 torchrun --standalone --nproc-per-node 2 benchmarks/overlap.py --out "$OUT/overlap_tp2.json" 2>&1 | quiet | tail -n 5
+for spec in ${MODELS:-llama-3-8b:1 qwen3-8b:1 llama-3-8b:8}; do
+  model=${spec%:*} batch=${spec#*:}
+  timeout 120 torchrun --standalone --nproc-per-node 2 benchmarks/decode.py --model "$model" --batch "$batch" \
+      --context 512 --iters 100 --json --skip-hf --compile-baseline --out "$OUT/decode_${model}_b${batch}_tp2.json" 2>&1 \
+      | quiet | grep -E "^\[decode\] (distmk|step span|  )" | head -n 14
 done
+python3 - "$OUT" <<'PY'
+import glob, json, sys
+for path in sorted(glob.glob(f"{sys.argv[1]}/decode_*_tp2.json")):
+    r = json.load(open(path))
+    print(f"{r['model']:<11} tp2 b{r['batch']}: step {r['step_ms']:.3f} ms  roofline {r['roofline_ms']:.3f}  eff "
+          f"{r['efficiency']:.2f}  graph {r['cudagraph_ms']:.2f}  compiled {r['cudagraph_compiled_ms']:.2f}  "
+          f"x{r['speedup_vs_cudagraph']:.2f}  allreduce {r['allreduce_us']:.1f} us  peer wait {r['peer_wait_fraction']:.3f}")
+PY

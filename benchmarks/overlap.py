@@ -1,0 +1,100 @@
+"""How much of the all-reduce the megakernel hides behind matmul tiles: an o_proj-sized GEMV (row-parallel,
+this rank's [H, K] slice per layer, weights of 32 layers streamed from HBM) with its all-reduce fused in
+one persistent kernel, against the GEMV alone in the same kernel, and against cuBLAS GEMV then NCCL
+all-reduce captured in a CUDA graph. One JSON object:
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/overlap.py --out benchmarks/results/overlap.json
+
+Each configuration runs rounds (one layer each) in one launch; tiles_per_program > 1 lets a program
+start tile i+1's GEMV while tile i's exchange is in flight (benchmarks/exchange_rounds.py).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from allreduce import cuda_us  # noqa: E402
+from exchange_rounds import ExchangeRounds  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=4096, help="H: output rows of o_proj (llama-3-8b: 4096)")
+    p.add_argument("--k", type=int, default=4096, help="o_proj input width before sharding (heads x head_dim)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=320)
+    p.add_argument("--out", default="benchmarks/results/overlap.json")
+    args = p.parse_args()
+    from distmk.comm.nvshmem import NvshmemComm
+    from distmk.dist import detect_launch, init_process_group
+    launch = detect_launch()
+    if launch.world < 2:
+        p.error("run under torchrun / mpirun with 2 or more ranks")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(launch.local_rank)
+    init_process_group(launch, "nccl")
+    comm = NvshmemComm(launch)
+    H, K, n = args.hidden, args.k // launch.world, args.batch
+    tiles = H // 32
+    configs = []
+    try:
+        for per_program in (1, 2, 4):
+            row = {"tiles_per_program": per_program, "programs": tiles // per_program}
+            for name, exchange in (("gemv_us", False), ("fused_us", True)):
+                ex = ExchangeRounds(comm, n, H, tiles, per_program, "pointer", K=K, layers=args.layers, gemv=True,
+                                    exchange=exchange)
+                row[name] = ex.us_per_round(args.rounds)
+                del ex
+            configs.append(row)
+            if launch.rank == 0:
+                print(json.dumps(row), file=sys.stderr, flush=True)
+        w = (torch.randn(args.layers, H, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
+        x = torch.randn(n, K, device="cuda").to(torch.bfloat16)
+        out = torch.empty(n, H, device="cuda", dtype=torch.bfloat16)
+
+        def layers(all_reduce: bool):
+            for layer in range(args.layers):
+                torch.matmul(x, w[layer].t(), out=out)
+                if all_reduce:
+                    dist.all_reduce(out)
+
+        graphs = {}
+        for name, all_reduce in (("cublas_us", False), ("cublas_nccl_us", True)):
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                layers(all_reduce)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                layers(all_reduce)
+            graphs[name] = cuda_us(graph.replay, 30) / args.layers
+    finally:
+        comm.close()
+        dist.destroy_process_group()
+    best_gemv = min(c["gemv_us"] for c in configs)
+    best_fused = min(c["fused_us"] for c in configs)
+    result = {"world": launch.world, "hidden": H, "k_per_rank": K, "batch": n, "layers": args.layers,
+              "configs": configs, "gemv_us": best_gemv, "fused_us": best_fused,
+              "fused_over_gemv": best_fused / best_gemv, **graphs,
+              "cublas_nccl_over_cublas": graphs["cublas_nccl_us"] / graphs["cublas_us"],
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(["torchrun", f"--nproc-per-node {launch.world}", *sys.argv])}
+    if launch.rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
