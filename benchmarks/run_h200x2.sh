@@ -17,7 +17,7 @@ for spec in ${MODELS:-llama-3-8b:1 qwen3-8b:1 llama-3-8b:8}; do
   model=${spec%:*} batch=${spec#*:}
   timeout 120 torchrun --standalone --nproc-per-node 2 benchmarks/decode.py --model "$model" --batch "$batch" \
       --context 512 --iters 100 --json --skip-hf --compile-baseline --out "$OUT/decode_${model}_b${batch}_tp2.json" 2>&1 \
-      | quiet | grep -E "^\[decode\] (distmk|step span|  )" | head -n 14
+      | quiet | grep -E "^\[decode\] (distmk|step span)|^  [a-z]" | head -n 14
 done
 python3 - "$OUT" <<'PY'
 import glob, json, sys
