@@ -11,19 +11,21 @@ mkdir -p "$OUT"
 quiet() { grep -v -E "Warn|warn_once|^W[0-9]{4}|\*{10}|OMP_NUM_THREADS"; }
 timeout 240 python3 -m pytest -q -s tests/test_gpu.py -k "tp2" 2>&1 | quiet | tee "$OUT/gpu_tests_tp2.log" | tail -n 8
 timeout 150 torchrun --standalone --nproc-per-node 2 benchmarks/allreduce.py --out "$OUT/allreduce_tp2.json" 2>&1 \
-    | quiet | grep -v '^\[{' | tail -n 12
-timeout 100 torchrun --standalone --nproc-per-node 2 benchmarks/overlap.py --out "$OUT/overlap_tp2.json" 2>&1 | quiet | tail -n 5
-for spec in ${MODELS:-llama-3-8b:1 qwen3-8b:1 llama-3-8b:8}; do
+    | quiet > "$OUT/allreduce_tp2.log"; grep -v '^\[{' "$OUT/allreduce_tp2.log" | tail -n 12
+timeout 100 torchrun --standalone --nproc-per-node 2 benchmarks/overlap.py --out "$OUT/overlap_tp2.json" 2>&1 \
+    | quiet > "$OUT/overlap_tp2.log"; tail -n 5 "$OUT/overlap_tp2.log"
+for spec in ${MODELS:-llama-3-8b:1 qwen3-8b:1 llama-3-8b:8}; do   # COMPILE=--compile-baseline: also torch.compile
   model=${spec%:*} batch=${spec#*:}
-  timeout 120 torchrun --standalone --nproc-per-node 2 benchmarks/decode.py --model "$model" --batch "$batch" \
-      --context 512 --iters 100 --json --skip-hf --compile-baseline --out "$OUT/decode_${model}_b${batch}_tp2.json" 2>&1 \
-      | quiet | grep -E "^\[decode\] (distmk|step span)|^  [a-z]" | head -n 14
+  timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/decode.py --model "$model" --batch "$batch" \
+      --context 512 --iters 100 --json --skip-hf ${COMPILE:-} --out "$OUT/decode_${model}_b${batch}_tp2.json" 2>&1 \
+      | quiet > "$OUT/decode_${model}_b${batch}_tp2.log"
+  grep -E "^\[decode\] (distmk|step span)|^  [a-z]" "$OUT/decode_${model}_b${batch}_tp2.log" | head -n 14
 done
 python3 - "$OUT" <<'PY'
 import glob, json, sys
 for path in sorted(glob.glob(f"{sys.argv[1]}/decode_*_tp2.json")):
     r = json.load(open(path))
     print(f"{r['model']:<11} tp2 b{r['batch']}: step {r['step_ms']:.3f} ms  roofline {r['roofline_ms']:.3f}  eff "
-          f"{r['efficiency']:.2f}  graph {r['cudagraph_ms']:.2f}  compiled {r['cudagraph_compiled_ms']:.2f}  "
+          f"{r['efficiency']:.2f}  graph {r['cudagraph_ms']:.2f}  compiled {r['cudagraph_compiled_ms']}  "
           f"x{r['speedup_vs_cudagraph']:.2f}  allreduce {r['allreduce_us']:.1f} us  peer wait {r['peer_wait_fraction']:.3f}")
 PY

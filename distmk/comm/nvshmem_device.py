@@ -92,7 +92,8 @@ def compile_for_nvshmem(kernel, grid, **launch_args):
     """Compile `kernel` for these arguments (linking libnvshmem_device) and initialise its module for
     NVSHMEM, so that launches with the same arguments (and extern_libs) find it ready in Triton's cache."""
     import nvshmem.bindings as nvb
-    compiled = kernel.warmup(grid=grid, extern_libs=extern_libs(), **launch_args)
+    launch_args.setdefault("extern_libs", extern_libs())
+    compiled = kernel.warmup(grid=grid, **launch_args)
     compiled._init_handles()
     status = nvb.cumodule_init(int(compiled.module))
     if status != 0:
