@@ -81,6 +81,8 @@ class ExchangeRounds:
         if transport == "nvshmem":
             from distmk.comm.nvshmem_device import compile_for_nvshmem
             compile_for_nvshmem(exchange_rounds, self.grid, epoch0=0, rounds=1, **self.args, **self.options)
+        torch.cuda.synchronize()
+        comm.barrier()          # every rank zeroed its counters before any rank pushes into them
 
     def launch(self, rounds: int) -> None:
         exchange_rounds[self.grid](epoch0=self.epoch, rounds=rounds, **self.args, **self.options)

@@ -51,6 +51,8 @@ def main() -> int:
             for name, exchange in (("gemv_us", False), ("fused_us", True)):
                 ex = ExchangeRounds(comm, n, H, tiles, per_program, "pointer", K=K, layers=args.layers, gemv=True,
                                     exchange=exchange)
+                if launch.rank == 0:
+                    print(f"[overlap] {per_program} tiles per program, {name} ...", file=sys.stderr, flush=True)
                 row[name] = ex.us_per_round(args.rounds)
                 del ex
             configs.append(row)

@@ -148,9 +148,16 @@ class TritonExecutor:
             if len(set(digests)) > 1:
                 raise DistmkError(f"tensor-parallel ranks compiled different task tables (digests {digests}): "
                                   f"give every rank the same GraphConfig (workers, batch, tiles) and model")
-        if self.transport == "nvshmem":
-            from distmk.comm.nvshmem_device import compile_for_nvshmem
-            compile_for_nvshmem(self.kernel, (table.num_workers,), **self.args, **self.launch_options)
+        if comm.world > 1 and device.type == "cuda":
+            # Compile before the first step, then start together: a rank still compiling would leave its
+            # peers' first exchange waiting past the watchdog, which is final at tp > 1.
+            grid = (table.num_workers,)
+            if self.transport == "nvshmem":
+                from distmk.comm.nvshmem_device import compile_for_nvshmem
+                compile_for_nvshmem(self.kernel, grid, **self.args, **self.launch_options)
+            else:
+                self.kernel.warmup(grid=grid, **self.args, **self.launch_options)
+            comm.barrier()
         self.use_graph = cuda_graph and device.type == "cuda"
         self.graph = None
         self.comm_world, self.failed = comm.world, False
