@@ -86,8 +86,9 @@ def run(args, launcher: str, log) -> dict:
     dtype = torch.bfloat16 if on_gpu else torch.float32
     release = torch.cuda.empty_cache if on_gpu else (lambda: None)
     spec, source, _ = open_model(args.model, seed=0, device=device)
-    result = {"model": args.model, "tp": world, "batch": args.batch, "context": args.context,
-              "dtype": str(dtype).removeprefix("torch."), "backend": args.backend, "device": args.device}
+    result = {"model": args.model, "params": spec.num_parameters(), "tp": world, "batch": args.batch,
+              "context": args.context, "dtype": str(dtype).removeprefix("torch."), "backend": args.backend,
+              "device": args.device}
 
     step_bytes = decode_step_bytes(spec, plan_shard(spec, world, rank), args.batch, args.context, dtype.itemsize)
     bandwidth = roofline_ms = None
