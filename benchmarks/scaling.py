@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -92,16 +93,28 @@ def measure(model: str, tp: int, args, decode_argv: list[str]) -> dict:
     if os.path.exists(out):
         os.remove(out)
     with open(os.path.join(args.out_dir, "runs", run_name(model, tp) + ".log"), "w") as log:
-        try:
-            proc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.run_timeout)
-            error = None if proc.returncode == 0 and os.path.exists(out) else f"exit code {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            error = f"timed out after {args.run_timeout:.0f} s"
-    if error is None:
+        code = run_bounded(command, log, env, args.run_timeout)
+    if code == 0 and os.path.exists(out):
         with open(out) as f:
             return json.load(f)
+    error = f"timed out after {args.run_timeout:.0f} s" if code is None else f"exit code {code}"
     return {"model": model, "tp": tp, "backend": args.backend, "device": args.device, "step_ms": None,
             "error": f"{error}; see runs/{run_name(model, tp)}.log", "command": " ".join(command)}
+
+
+def run_bounded(command: list[str], log, env: dict, timeout: float) -> int | None:
+    """The exit code of `command`, or None if it ran past `timeout`. It runs in a process group of its own,
+    which is killed whole when it times out or we are interrupted: torchrun's ranks must not outlive it
+    (holding their GPUs)."""
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def write_json(path: str, data) -> None:
@@ -124,8 +137,10 @@ def sweep(args, decode_argv, records: list[dict], json_path: str) -> None:
         record = measure(model, tp, args, decode_argv)
         records.append(record)
         write_json(json_path, records)
-        outcome = f"{record['step_ms']:.3f} ms/step" if record.get("step_ms") else record.get("error") or \
-            record.get("distmk_error")
+        if record.get("step_ms"):
+            outcome = f"{record['step_ms']:.3f} ms/step"
+        else:
+            outcome = record.get("error") or record.get("distmk_error")
         bar.write(f"{model} tp={tp}: {outcome} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
 
 
