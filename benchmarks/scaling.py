@@ -29,14 +29,17 @@ import subprocess
 import sys
 import time
 
-import matplotlib
 import torch
 from tqdm import tqdm
 
 import decode
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only backend)
+try:
+    import matplotlib
+    matplotlib.use("Agg")                 # files only, no display
+    import matplotlib.pyplot as plt
+except ImportError:                       # measuring needs no matplotlib: the figures wait (summary.md says so)
+    plt = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -251,7 +254,7 @@ def summary(records: list[dict], models: list[str], missing_figures: dict[str, s
         if r.get("error"):
             lines.append(f"| {r['model']} | | {r['tp']} | | | | | | | | | {r['error']} |")
     if missing_figures:
-        lines += ["", "Not drawn, no data:"] + [f"- {name}: {why}" for name, why in missing_figures.items()]
+        lines += ["", "Not drawn:"] + [f"- {name}: {why}" for name, why in missing_figures.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -271,7 +274,11 @@ def report(args, records: list[dict]) -> None:
         "allreduce.png": (lambda p: bool(args.allreduce_json) and plot_allreduce(load_json(args.allreduce_json), p),
                           "--allreduce-json (benchmarks/allreduce.py)"),
     }
-    missing = {name: f"needs {needs}" for name, (draw, needs) in figures.items() if not draw(os.path.join(out, name))}
+    if plt is None:
+        missing = {name: "needs matplotlib (pip install -e '.[bench]'; then --resume draws it)" for name in figures}
+    else:
+        missing = {name: f"needs {needs}" for name, (draw, needs) in figures.items()
+                   if not draw(os.path.join(out, name))}
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(summary(records, args.models, missing))
 
