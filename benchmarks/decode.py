@@ -120,8 +120,10 @@ def run(args, launcher: str, log) -> dict:
             hf_ms = hf_eager_ms_per_token(spec, source, args.batch, args.context, dtype=dtype, device=device)
             log(f"transformers eager generate (1 {'GPU' if on_gpu else 'process'}): {hf_ms:.3f} ms/token")
             release()
-        if world > 1:
-            dist.barrier(device_ids=[device.index]) if on_gpu else dist.barrier()
+        if world > 1 and on_gpu:
+            dist.barrier(device_ids=[device.index])
+        elif world > 1:
+            dist.barrier()
 
     graph_ms = [ms for ms in (cudagraph_ms, compiled_ms) if ms is not None]
     best_graph_ms = min(graph_ms) if graph_ms else None
