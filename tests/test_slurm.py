@@ -80,8 +80,9 @@ PartitionName=ci Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 def cluster(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("slurm"))
     conf = write_conf(root)
-    daemons = [subprocess.Popen([name, "-D", "-f", conf], stdout=open(os.path.join(root, f"{name}.out"), "w"),
-                                stderr=subprocess.STDOUT) for name in ("slurmctld", "slurmd")]
+    outputs = {name: open(os.path.join(root, f"{name}.out"), "w") for name in ("slurmctld", "slurmd")}
+    daemons = [subprocess.Popen([name, "-D", "-f", conf], stdout=out, stderr=subprocess.STDOUT)
+               for name, out in outputs.items()]
     cluster = Cluster(root, {"SLURM_CONF": conf})
     try:
         deadline = time.monotonic() + 60
@@ -102,6 +103,8 @@ def cluster(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 daemon.kill()
                 daemon.wait()
+        for out in outputs.values():
+            out.close()
 
 
 def cancel_all_jobs(cluster: Cluster) -> None:
