@@ -2,11 +2,14 @@
 
     python benchmarks/decode.py --model llama-3-8b --batch 1 --context 1024 --json --out benchmarks/results/x.json
     torchrun --standalone --nproc-per-node 2 benchmarks/decode.py --model llama-3-8b --batch 1 --context 1024
+    python benchmarks/decode.py --model tiny-llama --backend reference --device cpu --context 64 --iters 20
 
 Measured in one process: the GPU's streaming-read bandwidth, distmk's step (distmk.kernels.bench), the
 per-op PyTorch decoder replayed as a CUDA graph (and torch.compile'd with --compile-baseline), and
 transformers' eager generate. Under torchrun every rank runs tensor parallel over NCCL (transformers alone
 runs on rank 0, on one GPU) and rank 0 prints. Progress goes to stderr, the JSON to stdout.
+On the CPU (--device cpu, the reference backend, float32, gloo between ranks) the HBM roofline and the
+CUDA-graph baselines do not apply and are recorded as null; distmk and transformers are timed by wall clock.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import datetime
 import json
 import os
 import shlex
+import subprocess
 import sys
 import traceback
 
@@ -40,18 +44,37 @@ def parse_args(argv=None):
     p.add_argument("--out", help="also write the JSON to this file")
     p.add_argument("--skip-hf", action="store_true", help="skip transformers' eager generate")
     p.add_argument("--compile-baseline", action="store_true", help="also time the torch.compile'd CUDA graph")
+    p.add_argument("--backend", choices=["triton", "reference"], default="triton",
+                   help="distmk's executor: the megakernel, or the reference executor (the one CPU runs have)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = p.parse_args(argv)
     if min(args.batch, args.context, args.iters) < 1:
         p.error("--batch, --context and --iters must be >= 1")
+    if args.backend == "triton" and args.device == "cpu":
+        p.error("--backend triton needs --device cuda")
     return args
 
 
-def time_distmk(args, log) -> dict:
+def git_commit() -> str | None:
+    """The distmk commit this ran (with '+' if the tree had changes), or None outside a git checkout."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit + ("+" if dirty else "")
+
+
+def time_distmk(args, device, log) -> dict:
     """distmk's own step timing; if it cannot be imported or fails, the error instead, so that the
     baselines still come out."""
     try:
         from distmk.kernels.bench import distmk_step_ms
-        return distmk_step_ms(args.model, args.batch, args.context, args.iters, breakdown=True)
+        return distmk_step_ms(args.model, args.batch, args.context, args.iters, backend=args.backend, device=device,
+                              breakdown=args.backend == "triton")
     except Exception as e:
         log(traceback.format_exc())
         return {"step_ms": None, "distmk_error": f"{type(e).__name__}: {e}"}
@@ -59,40 +82,53 @@ def time_distmk(args, log) -> dict:
 
 def run(args, launcher: str, log) -> dict:
     world, rank = tp_rank()
-    device = torch.device("cuda", torch.cuda.current_device())
+    on_gpu = args.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    release = torch.cuda.empty_cache if on_gpu else (lambda: None)
     spec, source, _ = open_model(args.model, seed=0, device=device)
-    result = {"model": args.model, "tp": world, "batch": args.batch, "context": args.context, "dtype": "bfloat16"}
+    result = {"model": args.model, "params": spec.num_parameters(), "tp": world, "batch": args.batch,
+              "context": args.context, "dtype": str(dtype).removeprefix("torch."), "backend": args.backend,
+              "device": args.device}
 
-    bandwidth = measure_hbm_read_bandwidth(device)
-    step_bytes = decode_step_bytes(spec, plan_shard(spec, world, rank), args.batch, args.context)
-    roofline_ms = step_bytes / bandwidth * 1e3
-    log(f"HBM read {bandwidth / 1e12:.2f} TB/s; {step_bytes / 1e9:.2f} GB per step -> roofline {roofline_ms:.3f} ms")
+    step_bytes = decode_step_bytes(spec, plan_shard(spec, world, rank), args.batch, args.context, dtype.itemsize)
+    bandwidth = roofline_ms = None
+    if on_gpu:
+        bandwidth = measure_hbm_read_bandwidth(device)
+        roofline_ms = step_bytes / bandwidth * 1e3
+        log(f"HBM read {bandwidth / 1e12:.2f} TB/s; {step_bytes / 1e9:.2f} GB per step -> roofline {roofline_ms:.3f} ms")
 
-    distmk = time_distmk(args, log)
+    distmk = time_distmk(args, device, log)
     step_ms = distmk["step_ms"]
     log(distmk.pop("breakdown", ""))
     log(f"distmk: {distmk}")
-    torch.cuda.empty_cache()
+    release()
 
-    cudagraph_ms = cudagraph_step_ms(spec, source, args.batch, args.context, iters=args.iters)
-    log(f"PyTorch ops in a CUDA graph: {cudagraph_ms:.3f} ms")
-    torch.cuda.empty_cache()
-    compiled_ms = None
-    if args.compile_baseline:
-        compiled_ms = cudagraph_step_ms(spec, source, args.batch, args.context, compile=True, iters=args.iters)
-        log(f"torch.compile'd ops in a CUDA graph: {compiled_ms:.3f} ms")
-        torch.cuda.empty_cache()
+    cudagraph_ms = compiled_ms = None
+    if on_gpu:
+        cudagraph_ms = cudagraph_step_ms(spec, source, args.batch, args.context, iters=args.iters)
+        log(f"PyTorch ops in a CUDA graph: {cudagraph_ms:.3f} ms")
+        release()
+        if args.compile_baseline:
+            compiled_ms = cudagraph_step_ms(spec, source, args.batch, args.context, compile=True, iters=args.iters)
+            log(f"torch.compile'd ops in a CUDA graph: {compiled_ms:.3f} ms")
+            release()
+    else:
+        log("no HBM roofline and no CUDA-graph baselines on the CPU: recorded as null")
 
     hf_ms = None
     if not args.skip_hf:
         if rank == 0:
-            hf_ms = hf_eager_ms_per_token(spec, source, args.batch, args.context)
-            log(f"transformers eager generate (1 GPU): {hf_ms:.3f} ms/token")
-            torch.cuda.empty_cache()
-        if world > 1:
+            hf_ms = hf_eager_ms_per_token(spec, source, args.batch, args.context, dtype=dtype, device=device)
+            log(f"transformers eager generate (1 {'GPU' if on_gpu else 'process'}): {hf_ms:.3f} ms/token")
+            release()
+        if world > 1 and on_gpu:
             dist.barrier(device_ids=[device.index])
+        elif world > 1:
+            dist.barrier()
 
-    best_graph_ms = min(ms for ms in (cudagraph_ms, compiled_ms) if ms is not None)
+    graph_ms = [ms for ms in (cudagraph_ms, compiled_ms) if ms is not None]
+    best_graph_ms = min(graph_ms) if graph_ms else None
     result.update({
         "step_ms": step_ms,
         "distmk_mode": distmk.get("mode"),
@@ -100,7 +136,7 @@ def run(args, launcher: str, log) -> dict:
         "allreduce_us": distmk.get("allreduce_us"),
         "peer_wait_fraction": distmk.get("peer_wait_fraction"),
         "roofline_ms": roofline_ms,
-        "efficiency": roofline_ms / step_ms if step_ms else None,
+        "efficiency": roofline_ms / step_ms if step_ms and roofline_ms else None,
         "step_bytes": step_bytes,
         "hbm_bytes_per_s": bandwidth,
         "hf_eager_ms": hf_ms,
@@ -108,15 +144,16 @@ def run(args, launcher: str, log) -> dict:
         "cudagraph_ms": cudagraph_ms,
         "cudagraph_compiled_ms": compiled_ms,
         "speedup_vs_hf": hf_ms / step_ms if step_ms and hf_ms else None,
-        "speedup_vs_cudagraph": best_graph_ms / step_ms if step_ms else None,
+        "speedup_vs_cudagraph": best_graph_ms / step_ms if step_ms and best_graph_ms else None,
         "distmk": distmk,
-        "gpu": torch.cuda.get_device_name(device),
+        "gpu": torch.cuda.get_device_name(device) if on_gpu else None,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "transformers": transformers.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(["python", *sys.argv]),
         "launcher": launcher,
+        "distmk_commit": git_commit(),
     })
     return result
 
@@ -130,10 +167,11 @@ def main(argv=None) -> int:
         if lead:
             print(f"[decode] {msg}", file=sys.stderr, flush=True)
 
-    # The H200 hosts this runs on need NVLink multicast off (see launch/torchrun.sh).
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    torch.cuda.set_device(launch.local_rank)
-    init_process_group(launch, "nccl")
+    if args.device == "cuda":
+        # The H200 hosts this runs on need NVLink multicast off (see launch/env.sh).
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        torch.cuda.set_device(launch.local_rank)
+    init_process_group(launch, "nccl" if args.device == "cuda" else "gloo")
     try:
         result = run(args, launch.launcher, log)
     finally:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One session on 2 H200s (device kind nvidia-h200-x2): tensor-parallel GPU tests, the all-reduce and overlap
-# benchmarks, and the tp=2 decode benchmarks. The device image lacks nvshmem4py: carry its wheel in .whl/
+# benchmarks, the tp=2 decode benchmarks, and with SCALING=1 the tp 1-2 scaling sweep (longer than one device
+# call: run it as a call of its own). The device image lacks nvshmem4py: carry its wheel in .whl/
 # (benchmarks/README.md says how). Usage, from the repository root: OUT=dir bash benchmarks/run_h200x2.sh
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -21,6 +22,11 @@ for spec in ${MODELS:-llama-3-8b:1 qwen3-8b:1 llama-3-8b:8}; do   # COMPILE=--co
       | quiet > "$OUT/decode_${model}_b${batch}_tp2.log"
   grep -E "^\[decode\] (distmk|step span)|^  [a-z]" "$OUT/decode_${model}_b${batch}_tp2.log" | head -n 14
 done
+if [ -n "${SCALING:-}" ]; then
+  # the scaling study (issue 6): tp 1 and 2 over the model-size sweep, figures and summary.md in $OUT/scaling
+  timeout 560 python3 benchmarks/scaling.py --models qwen3-0.6b,llama-3.2-1b,llama-3-8b,qwen3-8b --tp 1,2 \
+      --context 512 --iters 100 --skip-hf --run-timeout 240 --out-dir "$OUT/scaling" 2>&1 | grep -v "scaling:" | tail -n 12
+fi
 python3 - "$OUT" <<'PY'
 import glob, json, sys
 for path in sorted(glob.glob(f"{sys.argv[1]}/decode_*_tp2.json")):

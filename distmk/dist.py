@@ -26,6 +26,8 @@ def detect_launch(env=None) -> LaunchEnv:
     def ints(*names):
         try:
             return [int(env[n]) for n in names]
+        except KeyError as e:
+            raise DistmkError(f"launcher variable {e.args[0]} is not set") from None
         except ValueError as e:
             raise DistmkError(f"launcher variable is not an integer: {e}") from None
 
@@ -38,10 +40,14 @@ def detect_launch(env=None) -> LaunchEnv:
         rank, world, local_rank, local_world = ints("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                                                     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
         launch = LaunchEnv("openmpi", rank, world, local_rank, local_world, max(1, world // local_world))
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        rank, world, local_rank = ints("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
-        nodes = int(env.get("SLURM_NNODES", 1))
-        launch = LaunchEnv("slurm", rank, world, local_rank, -(-world // nodes), nodes)
+    elif "SLURM_STEP_NUM_TASKS" in env and "SLURM_PROCID" in env:
+        # a task of srun; a batch script also sees SLURM_PROCID=0 and the job's SLURM_NTASKS, but it is no
+        # rank of a step (its own `python ...` runs alone), so only srun's step variables count
+        rank, world, local_rank, node, nodes = ints("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID",
+                                                    "SLURM_NODEID", "SLURM_STEP_NUM_NODES")
+        per_node = slurm_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", str(world)))
+        local_world = per_node[node] if 0 <= node < len(per_node) else 0
+        launch = LaunchEnv("slurm", rank, world, local_rank, local_world, nodes)
     else:
         return LaunchEnv("single", 0, 1, 0, 1, 1)
     if not 0 <= launch.rank < launch.world or not 0 <= launch.local_rank < launch.local_world:
@@ -49,12 +55,27 @@ def detect_launch(env=None) -> LaunchEnv:
     return launch
 
 
+def slurm_tasks_per_node(compressed: str) -> list[int]:
+    """SLURM's run-length form of tasks per node, e.g. '2(x3),1' -> [2, 2, 2, 1]."""
+    try:
+        counts = []
+        for part in compressed.split(","):
+            count, _, repeat = part.partition("(x")
+            counts += [int(count)] * int(repeat.rstrip(")") or 1)
+        return counts
+    except ValueError:
+        raise DistmkError(f"cannot read SLURM tasks per node {compressed!r}") from None
+
+
 def init_process_group(launch: LaunchEnv, backend: str) -> None:
     """torch.distributed over the launcher's ranks. torchrun provides the rendezvous address; under MPI or
-    SLURM it defaults to 127.0.0.1 (set MASTER_ADDR for several nodes) and a port the ranks agree on."""
+    SLURM it defaults to 127.0.0.1 on one node (several nodes need MASTER_ADDR) and a port the ranks agree on."""
     import torch.distributed as dist
     if launch.world == 1 or dist.is_initialized():
         return
+    if launch.num_nodes > 1 and "MASTER_ADDR" not in os.environ:
+        raise DistmkError(f"{launch.world} ranks on {launch.num_nodes} nodes: set MASTER_ADDR to rank 0's node, e.g. "
+                          "export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(_agreed_port(launch))

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Start a distmk module on N local ranks with torchrun:
-#   launch/torchrun.sh N distmk.generate --model tiny-llama --prompt-ids 1,2,3 --json
-# NVLink multicast stays off (NVSHMEM_DISABLE_NVLS, NCCL_NVLS_ENABLE): the H200 hosts we run on require it.
+# Start a distmk module or script on N local ranks (one per GPU) with torchrun:
+#   launch/torchrun.sh 2 distmk.generate --model tiny-llama --prompt-ids 1,2,3 --json
+#   launch/torchrun.sh 8 benchmarks/decode.py --model llama-3-8b --json
+# torchrun gives each rank RANK/WORLD_SIZE/LOCAL_RANK and a rendezvous on this host; the ranks inherit the
+# environment, with launch/env.sh's defaults (NVLink multicast off).
 set -euo pipefail
 if [ $# -lt 2 ]; then
-    echo "usage: $0 NPROC MODULE [ARGS...]" >&2
+    echo "usage: $0 NPROC MODULE|SCRIPT.py [ARGS...]" >&2
     exit 2
 fi
-nproc=$1 module=$2
+source "$(dirname "$0")/env.sh"
+nproc=$1 target=$2
 shift 2
-export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1} NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
-exec torchrun --standalone --nproc-per-node "$nproc" -m "$module" "$@"
+if [[ $target == *.py ]]; then set -- "$target" "$@"; else set -- -m "$target" "$@"; fi
+exec "$DISTMK_PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$nproc" "$@"

@@ -45,8 +45,10 @@ def hf_greedy(name: str, prompt: tuple = tuple(PROMPT), new_tokens: int = 32, we
 
 
 def run_cli(*args, timeout=300, env=None):
-    """Run a command from the repository root, with this interpreter on PATH; returns CompletedProcess."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    """Run a command from the repository root; returns CompletedProcess. Its Python imports this checkout's
+    distmk (scripts under benchmarks/ too), whichever checkout is installed."""
+    python_path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": python_path, **(env or {})}
     return subprocess.run(list(args), cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 

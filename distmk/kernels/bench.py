@@ -1,8 +1,10 @@
-"""Timing the megakernel's decode step as the runtime runs it: CUDA-graph replays of one launch."""
+"""Timing a decode step as the runtime runs it: the megakernel by CUDA-graph replays of one launch, the
+reference executor (the backend CI and CPU-only machines run) by wall clock."""
 from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -10,26 +12,33 @@ from distmk.graph import GraphConfig
 from distmk.kernels.autotune import launch_times
 
 
-def decode_engine(model: str, batch: int, context: int, *, comm=None, workers: int | None = None,
-                  trace: bool = False, block_size: int = 16, **kernel_options):
-    """A bf16 triton Engine (one rank of `comm`'s, or alone) whose `batch` rows sit at position
-    `context - 1` of their own sequences, with random KV-cache contents, ready for executor.launch()."""
+def decode_step(model: str, batch: int, context: int, *, comm=None, backend: str = "triton", device=None,
+                workers: int | None = None, trace: bool = False, block_size: int = 16,
+                **kernel_options) -> tuple[object, Callable[[], object]]:
+    """An Engine (one rank of `comm`'s, or alone) whose `batch` rows sit at position `context - 1` of their
+    own sequences, with random KV-cache contents, after its first step (for triton: compiled, captured,
+    watchdog checked, so executor.launch() replays it); and a function that runs that step again.
+    bf16 on a GPU, float32 on the CPU; `device` defaults to the current GPU."""
     from distmk.runtime.engine import Engine, default_workers
-    device = torch.device("cuda", torch.cuda.current_device())
-    workers = workers or default_workers("triton", device)
+    device = torch.device(device or ("cuda", torch.cuda.current_device()))
+    workers = workers or default_workers(backend, device)
     config = GraphConfig(batch=batch, workers=workers, context=context)
     max_context = -(-context // block_size) * block_size
     engine = Engine(model, tp=comm.world if comm else 1, rank=comm.rank if comm else 0, comm=comm,
-                    backend="triton", device=device, dtype=torch.bfloat16, config=config,
-                    max_context=max_context, block_size=block_size,
+                    backend=backend, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                    config=config, max_context=max_context, block_size=block_size,
                     kernel_options={"trace": trace, **kernel_options}, autotune=not kernel_options)
     engine.kv.k.normal_()
     engine.kv.v.normal_()
     blocks = [engine.kv.allocate([], context) for _ in range(batch)]
     generator = torch.Generator().manual_seed(0)            # every rank steps the same tokens
     tokens = torch.randint(0, engine.spec.vocab_size, (batch,), generator=generator).tolist()
-    engine.step(tokens, [context - 1] * batch, blocks)     # compiles, captures, checks the watchdog
-    return engine
+
+    def step():
+        return engine.step(tokens, [context - 1] * batch, blocks)
+
+    step()
+    return engine, step
 
 
 def traced_step(engine):
@@ -47,42 +56,66 @@ def traced_step(engine):
     return traced.timings()
 
 
-def bench_comm():
-    """The communicator of a benchmark under torchrun with more than one rank (NVSHMEM), else None."""
+def decode_engine(model: str, batch: int, context: int, **options):
+    """decode_step's Engine alone, ready for executor.launch()."""
+    return decode_step(model, batch, context, **options)[0]
+
+
+def wall_times(step: Callable[[], object], iters: int, warmup: int = 3) -> list[float]:
+    """Milliseconds of `iters` calls of `step` by wall clock (the CPU's; a GPU step would need a sync)."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def bench_comm(backend: str):
+    """The communicator of a benchmark under torch.distributed with more than one rank (the megakernel's
+    ranks exchange through NVSHMEM, the reference executor's through torch.distributed), else None."""
     import torch.distributed as dist
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    if backend == "triton":
         from distmk.comm.nvshmem import NvshmemComm
         from distmk.dist import detect_launch
         return NvshmemComm(detect_launch())
-    return None
+    from distmk.reference.comm import TorchDist
+    return TorchDist()
 
 
-def distmk_step_ms(model: str, batch: int, context: int, iters: int = 200, breakdown: bool = False,
-                   **options) -> dict:
-    """Median step time of this rank; under torchrun every rank runs its shard and they exchange through
-    NVSHMEM, so each rank's step includes the waits on its peers. With `breakdown`, also where the time of
-    one traced step went (text), the fraction of worker time spent waiting on peers and the exposed
-    all-reduce time."""
+def distmk_step_ms(model: str, batch: int, context: int, iters: int = 200, backend: str = "triton", device=None,
+                   breakdown: bool = False, **options) -> dict:
+    """Median step time of this rank; each rank's step includes the waits on its peers. With `breakdown`
+    (triton), also where the time of one traced step went (text), the fraction of worker time spent
+    waiting on peers and the exposed all-reduce time."""
     from distmk.kernels import trace
-    comm = bench_comm()
+    comm = bench_comm(backend)
     try:
         t0 = time.perf_counter()
-        engine = decode_engine(model, batch, context, comm=comm, **options)
+        engine, step = decode_step(model, batch, context, comm=comm, backend=backend, device=device, **options)
         setup_s = time.perf_counter() - t0
         ex = engine.executor
-        times = launch_times(ex, iters, warmup=10)
+        if backend == "triton":
+            times, mode = launch_times(ex, iters, warmup=10), "cudagraph" if ex.use_graph else "launch"
+        else:
+            times, mode = wall_times(step, iters), "reference"
         result = {"step_ms": statistics.median(times), "step_ms_min": min(times), "tp": engine.plan.tp,
-                  "mode": "cudagraph" if ex.use_graph else "launch", "workers": engine.table.num_workers,
-                  "tasks": engine.table.num_tasks, "setup_s": round(setup_s, 2),
-                  "options": {k: v for k, v in ex.options.items() if k not in ("trace", "cuda_graph")}}
-        if breakdown:
-            timings = traced_step(engine)
-            waits = trace.wait_summary(engine.table, timings)
-            exposed = trace.exposed_allreduce_ns(engine.table, timings)
-            result.update(traced_span_ms=waits["span_ns"] / 1e6, peer_wait_fraction=waits["peer_wait_fraction"],
-                          allreduce_us=exposed / 1e3 if exposed is not None else None,
-                          breakdown=trace.breakdown(engine.table, timings))
+                  "mode": mode, "workers": engine.table.num_workers, "tasks": engine.table.num_tasks,
+                  "setup_s": round(setup_s, 2)}
+        if backend == "triton":
+            result["options"] = {k: v for k, v in ex.options.items() if k not in ("trace", "cuda_graph")}
+            if breakdown:
+                timings = traced_step(engine)
+                waits = trace.wait_summary(engine.table, timings)
+                exposed = trace.exposed_allreduce_ns(engine.table, timings)
+                result.update(traced_span_ms=waits["span_ns"] / 1e6, peer_wait_fraction=waits["peer_wait_fraction"],
+                              allreduce_us=exposed / 1e3 if exposed is not None else None,
+                              breakdown=trace.breakdown(engine.table, timings))
         return result
     finally:
-        if comm is not None:
+        if comm is not None and hasattr(comm, "close"):
             comm.close()
