@@ -95,9 +95,16 @@ def warm_up(leader: Leader, engine) -> None:
 
 
 def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so that a busy port is a clear error and port 0 works. Made with
+    the address's own protocol number (IPPROTO_TCP), without which asyncio leaves Nagle's algorithm on for
+    the connections and every keep-alive response waits for a delayed ACK (~40 ms)."""
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family)
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+        return sock
     except OSError as e:
         raise DistmkError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 

@@ -103,7 +103,8 @@ class Scheduler:
                     self.loop.call_soon_threadsafe(_fail_all, [listener], str(e))
                     continue
                 self.listeners[seq.id] = listener
-            produced = self.batcher.step()
+            with self.metrics.step_time.time():
+                produced = self.batcher.step()
             self.metrics.batcher_state(self.batcher)
             if produced:
                 deliveries = [(self.listeners[seq.id], token, seq.finish_reason) for seq, token in produced]
