@@ -55,8 +55,15 @@ class Server:
         return self.proc.wait(timeout)
 
     def kill(self) -> None:
+        """torchrun starts each rank in a session of its own, so its ranks are killed one by one."""
         if self.proc.poll() is None:
+            ranks = rank_pids(self.proc.pid).values()
             os.killpg(self.proc.pid, signal.SIGKILL)
+            for pid in ranks:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             self.proc.wait()
         self.log.close()
 
@@ -377,9 +384,9 @@ def test_metrics_count_requests_tokens_and_latencies(server):
 
 
 def test_sigterm_stops_every_rank_cleanly(tmp_path):
-    """SIGTERM to the server (rank 0), as a process manager sends it: all ranks and torchrun exit 0. SIGTERM
-    to the whole process group (torchrun too, as kill -- -PGID or Ctrl-C do): all ranks stop cleanly, and
-    torchrun reports the signal it got itself (exit 1, torchrun's own rule)."""
+    """SIGTERM to the server (rank 0): all ranks and torchrun exit 0. SIGTERM to torchrun (which passes it
+    on to every rank): all ranks stop cleanly, and torchrun reports the signal it got itself (exit 1, by
+    torchrun's own rule)."""
     servers = [serve_torchrun(tmp_path, "to_rank0"), serve_torchrun(tmp_path, "to_group")]
     try:
         for srv in servers:
@@ -387,7 +394,7 @@ def test_sigterm_stops_every_rank_cleanly(tmp_path):
         post(servers[0], "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
         t0 = time.monotonic()
         os.kill(rank_pids(servers[0].proc.pid)[0], signal.SIGTERM)
-        os.killpg(servers[1].proc.pid, signal.SIGTERM)
+        servers[1].proc.send_signal(signal.SIGTERM)
         codes = [srv.wait_exit(timeout=30) for srv in servers]
         assert time.monotonic() - t0 < 30
         assert codes[0] == 0, servers[0].output()
