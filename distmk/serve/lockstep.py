@@ -25,6 +25,13 @@ class RankLost(DistmkError):
     """A tensor-parallel rank stopped answering: the job cannot step any more."""
 
 
+def on_engine_device(engine) -> None:
+    """Make the engine's GPU current on the calling thread (a thread starts on GPU 0 whatever the main
+    thread chose), so that steps run from a thread launch their kernels on the right device."""
+    if engine.device.type == "cuda":
+        torch.cuda.set_device(engine.device)
+
+
 def control_group():
     """The gloo group the plans travel on (every rank must create it, in the same order)."""
     import torch.distributed as dist
@@ -72,6 +79,7 @@ class Leader:
 
 def follow(engine, group) -> None:
     """A rank other than 0: run every step rank 0 sends, until it sends the shutdown."""
+    on_engine_device(engine)
     header = torch.zeros(4, dtype=torch.int64)
     while True:
         _broadcast(header, group)

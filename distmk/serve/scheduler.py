@@ -12,6 +12,7 @@ from typing import Protocol
 
 from distmk.errors import DistmkError
 from distmk.runtime.batcher import Batcher, Sequence, StepInputs
+from distmk.serve.lockstep import on_engine_device
 
 HEARTBEAT_S = 5.0
 
@@ -71,6 +72,7 @@ class Scheduler:
 
     def _main(self) -> None:
         try:
+            on_engine_device(self.batcher.engine)
             self._loop()
             self.leader.shutdown()
         except Exception as e:  # noqa: BLE001 - any failure ends serving; the message goes to every client
