@@ -59,13 +59,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     launch = detect_launch()
     try:
+        sock = listen(args.host, args.port) if launch.rank == 0 else None   # a busy port fails before loading
         device = select_device(args, launch)
         comm = open_comm(args, launch)
         try:
             engine = build_engine(args, launch, comm, device, progress=launch.rank == 0, max_seqs=args.max_seqs)
             group = control_group() if launch.world > 1 else None
             if launch.rank == 0:
-                code = serve(args, launch, engine, Leader(engine, group))
+                code = serve(args, launch, engine, Leader(engine, group), sock)
             else:
                 code = follow_rank_0(engine, group, launch.rank)
         finally:
@@ -109,7 +110,7 @@ def listen(host: str, port: int) -> socket.socket:
         raise DistmkError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def serve(args, launch, engine, leader: Leader) -> int:
+def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
     import uvicorn
 
     from distmk.serve.app import Served, create_app
@@ -117,31 +118,37 @@ def serve(args, launch, engine, leader: Leader) -> int:
     from distmk.serve.scheduler import Scheduler
 
     warm_up(leader, engine)
-    sock = listen(args.host, args.port)
-    host, port = sock.getsockname()[:2]
     scheduler = Scheduler(engine, leader, Metrics(engine.kv.num_blocks), args.max_seqs)
     name = args.served_model_name or args.model
     served = Served(name, load_tokenizer(engine.tokenizer_dir, engine.spec.vocab_size), scheduler,
                     scheduler.metrics, engine.max_context, capacity=args.max_seqs + args.max_queue)
     server = uvicorn.Server(uvicorn.Config(create_app(served), log_level=args.log_level,
                                            timeout_graceful_shutdown=GRACEFUL_S))
-    # uvicorn turns SIGTERM/SIGINT into a graceful shutdown, then re-raises them to the handlers it found
+
+    def request_exit(*_):
+        server.should_exit = True
+
+    # ours until uvicorn installs its own (the same, plus a second Ctrl-C forcing), which re-raises the
+    # signal it handled to ours when it is done
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
+        signal.signal(sig, request_exit)
+    stopped = False
 
     async def run():
-        scheduler.start(asyncio.get_running_loop(), on_death=lambda: setattr(server, "should_exit", True))
+        nonlocal stopped
+        scheduler.start(asyncio.get_running_loop(), on_death=request_exit)
+        host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
         print(f"distmk.serve: {name} | tp {launch.world}, {args.backend} backend on {args.device}, "
               f"{str(engine.dtype).removeprefix('torch.')} | {engine.config.batch} rows per step, "
               f"{args.max_seqs} sequences at once, context {engine.max_context}, queue {args.max_queue} | {url}",
               file=sys.stderr, flush=True)
-        await server.serve(sockets=[sock])
+        try:
+            await server.serve(sockets=[sock])
+        finally:       # while the event loop is open, so that the last step's tokens can still be handed over
+            stopped = scheduler.stop(ENGINE_STOP_S)
 
-    try:
-        asyncio.run(run())
-    finally:
-        stopped = scheduler.stop(ENGINE_STOP_S)
+    asyncio.run(run())
     if scheduler.failure:
         print(f"distmk.serve: rank 0: exiting, the engine failed: {scheduler.failure}", file=sys.stderr)
         return 1

@@ -86,6 +86,8 @@ class Generation:
 
     def start(self) -> None:
         served = self.served
+        if not served.scheduler.alive:
+            raise APIError(503, f"the engine is down: {served.scheduler.failure or 'stopping'}", type="server_error")
         if served.outstanding >= served.capacity:
             raise APIError(429, f"the server is at capacity ({served.outstanding} requests running or queued); "
                                 "retry later", type="rate_limit_error", code="rate_limit_exceeded")

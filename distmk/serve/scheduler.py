@@ -79,7 +79,8 @@ class Scheduler:
             self.failure = f"{type(e).__name__}: {e}" if not isinstance(e, DistmkError) else str(e)
             with self.cond:
                 listeners = list(self.listeners.values()) + [l for op, _, l in self.inbox if op == "submit"]
-            self.loop.call_soon_threadsafe(_fail_all, listeners, self.failure)
+            if not self.loop.is_closed():
+                self.loop.call_soon_threadsafe(_fail_all, listeners, self.failure)
             self.on_death()
 
     def _loop(self) -> None:
