@@ -25,7 +25,7 @@ from distmk.runtime.batcher import StepInputs
 from distmk.runtime.tokenizer import load_tokenizer
 from distmk.serve.lockstep import Leader, control_group, follow
 
-GRACEFUL_S = 5.0          # what running requests get to finish after SIGTERM
+GRACEFUL_S = 5.0          # what running requests get to finish after SIGTERM; then they end with an error
 ENGINE_STOP_S = 10.0      # for the step under way and the shutdown message, after that
 FOLLOWER_WAIT_S = 20.0    # a rank other than 0, signalled itself, waits this long for rank 0's shutdown
 
@@ -122,8 +122,17 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
     name = args.served_model_name or args.model
     served = Served(name, load_tokenizer(engine.tokenizer_dir, engine.spec.vocab_size), scheduler,
                     scheduler.metrics, engine.max_context, capacity=args.max_seqs + args.max_queue)
-    server = uvicorn.Server(uvicorn.Config(create_app(served), log_level=args.log_level,
-                                           timeout_graceful_shutdown=GRACEFUL_S))
+    loop = None           # the event loop, once running
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            """A signal: uvicorn stops taking requests and waits for the running ones, which get GRACEFUL_S
+            before they are ended with an error event (rather than cut off by uvicorn's own timeout)."""
+            super().handle_exit(sig, frame)
+            loop.call_soon_threadsafe(loop.call_later, GRACEFUL_S, served.abort_all, "the server is shutting down")
+
+    server = Server(uvicorn.Config(create_app(served), log_level=args.log_level,
+                                   timeout_graceful_shutdown=GRACEFUL_S + 2))
 
     def request_exit(*_):
         server.should_exit = True
@@ -135,8 +144,9 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
     stopped = False
 
     async def run():
-        nonlocal stopped
-        scheduler.start(asyncio.get_running_loop(), on_death=request_exit)
+        nonlocal loop, stopped
+        loop = asyncio.get_running_loop()
+        scheduler.start(loop, on_death=request_exit)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
         print(f"distmk.serve: {name} | tp {launch.world}, {args.backend} backend on {args.device}, "

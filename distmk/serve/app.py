@@ -37,8 +37,13 @@ class Served:
     metrics: object
     max_context: int
     capacity: int                        # requests running or queued at once; beyond: 429
-    outstanding: int = 0
+    live: set = field(default_factory=set)      # their Generations
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def abort_all(self, message: str) -> None:
+        """End every request still running with an error (at shutdown, once they had their grace time)."""
+        for generation in list(self.live):
+            generation.on_failure(message)
 
 
 class StopStrings:
@@ -60,8 +65,8 @@ class StopStrings:
         return out, False
 
 
-class EngineFailed(Exception):
-    pass
+class Aborted(Exception):
+    """The request cannot finish: the engine failed, or the server is shutting down."""
 
 
 @dataclass
@@ -88,10 +93,10 @@ class Generation:
         served = self.served
         if not served.scheduler.alive:
             raise APIError(503, f"the engine is down: {served.scheduler.failure or 'stopping'}", type="server_error")
-        if served.outstanding >= served.capacity:
-            raise APIError(429, f"the server is at capacity ({served.outstanding} requests running or queued); "
+        if len(served.live) >= served.capacity:
+            raise APIError(429, f"the server is at capacity ({len(served.live)} requests running or queued); "
                                 "retry later", type="rate_limit_error", code="rate_limit_exceeded")
-        served.outstanding += 1
+        served.live.add(self)
         self.started = True
         served.metrics.prompt_tokens.inc(len(self.seq.prompt))
         served.scheduler.submit(self.seq, self)
@@ -102,13 +107,13 @@ class Generation:
 
     def on_failure(self, message: str) -> None:
         if not self.closed:
-            self.queue.put_nowait(EngineFailed(message))
+            self.queue.put_nowait(Aborted(message))
 
     async def pieces(self):
         metrics = self.served.metrics
         while self.finish_reason is None:
             item = await self.queue.get()
-            if isinstance(item, EngineFailed):
+            if isinstance(item, Aborted):
                 self.finish_reason = "error"
                 raise item
             token, finish_reason = item
@@ -131,7 +136,7 @@ class Generation:
             return
         self.closed = True
         served = self.served
-        served.outstanding -= 1
+        served.live.discard(self)
         if self.finish_reason is None:
             served.scheduler.cancel(self.seq)
         served.metrics.finished.labels(self.finish_reason or "cancelled").inc()
@@ -290,8 +295,8 @@ class Reply:
             return Response(status_code=499)    # nginx's "client closed request", for the metrics only
         try:
             text = collect.result()
-        except EngineFailed as e:
-            raise APIError(503, f"the engine failed: {e}", type="server_error") from None
+        except Aborted as e:
+            raise APIError(503, str(e), type="server_error") from None
         choice = {"index": 0, "logprobs": None, "finish_reason": generation.finish_reason}
         choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
         if self.req.return_token_ids:
@@ -321,8 +326,8 @@ class Reply:
                         choice["prompt_token_ids"] = self.prompt
                 first = False
                 yield _event({**self.head, "object": obj, "choices": [choice]})
-        except EngineFailed as e:
-            yield _event(APIError(503, f"the engine failed: {e}", type="server_error").body())
+        except Aborted as e:
+            yield _event(APIError(503, str(e), type="server_error").body())
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
             yield _event({**self.head, "object": obj, "choices": [], "usage": self.usage(generation)})
         yield "data: [DONE]\n\n"

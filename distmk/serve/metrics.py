@@ -18,7 +18,7 @@ class Metrics:
         self.requests = Counter("distmk_requests", "HTTP responses of the API, by route and status code",
                                 ["route", "status"], registry=r)
         self.finished = Counter("distmk_requests_finished", "Generations that ended, by reason (stop, length, "
-                                "cancelled: the client went away, error: the engine failed)", ["reason"],
+                                "cancelled: the client went away, error: the engine failed or the server stopped)", ["reason"],
                                 registry=r)
         self.prompt_tokens = Counter("distmk_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("distmk_generation_tokens", "Tokens generated", registry=r)

@@ -18,7 +18,7 @@ HEARTBEAT_S = 5.0
 
 
 class Listener(Protocol):
-    """Called on the event loop: each new token of the sequence, then (at most once) a failure."""
+    """Called on the event loop: each new token of the sequence, or a failure (a message for the client)."""
 
     def on_token(self, token: int, finish_reason: str | None) -> None: ...
 
@@ -80,7 +80,7 @@ class Scheduler:
             with self.cond:
                 listeners = list(self.listeners.values()) + [l for op, _, l in self.inbox if op == "submit"]
             if not self.loop.is_closed():
-                self.loop.call_soon_threadsafe(_fail_all, listeners, self.failure)
+                self.loop.call_soon_threadsafe(_fail_all, listeners, f"the engine failed: {self.failure}")
             self.on_death()
 
     def _loop(self) -> None:
