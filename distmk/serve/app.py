@@ -88,6 +88,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.last_token_at: float | None = None
         self.started = self.closed = False
+        self.engine_done = False           # the engine finished the sequence (length or EOS)
 
     def start(self) -> None:
         served = self.served
@@ -102,6 +103,7 @@ class Generation:
         served.scheduler.submit(self.seq, self)
 
     def on_token(self, token: int, finish_reason: str | None) -> None:
+        self.engine_done = finish_reason is not None
         if not self.closed:
             self.queue.put_nowait((token, finish_reason))
 
@@ -118,8 +120,10 @@ class Generation:
                 raise item
             token, finish_reason = item
             now = time.monotonic()
-            (metrics.ttft if self.last_token_at is None else metrics.itl).observe(
-                now - (self.last_token_at or self.arrived))
+            if self.last_token_at is None:
+                metrics.ttft.observe(now - self.arrived)
+            else:
+                metrics.itl.observe(now - self.last_token_at)
             self.last_token_at = now
             metrics.generation_tokens.inc()
             self.tokens.append(token)
@@ -131,13 +135,14 @@ class Generation:
             yield Piece(text, token, self.finish_reason)
 
     def close(self) -> None:
-        """Whatever ended the request: a sequence still running (its client left) is cancelled."""
+        """Whatever ended the request (its client left, a stop string, an abort): a sequence the engine
+        has not finished is cancelled."""
         if self.closed or not self.started:
             return
         self.closed = True
         served = self.served
         served.live.discard(self)
-        if self.finish_reason is None:
+        if not self.engine_done:
             served.scheduler.cancel(self.seq)
         served.metrics.finished.labels(self.finish_reason or "cancelled").inc()
         if self.finish_reason in ("stop", "length"):
