@@ -84,3 +84,15 @@ def test_seeded_sampling_is_reproducible_in_a_batch(engine):
             batcher.step()
         runs.append([s.output for s in seqs])
     assert runs[0] == runs[1] and runs[0][0] != runs[0][1]
+
+
+def test_fewer_running_sequences_than_rows_leave_rows_for_prompts(engine):
+    batcher = Batcher(engine, max_running=2)
+    seqs = [batcher.submit(Sequence([1, 2, 3], 4)) for _ in range(3)]
+    batcher.step()
+    assert len(batcher.running) == 2 and len(batcher.waiting) == 1
+    while batcher.busy:
+        batcher.step()
+    assert [s.output for s in seqs] == [engine.generate([1, 2, 3], 4)] * 3
+    with pytest.raises(DistmkError, match="max_running must be in 1..6"):
+        Batcher(engine, max_running=7)

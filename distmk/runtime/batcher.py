@@ -4,11 +4,16 @@ Each step first gives every decoding sequence one row (its last token), then fil
 a chunk of the oldest prompt still being read (chunked prefill), so a long prompt never stalls the
 streams already running. A sequence's KV blocks are reserved when it is admitted (prompt + max_tokens)
 and returned the moment it finishes or is cancelled.
+
+A step is planned as plain data (StepInputs) and run by a function the caller may replace: under tensor
+parallelism the server's rank 0 plans every step and sends it to the other ranks before running it, so
+all ranks run identical steps while only rank 0 holds sequences and samples.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -36,13 +41,44 @@ class Sequence:
         return self.prompt + self.output
 
 
+@dataclass
+class StepInputs:
+    """One step as every tensor-parallel rank must run it: row i feeds tokens[i] at positions[i] of the
+    sequence whose KV blocks are block_tables[i]; needs_logits asks for the gathered logits (a collective)."""
+    tokens: list[int]
+    positions: list[int]
+    block_tables: list[list[int]]
+    needs_logits: bool
+
+
+def run_step(engine, step: StepInputs) -> tuple[list[int], torch.Tensor | None]:
+    """Run a planned step on this rank: the greedy token of every row, and the [rows, vocab] logits when
+    the step needs them."""
+    buf = engine.step(step.tokens, step.positions, step.block_tables)
+    rows = len(step.tokens)
+    greedy = buf["next_token"][:rows].tolist()
+    return greedy, engine.full_logits(buf, rows) if step.needs_logits else None
+
+
 class Batcher:
-    def __init__(self, engine):
+    """max_running: sequences decoding at once (default and at most: the rows of a step, one each);
+    fewer leaves rows of every step for prompt chunks. run: how a planned step is run (default: on this
+    rank only)."""
+
+    def __init__(self, engine, max_running: int | None = None,
+                 run: Callable[[StepInputs], tuple[list[int], torch.Tensor | None]] | None = None):
         self.engine = engine
+        rows = engine.config.batch
+        if max_running is not None and not 1 <= max_running <= rows:
+            raise DistmkError(f"max_running must be in 1..{rows} (the rows of a step), got {max_running}")
+        self.max_running = max_running or rows
+        self.run = run or (lambda step: run_step(engine, step))
         self.waiting: list[Sequence] = []     # admitted in arrival order once their KV blocks fit
         self.running: list[Sequence] = []
 
-    def submit(self, seq: Sequence) -> Sequence:
+    def check(self, seq: Sequence) -> None:
+        """Raise DistmkError if the sequence can never run here. Reads only the engine's fixed limits, so
+        another thread may call it while steps run."""
         spec = self.engine.spec
         if not seq.prompt:
             raise DistmkError("the prompt is empty")
@@ -54,6 +90,9 @@ class Batcher:
         bad = [t for t in seq.prompt if not 0 <= t < spec.vocab_size]
         if bad:
             raise DistmkError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{spec.vocab_size - 1}")
+
+    def submit(self, seq: Sequence) -> Sequence:
+        self.check(seq)
         if seq.params.seed is not None:
             seq.generator = torch.Generator().manual_seed(seq.params.seed)
         self.waiting.append(seq)
@@ -74,7 +113,7 @@ class Batcher:
     def _admit(self) -> None:
         """Running sequences are at most one per row, so each decodes every step."""
         kv = self.engine.kv
-        while self.waiting and len(self.running) < self.engine.config.batch:
+        while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
             need = -(-(len(seq.prompt) + seq.max_tokens) // kv.block_size)
             if need > len(kv.free):
@@ -86,12 +125,12 @@ class Batcher:
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def step(self) -> list[tuple[Sequence, int]]:
-        """One engine step; returns the (sequence, new token) pairs it produced. Finished sequences have
-        finish_reason set and are out of the batch."""
+    def plan(self) -> tuple[list[tuple[Sequence, int]], StepInputs] | None:
+        """Admit what fits and lay out the next step: (sequence, index into its tokens) per row, and the
+        step's inputs; None when no sequence has a row to run."""
         self._admit()
         rows = self.engine.config.batch
-        batch: list[tuple[Sequence, int]] = []           # (sequence, index into its tokens) per row
+        batch: list[tuple[Sequence, int]] = []
         for seq in self.running:                          # decode rows first: running streams never stall
             if seq.output:
                 batch.append((seq, seq.fed))
@@ -101,17 +140,24 @@ class Batcher:
                 batch.append((seq, seq.fed))
                 seq.fed += 1
         if not batch:
-            return []
-        buf = self.engine.step([seq.tokens[i] for seq, i in batch], [i for _, i in batch],
-                               [seq.blocks for seq, _ in batch])
-        produced = []
+            return None
         needs_logits = any(seq.keep_logits or not seq.params.greedy for seq, _ in batch)
-        logits = self.engine.full_logits(buf, len(batch)) if needs_logits else None
+        return batch, StepInputs([seq.tokens[i] for seq, i in batch], [i for _, i in batch],
+                                 [seq.blocks for seq, _ in batch], needs_logits)
+
+    def step(self) -> list[tuple[Sequence, int]]:
+        """One engine step; returns the (sequence, new token) pairs it produced. Finished sequences have
+        finish_reason set and are out of the batch."""
+        planned = self.plan()
+        if planned is None:
+            return []
+        batch, inputs = planned
+        greedy, logits = self.run(inputs)
+        produced = []
         for row, (seq, i) in enumerate(batch):
             if i != len(seq.tokens) - 1:                   # a prompt row that is not the prompt's last
                 continue
-            token = int(buf["next_token"][row]) if seq.params.greedy else sample(logits[row], seq.params,
-                                                                                 seq.generator)
+            token = greedy[row] if seq.params.greedy else sample(logits[row], seq.params, seq.generator)
             seq.output.append(token)
             if seq.keep_logits:
                 seq.logits.append(logits[row])

@@ -1,8 +1,23 @@
 """Tokenizers: the checkpoint's own (transformers), or for presets a byte-level fallback where each UTF-8
-byte is one token id (0..255), so text prompts work on random-weight models too."""
+byte is one token id (0..255), so text prompts work on random-weight models too.
+
+Chat messages become a prompt through the checkpoint's chat template. Without one (every preset, and
+checkpoints whose tokenizer has no template) they are rendered as ChatML text:
+
+    <|im_start|>system\\nYou are terse.<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n
+
+and "<|im_end|>" ends the reply (it is a stop string), as it does for models trained on that format.
+"""
 from __future__ import annotations
 
 from distmk.errors import DistmkError
+
+CHATML_END = "<|im_end|>"
+
+
+def render_chatml(messages: list[dict]) -> str:
+    turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}{CHATML_END}\n" for m in messages)
+    return turns + "<|im_start|>assistant\n"
 
 
 class ByteTokenizer:
@@ -16,6 +31,11 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def render_chat(self, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
+        """The prompt of a conversation ([{"role", "content"}] with text content), and the stop strings
+        that end a reply in its format."""
+        return self.encode(render_chatml(messages)), (CHATML_END,)
+
 
 class HFTokenizer:
     def __init__(self, path: str):
@@ -28,6 +48,40 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    def render_chat(self, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
+        if not self.tok.chat_template:
+            return self.encode(render_chatml(messages)), (CHATML_END,)
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tok.encode(text, add_special_tokens=False), ()    # the template writes BOS itself
+
 
 def load_tokenizer(path: str | None, vocab_size: int):
     return HFTokenizer(path) if path else ByteTokenizer(vocab_size)
+
+
+class IncrementalDecoder:
+    """The text of a growing list of token ids, one piece per new token. Decodes only the ids since the
+    last complete piece (not the whole output every token), and holds back text that ends in an
+    incomplete character (a UTF-8 sequence split across tokens) until it completes or flush() is called."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.start = 0      # ids[start:done] decode to the text already returned, as context for the rest
+        self.done = 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The text still held back, at the end of the sequence."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        before = self.tokenizer.decode(self.ids[self.start:self.done])
+        text = self.tokenizer.decode(self.ids[self.start:])
+        if len(text) > len(before) and (final or not text.endswith("\ufffd")):
+            self.start, self.done = self.done, len(self.ids)
+            return text[len(before):]
+        return ""

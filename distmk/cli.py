@@ -1,0 +1,70 @@
+"""What the programs that build an Engine (distmk.generate, distmk.serve) share: the model and engine
+flags, the communicator for the launch, and the Engine built from them, so both read flags alike."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from distmk.dist import LaunchEnv, init_process_group
+from distmk.errors import DistmkError
+from distmk.graph.lowering import GraphConfig
+from distmk.runtime.engine import DTYPES, Engine, default_workers
+
+
+def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or preset name")
+    p.add_argument("--backend", choices=["reference", "triton"], default="reference")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument(batch_flag, dest="batch", type=int, default=16, help=batch_help)
+    p.add_argument("--max-context", type=int, default=None,
+                   help="tokens per sequence, prompt + output (default: the model's, at most 2048)")
+    p.add_argument("--kv-splits", type=int, default=0, help="0 = one attention split per worker, at most 16")
+    p.add_argument("--tile-rows", type=int, default=0, help="0 = about one tile per worker")
+    p.add_argument("--workers", type=int, default=None,
+                   help="worker queues (default: the GPU's SMs for the triton backend, else 132)")
+    p.add_argument("--timeout", type=float, default=5.0, help="triton backend: seconds a task may wait")
+    p.add_argument("--transport", choices=("auto", "pointer", "nvshmem"), default="auto",
+                   help="triton backend at tp>1: how all-reduce tiles reach peers (auto: peer pointers when every "
+                        "peer is reachable by one, else NVSHMEM put-with-signal)")
+    p.add_argument("--no-autotune", action="store_true",
+                   help="triton backend: use the cached or default kernel options, measure nothing")
+
+
+def open_comm(args, launch: LaunchEnv):
+    """None for one rank; torch.distributed for the reference backend; NVSHMEM for the megakernel."""
+    if launch.world == 1:
+        return None
+    init_process_group(launch, "gloo" if args.device == "cpu" else "nccl")
+    if args.backend == "triton":
+        from distmk.comm.nvshmem import NvshmemComm
+        return NvshmemComm(launch)
+    from distmk.reference.comm import TorchDist
+    return TorchDist()
+
+
+def select_device(args, launch: LaunchEnv) -> str:
+    """This rank's device; on a GPU it becomes the current one (before NCCL or NVSHMEM start)."""
+    if args.device == "cpu":
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise DistmkError("--device cuda: no CUDA device is visible")
+    torch.cuda.set_device(launch.local_rank)
+    return f"cuda:{launch.local_rank}"
+
+
+def build_engine(args, launch: LaunchEnv, comm, device: str, *, progress: bool, max_seqs: int,
+                 kernel_options: dict | None = None) -> Engine:
+    """The Engine the flags describe, with KV-cache room for max_seqs sequences of the full context.
+    kernel_options: extra options of the triton backend's executor."""
+    dtype = DTYPES[args.dtype or ("float32" if args.device == "cpu" else "bfloat16")]
+    config = GraphConfig(batch=args.batch, kv_splits=args.kv_splits, tile_rows=args.tile_rows,
+                         workers=args.workers or default_workers(args.backend, device))
+    kernel_options = ({"timeout_s": args.timeout, "transport": args.transport, **(kernel_options or {})}
+                      if args.backend == "triton" else None)
+    return Engine(args.model, tp=launch.world, rank=launch.rank, comm=comm, dtype=dtype, device=device,
+                  backend=args.backend, config=config, max_context=args.max_context, seed=args.seed,
+                  progress=progress, kernel_options=kernel_options, autotune=not args.no_autotune,
+                  max_seqs=max_seqs)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: python -m distmk.serve (see __main__.py)."""

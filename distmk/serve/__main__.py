@@ -1,0 +1,215 @@
+"""python -m distmk.serve: an OpenAI-compatible server (continuous batching) over the megakernel engine.
+
+One process per tensor-parallel rank, alone or under torchrun / mpirun / srun. Every rank loads its
+shard and steps the engine; rank 0 also serves HTTP and decides each step (see lockstep.py). SIGTERM or
+SIGINT: rank 0 stops taking requests, gives running ones a few seconds, then tells the other ranks to
+exit; every rank exits 0. A rank that dies: the others notice at their next exchange (or rank 0's next
+heartbeat) and exit 1 saying so.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import sys
+import threading
+
+from tqdm import tqdm
+
+from distmk.cli import add_engine_args, build_engine, open_comm, select_device
+from distmk.dist import detect_launch
+from distmk.errors import DistmkError
+from distmk.runtime.batcher import StepInputs
+from distmk.runtime.tokenizer import load_tokenizer
+from distmk.serve.lockstep import Leader, control_group, follow
+
+GRACEFUL_S = 5.0          # what running requests get to finish after SIGTERM; then they end with an error
+ENGINE_STOP_S = 10.0      # for the step under way and the shutdown message, after that
+FOLLOWER_WAIT_S = 20.0    # a rank other than 0, signalled itself, waits this long for rank 0's shutdown
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m distmk.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p, "--max-batch", "rows (tokens) per engine step: one per running sequence, the rest "
+                                      "prompt chunks; compiled once at start")
+    p.add_argument("--max-seqs", type=int, default=None,
+                   help="sequences generating at once (default and at most: --max-batch); each has KV-cache "
+                        "room for --max-context tokens")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for a place in the batch; beyond: 429")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (the startup line says which)")
+    p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (info logs every request)")
+    args = p.parse_args(argv)
+    args.max_seqs = args.max_seqs or args.batch
+    if not 1 <= args.max_seqs <= args.batch:
+        p.error(f"--max-seqs must be in 1..--max-batch ({args.batch}), got {args.max_seqs}")
+    if args.max_queue < 0:
+        p.error(f"--max-queue must be >= 0, got {args.max_queue}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    launch = detect_launch()
+    try:
+        sock = listen(args.host, args.port) if launch.rank == 0 else None   # a busy port fails before loading
+        device = select_device(args, launch)
+        comm = open_comm(args, launch)
+        try:
+            engine = build_engine(args, launch, comm, device, progress=launch.rank == 0, max_seqs=args.max_seqs)
+            group = control_group() if launch.world > 1 else None
+            if launch.rank == 0:
+                code = serve(args, launch, engine, Leader(engine, group), sock)
+            else:
+                code = follow_rank_0(engine, group, launch.rank)
+        finally:
+            if hasattr(comm, "close"):   # NVSHMEM: free symmetric memory and finalize
+                comm.close()
+    except DistmkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if code != 0:                        # a peer is gone: tearing the process group down could wait on it
+        sys.stderr.flush()
+        os._exit(code)
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def warm_up(leader: Leader, engine) -> None:
+    """A one-row step and a full one before serving, so that compilation (and the CUDA-graph capture) happen
+    now rather than in the first request. What they write to the KV cache is free space: a sequence writes
+    every position before it reads it."""
+    bs, context = engine.kv.block_size, engine.max_context
+    for rows in tqdm([1, engine.config.batch], desc="compiling and warming up the step", leave=False):
+        positions = [i % context for i in range(rows)]
+        blocks = list(range(-(-(max(positions) + 1) // bs)))
+        leader.run(StepInputs([0] * rows, positions, [blocks] * rows, needs_logits=True))
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so that a busy port is a clear error and port 0 works. Made with
+    the address's own protocol number (IPPROTO_TCP), without which asyncio leaves Nagle's algorithm on for
+    the connections and every keep-alive response waits for a delayed ACK (~40 ms)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+        return sock
+    except OSError as e:
+        raise DistmkError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
+    import uvicorn
+
+    from distmk.serve.app import Served, create_app
+    from distmk.serve.metrics import Metrics
+    from distmk.serve.scheduler import Scheduler
+
+    warm_up(leader, engine)
+    scheduler = Scheduler(engine, leader, Metrics(engine.kv.num_blocks), args.max_seqs)
+    name = args.served_model_name or args.model
+    served = Served(name, load_tokenizer(engine.tokenizer_dir, engine.spec.vocab_size), scheduler,
+                    scheduler.metrics, engine.max_context, capacity=args.max_seqs + args.max_queue)
+    loop = None           # the event loop, once running
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            """A signal: uvicorn stops taking requests and waits for the running ones, which get GRACEFUL_S
+            before they are ended with an error event (rather than cut off by uvicorn's own timeout)."""
+            super().handle_exit(sig, frame)
+            loop.call_soon_threadsafe(loop.call_later, GRACEFUL_S, served.abort_all, "the server is shutting down")
+
+    server = Server(uvicorn.Config(create_app(served), log_level=args.log_level,
+                                   timeout_graceful_shutdown=GRACEFUL_S + 2))
+
+    def request_exit(*_):
+        server.should_exit = True
+
+    # ours until uvicorn installs its own (the same, plus a second Ctrl-C forcing), which re-raises the
+    # signal it handled to ours when it is done
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, request_exit)
+    stopped = False
+
+    async def run():
+        nonlocal loop, stopped
+        loop = asyncio.get_running_loop()
+        scheduler.start(loop, on_death=request_exit)
+        host, port = sock.getsockname()[:2]
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+        print(f"distmk.serve: {name} | tp {launch.world}, {args.backend} backend on {args.device}, "
+              f"{str(engine.dtype).removeprefix('torch.')} | {engine.config.batch} rows per step, "
+              f"{args.max_seqs} sequences at once, context {engine.max_context}, queue {args.max_queue} | {url}",
+              file=sys.stderr, flush=True)
+        try:
+            await server.serve(sockets=[sock])
+        finally:       # while the event loop is open, so that the last step's tokens can still be handed over
+            stopped = scheduler.stop(ENGINE_STOP_S)
+
+    asyncio.run(run())
+    if scheduler.failure:
+        print(f"distmk.serve: rank 0: exiting, the engine failed: {scheduler.failure}", file=sys.stderr)
+        return 1
+    if not stopped:
+        print(f"distmk.serve: rank 0: exiting, the engine did not stop within {ENGINE_STOP_S} s (is a rank "
+              "stuck?)", file=sys.stderr)
+        return 1
+    print("distmk.serve: rank 0: stopped", file=sys.stderr)
+    return 0
+
+
+class _Signalled(Exception):
+    pass
+
+
+def follow_rank_0(engine, group, rank: int) -> int:
+    """Run the steps rank 0 sends, on a thread, while this one waits for the end: rank 0's shutdown
+    message, a lost rank, or a signal (then rank 0, signalled too, should send the shutdown soon)."""
+    done, failure = threading.Event(), []
+
+    def steps():
+        try:
+            follow(engine, group)
+        except Exception as e:  # noqa: BLE001 - reported below, whatever it was
+            failure.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=steps, name="distmk-lockstep", daemon=True).start()
+    signalled = []
+
+    def on_signal(sig, _frame):
+        if not signalled:
+            signalled.append(signal.Signals(sig).name)
+            raise _Signalled
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    try:
+        done.wait()
+    except _Signalled:
+        if not done.wait(FOLLOWER_WAIT_S):
+            print(f"distmk.serve: rank {rank}: got {signalled[0]} but rank 0 sent no shutdown within "
+                  f"{FOLLOWER_WAIT_S} s; exiting", file=sys.stderr)
+            return 1
+    if failure:
+        print(f"distmk.serve: rank {rank}: exiting, {failure[0]}", file=sys.stderr)
+        return 1
+    print(f"distmk.serve: rank {rank}: stopped", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

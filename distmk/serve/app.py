@@ -1,0 +1,342 @@
+"""The OpenAI-compatible HTTP API, served by rank 0: /v1/models, /v1/completions, /v1/chat/completions
+(streamed as server-sent events when asked), /health and /metrics.
+
+Each request becomes a Sequence handed to the scheduler; its tokens come back on the event loop, are
+decoded a piece at a time and cut at the first stop string. A request ends when its sequence does, or
+when its client goes away (the sequence is cancelled and its KV blocks freed before the next step).
+Requests beyond the running batch wait in a bounded queue; past it they are refused with 429.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from distmk.errors import DistmkError
+from distmk.runtime.batcher import Sequence
+from distmk.runtime.sampling import SamplingParams
+from distmk.runtime.tokenizer import IncrementalDecoder
+from distmk.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_body
+
+MAX_BODY_BYTES = 8 << 20
+
+
+@dataclass
+class Served:
+    """What the routes need: the model's name and limits, its tokenizer, the scheduler and the metrics."""
+    model_name: str
+    tokenizer: object
+    scheduler: object
+    metrics: object
+    max_context: int
+    capacity: int                        # requests running or queued at once; beyond: 429
+    live: set = field(default_factory=set)      # their Generations
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def abort_all(self, message: str) -> None:
+        """End every request still running with an error (at shutdown, once they had their grace time)."""
+        for generation in list(self.live):
+            generation.on_failure(message)
+
+
+class StopStrings:
+    """Cuts text at the first stop string, holding back a tail that may be the start of one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.pending = stops, ""
+
+    def feed(self, text: str, final: bool) -> tuple[str, bool]:
+        """(text that is safe to send, whether a stop string was reached)."""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[:min(hits)], ""
+            return out, True
+        hold = 0 if final else max((k for s in self.stops for k in range(1, len(s))
+                                    if self.pending.endswith(s[:k])), default=0)
+        out, self.pending = self.pending[:len(self.pending) - hold], self.pending[len(self.pending) - hold:]
+        return out, False
+
+
+class Aborted(Exception):
+    """The request cannot finish: the engine failed, or the server is shutting down."""
+
+
+@dataclass
+class Piece:
+    text: str
+    token: int
+    finish_reason: str | None
+
+
+class Generation:
+    """One request's sequence, seen from the event loop. It is the scheduler's listener for it."""
+
+    def __init__(self, served: Served, seq: Sequence, stops: list[str], arrived: float):
+        self.served, self.seq, self.arrived = served, seq, arrived
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.decoder = IncrementalDecoder(served.tokenizer)
+        self.stop = StopStrings(stops)
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.last_token_at: float | None = None
+        self.started = self.closed = False
+        self.engine_done = False           # the engine finished the sequence (length or EOS)
+
+    def start(self) -> None:
+        served = self.served
+        if not served.scheduler.alive:
+            raise APIError(503, f"the engine is down: {served.scheduler.failure or 'stopping'}", type="server_error")
+        if len(served.live) >= served.capacity:
+            raise APIError(429, f"the server is at capacity ({len(served.live)} requests running or queued); "
+                                "retry later", type="rate_limit_error", code="rate_limit_exceeded")
+        served.live.add(self)
+        self.started = True
+        served.metrics.prompt_tokens.inc(len(self.seq.prompt))
+        served.scheduler.submit(self.seq, self)
+
+    def on_token(self, token: int, finish_reason: str | None) -> None:
+        self.engine_done = finish_reason is not None
+        if not self.closed:
+            self.queue.put_nowait((token, finish_reason))
+
+    def on_failure(self, message: str) -> None:
+        if not self.closed:
+            self.queue.put_nowait(Aborted(message))
+
+    async def pieces(self):
+        metrics = self.served.metrics
+        while self.finish_reason is None:
+            item = await self.queue.get()
+            if isinstance(item, Aborted):
+                self.finish_reason = "error"
+                raise item
+            token, finish_reason = item
+            now = time.monotonic()
+            if self.last_token_at is None:
+                metrics.ttft.observe(now - self.arrived)
+            else:
+                metrics.itl.observe(now - self.last_token_at)
+            self.last_token_at = now
+            metrics.generation_tokens.inc()
+            self.tokens.append(token)
+            text = self.decoder.push(token) + (self.decoder.flush() if finish_reason else "")
+            text, stopped = self.stop.feed(text, final=finish_reason is not None)
+            if stopped and finish_reason is None:
+                self.served.scheduler.cancel(self.seq)         # frees its KV blocks before the next step
+            self.finish_reason = "stop" if stopped else finish_reason
+            yield Piece(text, token, self.finish_reason)
+
+    def close(self) -> None:
+        """Whatever ended the request (its client left, a stop string, an abort): a sequence the engine
+        has not finished is cancelled."""
+        if self.closed or not self.started:
+            return
+        self.closed = True
+        served = self.served
+        served.live.discard(self)
+        if not self.engine_done:
+            served.scheduler.cancel(self.seq)
+        served.metrics.finished.labels(self.finish_reason or "cancelled").inc()
+        if self.finish_reason in ("stop", "length"):
+            served.metrics.latency.observe(time.monotonic() - self.arrived)
+
+
+class GenerationStream(StreamingResponse):
+    """Server-sent events of a generation; closes it however the response ends (a client that disconnects
+    cancels the response task, which lands here)."""
+
+    def __init__(self, generation: Generation, events):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.close()
+
+
+def create_app(served: Served) -> FastAPI:
+    app = FastAPI(title="distmk", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = served.metrics
+
+    def count(request: Request, status: int) -> None:
+        route = request.scope.get("route")
+        metrics.requests.labels(route.path if route else "unmatched", str(status)).inc()
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        count(request, e.status)
+        headers = {"Retry-After": "1"} if e.status == 429 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        return await api_error(request, APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                                                 code=str(e.status_code)))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        count(request, 500)
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not served.scheduler.alive:
+            raise APIError(503, f"the engine is down: {served.scheduler.failure or 'stopped'}", type="server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served.model_name, "object": "model", "created": served.created,
+                                            "owned_by": "distmk", "max_model_len": served.max_context}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        arrived = time.monotonic()
+        req = parse_body(CompletionRequest, await read_body(request))
+        check_model(req.model)
+        prompt = served.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
+        return await respond(request, req, prompt, "prompt", req.max_tokens, [], arrived, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        arrived = time.monotonic()
+        req = parse_body(ChatRequest, await read_body(request))
+        check_model(req.model)
+        try:
+            prompt, format_stops = served.tokenizer.render_chat([m.model_dump() for m in req.messages])
+        except Exception as e:  # noqa: BLE001 - a chat template refuses a conversation by raising
+            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        return await respond(request, req, prompt, "messages", max_tokens, list(format_stops), arrived, chat=True)
+
+    def check_model(name: str) -> None:
+        if name != served.model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{served.model_name}'",
+                           param="model", code="model_not_found")
+
+    async def respond(request, req, prompt, prompt_param, max_tokens, format_stops, arrived, chat):
+        room = served.max_context - len(prompt)
+        if room < 1:
+            raise APIError(400, f"the prompt has {len(prompt)} tokens, but the context holds {served.max_context} "
+                                "including at least one generated token", param=prompt_param,
+                           code="context_length_exceeded")
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"max_tokens {max_tokens} is more than the context has room for: {room} tokens "
+                                f"after the prompt's {len(prompt)} (context {served.max_context})",
+                           param="max_tokens", code="context_length_exceeded")
+        params = SamplingParams(req.temperature, req.top_p, max(req.top_k, 0), req.seed)
+        seq = Sequence(prompt, max_tokens or room, params, stop_on_eos=not req.ignore_eos)
+        try:
+            served.scheduler.check(seq)
+        except DistmkError as e:
+            raise APIError(400, str(e), param=prompt_param) from None
+        generation = Generation(served, seq, req.stop + format_stops, arrived)
+        generation.start()
+        reply = Reply(served, req, chat, prompt)
+        if req.stream:
+            count(request, 200)
+            return GenerationStream(generation, reply.events(generation))
+        try:
+            response = await reply.whole(generation, request)
+        finally:
+            generation.close()
+        count(request, 200 if isinstance(response, dict) else response.status_code)
+        return response
+
+    return app
+
+
+async def read_body(request: Request) -> bytes:
+    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    return bytes(body)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read, so receive() waits for it)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Reply:
+    """OpenAI's response shapes for one request: a whole completion, or its chunks as server-sent events."""
+
+    def __init__(self, served: Served, req, chat: bool, prompt: list[int]):
+        self.req, self.chat, self.prompt = req, chat, prompt
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.head = {"id": self.id, "created": int(time.time()), "model": served.model_name}
+
+    def usage(self, generation: Generation) -> dict:
+        n = len(generation.tokens)
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n}
+
+    async def whole(self, generation: Generation, request: Request):
+        collect = asyncio.ensure_future(self._collect(generation))
+        gone = asyncio.ensure_future(_client_gone(request))
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not collect.done():                  # nobody is listening: stop generating
+            collect.cancel()
+            return Response(status_code=499)    # nginx's "client closed request", for the metrics only
+        try:
+            text = collect.result()
+        except Aborted as e:
+            raise APIError(503, str(e), type="server_error") from None
+        choice = {"index": 0, "logprobs": None, "finish_reason": generation.finish_reason}
+        choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+        if self.req.return_token_ids:
+            choice.update(prompt_token_ids=self.prompt, token_ids=generation.tokens)
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self.head, "object": obj, "choices": [choice], "usage": self.usage(generation)}
+
+    @staticmethod
+    async def _collect(generation: Generation) -> str:
+        return "".join([piece.text async for piece in generation.pieces()])
+
+    async def events(self, generation: Generation):
+        """One chunk per generated token (its text may be empty while a character or a possible stop
+        string is incomplete), then the usage if asked, then [DONE]."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        first = True
+        try:
+            async for piece in generation.pieces():
+                choice = {"index": 0, "logprobs": None, "finish_reason": piece.finish_reason}
+                if self.chat:
+                    choice["delta"] = {"role": "assistant", "content": piece.text} if first else {"content": piece.text}
+                else:
+                    choice["text"] = piece.text
+                if self.req.return_token_ids:
+                    choice["token_ids"] = [piece.token]
+                    if first:
+                        choice["prompt_token_ids"] = self.prompt
+                first = False
+                yield _event({**self.head, "object": obj, "choices": [choice]})
+        except Aborted as e:
+            yield _event(APIError(503, str(e), type="server_error").body())
+        if self.req.stream_options is not None and self.req.stream_options.include_usage:
+            yield _event({**self.head, "object": obj, "choices": [], "usage": self.usage(generation)})
+        yield "data: [DONE]\n\n"
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,0 +1,101 @@
+"""How the server's ranks run the engine together: rank 0 plans every step (its batcher holds all the
+sequences) and broadcasts the plan; every rank, rank 0 included, then runs the same step, whose
+tensor-parallel exchanges need all of them. Only rank 0 looks at the results and samples.
+
+Messages travel on a gloo process group of their own with a long timeout: an idle server is every other
+rank waiting in a broadcast, which sleeps in gloo instead of spinning and must not time out. A message is
+a header [op, rows, block-table width, needs_logits] and, for a step, an int64 [rows, 2 + width] tensor:
+token, position and block table of each row. While idle, rank 0 sends a heartbeat now and then, so a
+rank that died is noticed without waiting for the next request.
+"""
+from __future__ import annotations
+
+import datetime
+
+import torch
+
+from distmk.errors import DistmkError
+from distmk.runtime.batcher import StepInputs, run_step
+
+STEP, HEARTBEAT, SHUTDOWN = 1, 2, 3
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
+
+
+class RankLost(DistmkError):
+    """A tensor-parallel rank stopped answering: the job cannot step any more."""
+
+
+def on_engine_device(engine) -> None:
+    """Make the engine's GPU current on the calling thread (a thread starts on GPU 0 whatever the main
+    thread chose), so that steps run from a thread launch their kernels on the right device."""
+    if engine.device.type == "cuda":
+        torch.cuda.set_device(engine.device)
+
+
+def control_group():
+    """The gloo group the plans travel on (every rank must create it, in the same order)."""
+    import torch.distributed as dist
+    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+def _broadcast(t: torch.Tensor, group) -> None:
+    import torch.distributed as dist
+    try:
+        dist.broadcast(t, src=0, group=group)
+    except RuntimeError as e:            # gloo reports a closed or reset peer connection as RuntimeError
+        raise RankLost(f"lost contact with another rank ({str(e).splitlines()[0]})") from e
+
+
+class Leader:
+    """Rank 0's side: each step goes to the other ranks, then runs here. group=None: a single rank."""
+
+    def __init__(self, engine, group=None):
+        self.engine, self.group = engine, group
+
+    def run(self, step: StepInputs) -> tuple[list[int], torch.Tensor | None]:
+        if self.group is not None:
+            width = max(len(blocks) for blocks in step.block_tables)
+            self._send(STEP, len(step.tokens), width, step.needs_logits)
+            rows = torch.zeros(len(step.tokens), 2 + width, dtype=torch.int64)
+            rows[:, 0] = torch.as_tensor(step.tokens)
+            rows[:, 1] = torch.as_tensor(step.positions)
+            for i, blocks in enumerate(step.block_tables):
+                rows[i, 2:2 + len(blocks)] = torch.as_tensor(blocks, dtype=torch.int64)
+            _broadcast(rows, self.group)
+            return _run_with_peers(self.engine, step)
+        return run_step(self.engine, step)
+
+    def heartbeat(self) -> None:
+        if self.group is not None:
+            self._send(HEARTBEAT)
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self._send(SHUTDOWN)
+
+    def _send(self, op: int, rows: int = 0, width: int = 0, needs_logits: bool = False) -> None:
+        _broadcast(torch.tensor([op, rows, width, int(needs_logits)], dtype=torch.int64), self.group)
+
+
+def follow(engine, group) -> None:
+    """A rank other than 0: run every step rank 0 sends, until it sends the shutdown."""
+    on_engine_device(engine)
+    header = torch.zeros(4, dtype=torch.int64)
+    while True:
+        _broadcast(header, group)
+        op, n, width, needs_logits = header.tolist()
+        if op == SHUTDOWN:
+            return
+        if op == HEARTBEAT:
+            continue
+        rows = torch.empty(n, 2 + width, dtype=torch.int64)
+        _broadcast(rows, group)
+        _run_with_peers(engine, StepInputs(rows[:, 0].tolist(), rows[:, 1].tolist(), rows[:, 2:].tolist(),
+                                           bool(needs_logits)))
+
+
+def _run_with_peers(engine, step: StepInputs):
+    try:
+        return run_step(engine, step)
+    except RuntimeError as e:            # the step's own exchanges fail like this when a peer is gone
+        raise RankLost(f"a tensor-parallel step failed ({str(e).splitlines()[0]})") from e

@@ -1,0 +1,48 @@
+"""The server's Prometheus metrics (GET /metrics), in a registry of its own so that two servers in one
+process (tests) do not collide."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics
+
+disable_created_metrics()      # no *_created series: scrapers know when they started
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   10.0, 20.0, 40.0, 80.0)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Metrics:
+    def __init__(self, kv_blocks: int):
+        self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)
+        self.requests = Counter("distmk_requests", "HTTP responses of the API, by route and status code",
+                                ["route", "status"], registry=r)
+        self.finished = Counter("distmk_requests_finished", "Generations that ended, by reason (stop, length, "
+                                "cancelled: the client went away, error: the engine failed or the server stopped)", ["reason"],
+                                registry=r)
+        self.prompt_tokens = Counter("distmk_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("distmk_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("distmk_time_to_first_token_seconds", "From a request's arrival to its first "
+                              "token", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("distmk_inter_token_latency_seconds", "Between consecutive tokens of a sequence",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("distmk_request_latency_seconds", "From a request's arrival to its last token",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.step_rows = Histogram("distmk_step_rows", "Rows (tokens) per engine step: the batch size",
+                                   buckets=ROW_BUCKETS, registry=r)
+        self.step_time = Histogram("distmk_step_seconds", "Time of an engine step on rank 0, sending the plan "
+                                   "and sampling included", buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("distmk_running_sequences", "Sequences in the batch", registry=r)
+        self.waiting = Gauge("distmk_waiting_sequences", "Sequences queued for the batch", registry=r)
+        self.kv_used = Gauge("distmk_kv_cache_used_blocks", "KV-cache blocks held by sequences", registry=r)
+        self.kv_usage = Gauge("distmk_kv_cache_usage_ratio", "Fraction of the KV-cache blocks in use", registry=r)
+        Gauge("distmk_kv_cache_blocks", "KV-cache blocks in all", registry=r).set(kv_blocks)
+        self.kv_blocks = kv_blocks
+
+    def batcher_state(self, batcher) -> None:
+        """Queue and KV-cache gauges, after each step or cancellation."""
+        used = self.kv_blocks - len(batcher.engine.kv.free)
+        self.running.set(len(batcher.running))
+        self.waiting.set(len(batcher.waiting))
+        self.kv_used.set(used)
+        self.kv_usage.set(used / self.kv_blocks)

@@ -1,0 +1,142 @@
+"""The OpenAI request bodies the server accepts, and its errors in OpenAI's shape.
+
+Bodies are validated strictly: a wrong type is an error rather than coerced ("1" is not a number), and a
+parameter the server does not implement is refused by name instead of silently ignored. A few that
+clients send with neutral values by habit (presence_penalty: 0, logprobs: false, ...) are accepted with
+exactly those values. Extensions shared with vLLM: top_k, ignore_eos, return_token_ids. max_tokens: null
+means as many as the context has room for.
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError
+
+MAX_STOP_STRINGS = 4
+
+
+class APIError(Exception):
+    """An error response: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _neutral(value):
+    """A parameter distmk does not implement, accepted only with the value that means 'off'."""
+    def check(v):
+        if v not in (None, value) and v != {}:
+            raise ValueError(f"is not supported; only {json.dumps(value)} (or leaving it out) is accepted")
+        return v
+    return AfterValidator(check)
+
+
+def _one_prompt(v: Any) -> str | list[int]:
+    if isinstance(v, str) or _is_token_ids(v):
+        return v
+    if isinstance(v, list) and v and all(isinstance(p, str) or _is_token_ids(p) for p in v):
+        if len(v) > 1:
+            raise ValueError(f"holds {len(v)} prompts; send one prompt per request")
+        return v[0]
+    raise ValueError("must be a string, a list of token ids, or a list holding one of either")
+
+
+def _is_token_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def _stop_strings(v: Any) -> list[str]:
+    stops = [v] if isinstance(v, str) else v
+    if v is None:
+        return []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ValueError("must be a string or a list of strings")
+    if len(stops) > MAX_STOP_STRINGS or not all(stops):
+        raise ValueError(f"takes at most {MAX_STOP_STRINGS} non-empty strings")
+    return stops
+
+
+def _text_content(v: Any) -> str:
+    if isinstance(v, str):
+        return v
+    if (isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text" and set(p) == {"type", "text"}
+                                    and isinstance(p["text"], str) for p in v)):
+        return "".join(p["text"] for p in v)
+    raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts (only text is supported)')
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: str
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1, description="-1 or 0: no limit")
+    seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)
+    stop: Annotated[list[str], PlainValidator(_stop_strings)] = []
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, _neutral(1)] = 1              # one choice per request
+    user: str | None = None                        # the caller's id for the operator's logs: unused here
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    presence_penalty: Annotated[float, _neutral(0)] = 0.0
+    frequency_penalty: Annotated[float, _neutral(0)] = 0.0
+    logit_bias: Annotated[dict[str, float] | None, _neutral(None)] = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Annotated[str | list[int], PlainValidator(_one_prompt)]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: Annotated[int | None, _neutral(None)] = None
+    echo: Annotated[bool, _neutral(False)] = False
+    best_of: Annotated[int | None, _neutral(1)] = None
+    suffix: Annotated[str | None, _neutral(None)] = None
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: Annotated[str, PlainValidator(_text_content)]
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: Annotated[bool | None, _neutral(False)] = None
+
+
+def parse_body(model: type[_Strict], body: bytes) -> _Strict:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise _as_api_error(e) from None
+
+
+def _as_api_error(e: ValidationError) -> APIError:
+    first = e.errors(include_url=False)[0]
+    kind, loc = first["type"], first["loc"]
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
+    if kind == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first['ctx']['error']}")
+    if kind == "model_type" and not loc:
+        return APIError(400, "the request body must be a JSON object")
+    if kind == "extra_forbidden":
+        return APIError(400, f"unsupported parameter '{param}'", param=param, code="unsupported_parameter")
+    if kind == "missing":
+        return APIError(400, f"missing required parameter '{param}'", param=param)
+    message = first["msg"].removeprefix("Value error, ")
+    more = f" (and {e.error_count() - 1} more problem(s))" if e.error_count() > 1 else ""
+    return APIError(400, f"'{param}': {message}{more}", param=param)

@@ -1,0 +1,131 @@
+"""Rank 0's engine loop, on a thread of its own beside the HTTP event loop.
+
+Requests and cancellations reach it through an inbox it empties between steps, so sequences join and
+leave the batch only there. It steps while any sequence has work and otherwise sleeps on a condition,
+waking every HEARTBEAT_S to let the other ranks show they are still there. The tokens of a step go back
+to the event loop in one call; a listener (one per request) receives them there.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+from distmk.errors import DistmkError
+from distmk.runtime.batcher import Batcher, Sequence, StepInputs
+from distmk.serve.lockstep import on_engine_device
+
+HEARTBEAT_S = 5.0
+
+
+class Listener(Protocol):
+    """Called on the event loop: each new token of the sequence, or a failure (a message for the client)."""
+
+    def on_token(self, token: int, finish_reason: str | None) -> None: ...
+
+    def on_failure(self, message: str) -> None: ...
+
+
+class Scheduler:
+    def __init__(self, engine, leader, metrics, max_running: int | None = None):
+        self.leader, self.metrics = leader, metrics
+        self.batcher = Batcher(engine, max_running, run=self._run)
+        self.cond = threading.Condition()
+        self.inbox: list[tuple[str, Sequence, Listener | None]] = []
+        self.listeners: dict[int, Listener] = {}
+        self.stopping = False
+        self.failure: str | None = None       # why the loop died, if it did
+        self.loop = self.thread = self.on_death = None
+
+    def start(self, loop, on_death) -> None:
+        """Run on a thread, delivering to `loop`; on_death() is called (from the thread) if it fails."""
+        self.loop, self.on_death = loop, on_death
+        self.thread = threading.Thread(target=self._main, name="distmk-scheduler", daemon=True)
+        self.thread.start()
+
+    def check(self, seq: Sequence) -> None:
+        self.batcher.check(seq)
+
+    def submit(self, seq: Sequence, listener: Listener) -> None:
+        self._post("submit", seq, listener)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Take the sequence out of the batch and free its KV blocks, before the next step."""
+        self._post("cancel", seq, None)
+
+    def stop(self, timeout: float) -> bool:
+        """Finish the step under way, tell the other ranks to exit; False if that took over `timeout`."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        if self.thread is not None:
+            self.thread.join(timeout)
+        return not (self.thread and self.thread.is_alive())
+
+    @property
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive() and self.failure is None
+
+    def _post(self, op: str, seq: Sequence, listener: Listener | None) -> None:
+        with self.cond:
+            self.inbox.append((op, seq, listener))
+            self.cond.notify()
+
+    def _main(self) -> None:
+        try:
+            on_engine_device(self.batcher.engine)
+            self._loop()
+            self.leader.shutdown()
+        except Exception as e:  # noqa: BLE001 - any failure ends serving; the message goes to every client
+            self.failure = f"{type(e).__name__}: {e}" if not isinstance(e, DistmkError) else str(e)
+            with self.cond:
+                listeners = list(self.listeners.values()) + [l for op, _, l in self.inbox if op == "submit"]
+            if not self.loop.is_closed():
+                self.loop.call_soon_threadsafe(_fail_all, listeners, f"the engine failed: {self.failure}")
+            self.on_death()
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                if not (self.inbox or self.batcher.busy or self.stopping):
+                    self.cond.wait(HEARTBEAT_S)
+                if self.stopping:
+                    return
+                idle = not (self.inbox or self.batcher.busy)
+                inbox, self.inbox = self.inbox, []
+            if idle:
+                self.leader.heartbeat()
+                continue
+            for op, seq, listener in inbox:
+                if op == "cancel":
+                    self.batcher.cancel(seq)
+                    self.listeners.pop(seq.id, None)
+                    continue
+                try:
+                    self.batcher.submit(seq)
+                except DistmkError as e:             # refused: this request fails, the others go on
+                    self.loop.call_soon_threadsafe(_fail_all, [listener], str(e))
+                    continue
+                self.listeners[seq.id] = listener
+            with self.metrics.step_time.time():
+                produced = self.batcher.step()
+            self.metrics.batcher_state(self.batcher)
+            if produced:
+                deliveries = [(self.listeners[seq.id], token, seq.finish_reason) for seq, token in produced]
+                for seq, _ in produced:
+                    if seq.finish_reason is not None:
+                        del self.listeners[seq.id]
+                self.loop.call_soon_threadsafe(_deliver, deliveries)
+
+    def _run(self, step: StepInputs):
+        self.metrics.step_rows.observe(len(step.tokens))
+        return self.leader.run(step)
+
+
+def _deliver(deliveries) -> None:
+    for listener, token, finish_reason in deliveries:
+        listener.on_token(token, finish_reason)
+
+
+def _fail_all(listeners, message: str) -> None:
+    for listener in listeners:
+        listener.on_failure(message)

@@ -1,0 +1,450 @@
+"""distmk.serve for real: torchrun starts 2 CPU ranks (gloo), and the tests talk HTTP to rank 0."""
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from conftest import REPO, torchrun
+
+MODEL = "tiny-llama"
+ENGINE = ["--model", MODEL, "--backend", "reference", "--device", "cpu", "--log-level", "warning"]
+MAX_SEQS, MAX_QUEUE = 8, 32                  # the main server: 8 running, 32 queued, then 429
+CONTEXT = 1024                               # tiny-llama's
+
+
+class Server:
+    """A server process (torchrun or a plain python) in a process group of its own, logging to a file."""
+
+    def __init__(self, tmp_path, name, argv, env=None):
+        self.log_path = tmp_path / f"{name}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                     start_new_session=True)
+        self.url = None
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout=90.0) -> "Server":
+        """Until the startup line names the URL and /health answers 200."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{self.output()}"
+            found = re.search(r"(http://127\.0\.0\.1:\d+)/v1", self.output())
+            if found:
+                try:
+                    if httpx.get(found.group(1) + "/health", timeout=5).status_code == 200:
+                        self.url = found.group(1)
+                        return self
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.2)
+        raise AssertionError(f"server not healthy within {timeout} s:\n{self.output()}")
+
+    def wait_exit(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        """torchrun starts each rank in a session of its own, so its ranks are killed one by one."""
+        if self.proc.poll() is None:
+            ranks = rank_pids(self.proc.pid).values()
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            for pid in ranks:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.proc.wait()
+        self.log.close()
+
+
+def serve_torchrun(tmp_path, name, *extra) -> Server:
+    return Server(tmp_path, name, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                   "--nproc-per-node=2", "-m", "distmk.serve", *ENGINE, "--port", "0", *extra])
+
+
+def rank_pids(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of torchrun's worker processes, from their environment."""
+    ranks = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher_pid:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if b"RANK" in env:
+            ranks[int(env[b"RANK"])] = int(pid)
+    return ranks
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = serve_torchrun(tmp_path_factory.mktemp("serve"), "main", "--max-batch", "16",
+                         "--max-seqs", str(MAX_SEQS), "--max-queue", str(MAX_QUEUE))
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.kill()
+
+
+def post(server, path, body, **kw):
+    return httpx.post(server.url + path, json=body, timeout=60, **kw)
+
+
+def complete(server, prompt, max_tokens, stream=False, chat=False, **params):
+    """(text, token ids, finish_reason) of one greedy request, streamed or not."""
+    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True,
+            "stream": stream, **params}
+    body.update({"messages": prompt} if chat else {"prompt": prompt})
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    if not stream:
+        r = post(server, path, body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        choice = out["choices"][0]
+        assert out["object"] == ("chat.completion" if chat else "text_completion")
+        assert out["usage"]["completion_tokens"] == len(choice["token_ids"])
+        return (choice["message"]["content"] if chat else choice["text"]), choice["token_ids"], choice["finish_reason"]
+    chunks = sse_chunks(server, path, body)
+    text = "".join(c["choices"][0]["delta"]["content"] if chat else c["choices"][0]["text"] for c in chunks)
+    return text, [t for c in chunks for t in c["choices"][0]["token_ids"]], chunks[-1]["choices"][0]["finish_reason"]
+
+
+def sse_chunks(server, path, body) -> list[dict]:
+    with httpx.stream("POST", server.url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def metric(server, name: str, labels: str = "") -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    found = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def wait_for(condition, timeout=15.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_models_and_health(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == CONTEXT
+
+
+def test_greedy_completion_equals_distmk_generate(server):
+    ids = [1, 2, 3, 4, 5, 6, 7]
+    proc = torchrun(2, "-m", "distmk.generate", "--model", MODEL, "--prompt-ids", ",".join(map(str, ids)),
+                    "--max-new-tokens", "24", "--backend", "reference", "--device", "cpu", "--json")
+    assert proc.returncode == 0, proc.stderr
+    expected = json.loads(proc.stdout)
+    for stream in (False, True):
+        text, tokens, finish = complete(server, ids, 24, stream=stream)
+        assert tokens == expected["tokens"] and text == expected["text"] and finish == "length"
+    # a text prompt is its UTF-8 bytes for a preset, as distmk.generate --prompt encodes it
+    assert complete(server, "Hello, wörld", 12) == complete(server, list("Hello, wörld".encode()), 12)
+
+
+def test_chat_streamed_and_whole_agree(server):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    whole = complete(server, messages, 10, chat=True)
+    chunks = sse_chunks(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 10,
+                                                         "temperature": 0, "stream": True, "return_token_ids": True,
+                                                         "stream_options": {"include_usage": True}})
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[0]["object"] == "chat.completion.chunk" and len({c["id"] for c in chunks}) == 1
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
+    text = "".join(c["choices"][0]["delta"]["content"] for c in chunks[:-1])
+    assert (text, [t for c in chunks[:-1] for t in c["choices"][0]["token_ids"]]) == whole[:2]
+    # the byte-level fallback renders ChatML: the same prompt as a completion gives the same reply
+    chatml = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert complete(server, chatml, 10)[:2] == whole[:2]
+
+
+def test_stop_string_cuts_the_text(server):
+    prompt = "The quick brown fox"
+    text, tokens, _ = complete(server, prompt, 40, ignore_eos=True)
+    visible = [c for c in dict.fromkeys(text) if c.isprintable() and c != "\ufffd"]
+    assert visible, f"no printable character to stop at in {text!r}"
+    stop = visible[len(visible) // 2]
+    for stream in (False, True):
+        cut, cut_tokens, finish = complete(server, prompt, 40, stream=stream, stop=[stop, "never-there"])
+        assert finish == "stop" and cut == text[:text.index(stop)] and cut_tokens == tokens[:len(cut_tokens)]
+
+
+def test_seeded_sampling_is_reproducible(server):
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 12, "temperature": 1.0, "top_p": 0.9,
+            "top_k": 50, "return_token_ids": True}
+    runs = [post(server, "/v1/completions", {**body, "seed": s}).json()["choices"][0]["token_ids"]
+            for s in (1, 1, 2)]
+    assert runs[0] == runs[1] != runs[2]
+
+
+def test_32_concurrent_clients_get_what_they_would_get_alone(server):
+    rng = random.Random(3)
+    jobs = [([rng.randrange(1, 500) for _ in range(rng.randrange(1, 20))], rng.randrange(2, 10)) for _ in range(8)]
+    alone = [complete(server, prompt, n)[:2] for prompt, n in jobs]
+
+    async def client(http, c):
+        results = []
+        for r in range(3):
+            j = (c + r) % len(jobs)
+            body = {"model": MODEL, "prompt": jobs[j][0], "max_tokens": jobs[j][1], "temperature": 0,
+                    "return_token_ids": True, "stream": (c + r) % 2 == 1}
+            if body["stream"]:
+                text, tokens = "", []
+                async with http.stream("POST", "/v1/completions", json=body) as resp:
+                    assert resp.status_code == 200
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: {"):
+                            choice = json.loads(line[6:])["choices"][0]
+                            text, tokens = text + choice["text"], tokens + choice["token_ids"]
+            else:
+                resp = await http.post("/v1/completions", json=body)
+                assert resp.status_code == 200, resp.text
+                choice = resp.json()["choices"][0]
+                text, tokens = choice["text"], choice["token_ids"]
+            results.append((j, (text, tokens)))
+        return results
+
+    async def run_all():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as http:
+            return await asyncio.gather(*(client(http, c) for c in range(32)))
+
+    results = [r for per_client in asyncio.run(run_all()) for r in per_client]
+    assert len(results) == 96
+    for j, got in results:
+        assert got == alone[j]
+    assert metric(server, "distmk_kv_cache_used_blocks") == 0
+
+
+def malformed_requests(seed: int, count: int):
+    """(method, path, body bytes) of requests that are each wrong in a way the server must refuse."""
+    rng = random.Random(seed)
+    wrong = {   # field: values that are invalid for it (wrong type, out of range, unsupported)
+        "model": [1, None, [], "no-such-model"],
+        "prompt": [5, {"a": 1}, [1.5], [[1], [2]], ["a", "b"], True, [], "", [1, 512], [-1], list(range(1, 1100)),
+                   "x" * 1100],
+        "max_tokens": ["10", 1.5, True, -1, 0, 10 ** 9, 1024],
+        "temperature": ["hot", -0.1, 3, None, [0]],
+        "top_p": [0, 1.5, "x"],
+        "top_k": [-2, 1.5, "5"],
+        "seed": ["1", 2 ** 70, 1.5],
+        "stop": [5, [1], ["a"] * 5, [""], {"s": 1}],
+        "stream": ["yes", 1],
+        "n": [2, 0, "1"],
+        "stream_options": ["x", {"foo": True}],
+        "logprobs": [3], "echo": [True], "presence_penalty": [1], "frequency_penalty": [-0.5],
+        "logit_bias": [{"5": 1}], "best_of": [2], "suffix": ["end"],
+        "tools": [[]], "response_format": [{"type": "json_object"}], "frobnicate": [1],
+    }
+    wrong_chat = {"messages": ["hi", [], [{"role": "bot", "content": "x"}], [{"role": "user"}],
+                               [{"role": "user", "content": 5}], [{"content": "x"}],
+                               [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                               [{"role": "user", "content": "x", "name": "bob"}],
+                               [{"role": "user", "content": "x" * 1100}]],
+                  "max_completion_tokens": [0, "2"], "logprobs": [True]}
+    for _ in range(count):
+        chat = rng.random() < 0.4
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        body = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+        body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
+        kind = rng.randrange(10)
+        if kind == 0:                                 # not JSON: cut short, or not even text
+            text = json.dumps(body).encode()
+            yield "POST", path, text[:rng.randrange(len(text) - 1)] if rng.random() < 0.7 else rng.randbytes(20)
+        elif kind == 1:                               # JSON, but not an object
+            yield "POST", path, json.dumps(rng.choice([[], 1, "s", None, True, [body]])).encode()
+        elif kind == 2:                               # a required field left out
+            del body[rng.choice(["model", "messages" if chat else "prompt"])]
+            yield "POST", path, json.dumps(body).encode()
+        elif kind == 3:                               # wrong method or no such route
+            yield rng.choice([("GET", path, b""), ("POST", "/v1/nothing", json.dumps(body).encode()),
+                              ("DELETE", "/v1/models", b"")])
+        else:                                         # one to three fields set to something invalid
+            table = {**{k: v for k, v in wrong.items() if k != "prompt"}, **wrong_chat} if chat else wrong
+            for field in rng.sample(sorted(table), rng.randrange(1, 4)):
+                body[field] = rng.choice(table[field])
+            yield "POST", path, json.dumps(body).encode()
+
+
+def test_fuzzed_malformed_requests_get_4xx_and_the_server_stays_up(server):
+    requests = list(malformed_requests(seed=5, count=240))
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for method, path, body in requests:
+            r = http.request(method, path, content=body, headers={"content-type": "application/json"})
+            assert 400 <= r.status_code < 500, (method, path, body[:300], r.status_code, r.text[:300])
+            error = r.json()["error"]
+            assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
+            assert set(error) == {"message", "type", "param", "code"}
+        assert http.get("/health").status_code == 200
+    assert complete(server, [1, 2, 3], 3)[2] == "length"
+
+
+@pytest.mark.parametrize("body, status, says", [
+    (b"{not json", 400, "not valid JSON"),
+    ({"prompt": "hi"}, 400, "missing required parameter 'model'"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -5}, 400, "'max_tokens'"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 5000}, 400, "more than the context has room for"),
+    ({"model": MODEL, "prompt": list(range(1, 1100))}, 400, "the prompt has 1099 tokens"),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "the model 'gpt-4' does not exist"),
+    ({"model": MODEL, "prompt": "hi", "n": 3}, 400, "'n': is not supported"),
+    ({"model": MODEL, "prompt": "hi", "temperature": "0.5"}, 400, "'temperature': Input should be a valid number"),
+    ({"model": MODEL, "prompt": "hi", "tools": []}, 400, "unsupported parameter 'tools'"),
+    ({"model": MODEL, "prompt": [1, 9999]}, 400, "outside the vocabulary"),
+])
+def test_errors_say_what_is_wrong(server, body, status, says):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + "/v1/completions", content=content, timeout=30)
+    assert r.status_code == status and says in r.json()["error"]["message"], r.text
+
+
+def test_client_disconnect_frees_the_sequence(server):
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    cancelled = metric(server, "distmk_requests_finished_total", '{reason="cancelled"}')
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            assert next(line for line in lines if line).startswith("data: {")
+        assert metric(server, "distmk_kv_cache_used_blocks") > 0
+    wait_for(lambda: metric(server, "distmk_kv_cache_used_blocks") == 0, what="the stream's KV blocks to be freed")
+    # a client of a whole (non-streamed) completion that hangs up is noticed too
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        payload = json.dumps(body).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        wait_for(lambda: metric(server, "distmk_kv_cache_used_blocks") > 0, what="the request to start")
+    wait_for(lambda: metric(server, "distmk_kv_cache_used_blocks") == 0, what="the hung-up request's KV blocks")
+    assert metric(server, "distmk_requests_finished_total", '{reason="cancelled"}') == cancelled + 2
+
+
+def test_beyond_the_queue_requests_get_429(server):
+    body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 500, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60,
+                                     limits=httpx.Limits(max_connections=64)) as http:
+            streams = [http.stream("POST", "/v1/completions", json=body) for _ in range(MAX_SEQS + MAX_QUEUE)]
+            opened = await asyncio.gather(*(s.__aenter__() for s in streams))
+            assert all(r.status_code == 200 for r in opened)
+            extra = await http.post("/v1/completions", json={**body, "stream": False})
+            for s in streams:
+                await s.__aexit__(None, None, None)
+            return extra
+
+    extra = asyncio.run(run())
+    assert extra.status_code == 429 and extra.json()["error"]["code"] == "rate_limit_exceeded"
+    wait_for(lambda: metric(server, "distmk_kv_cache_used_blocks") == 0, what="the abandoned streams to be freed")
+    assert metric(server, "distmk_running_sequences") == 0 and metric(server, "distmk_waiting_sequences") == 0
+    assert complete(server, [1, 2, 3], 3)[2] == "length"
+
+
+def test_metrics_count_requests_tokens_and_latencies(server):
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("distmk_requests_total", "distmk_generation_tokens_total", "distmk_prompt_tokens_total",
+                 "distmk_time_to_first_token_seconds_bucket", "distmk_inter_token_latency_seconds_bucket",
+                 "distmk_step_rows_bucket", "distmk_running_sequences", "distmk_kv_cache_usage_ratio",
+                 "distmk_kv_cache_blocks"):
+        assert f"\n{name}" in text, name
+    names = ["distmk_generation_tokens_total", "distmk_prompt_tokens_total", "distmk_time_to_first_token_seconds_count",
+             "distmk_inter_token_latency_seconds_count", "distmk_step_rows_count"]
+    before = [metric(server, n) for n in names]
+    ok = '{route="/v1/completions",status="200"}'
+    requests = metric(server, "distmk_requests_total", ok)
+    complete(server, [1, 2, 3], 4)
+    after = [metric(server, n) for n in names]
+    assert [a - b for a, b in zip(after, before)] == [4, 3, 1, 3, 4]      # a 3-token prompt fits in one step
+    assert metric(server, "distmk_requests_total", ok) == requests + 1
+    assert metric(server, "distmk_kv_cache_blocks") == MAX_SEQS * CONTEXT // 16
+
+
+def test_sigterm_stops_every_rank_cleanly(tmp_path):
+    """SIGTERM to the server (rank 0): a running stream gets its grace time, then ends with an error event
+    and [DONE]; all ranks and torchrun exit 0. SIGTERM to torchrun (which passes it on to every rank): all
+    ranks stop cleanly, and torchrun reports the signal it got itself (exit 1, by torchrun's own rule)."""
+    servers = [serve_torchrun(tmp_path, "to_rank0"), serve_torchrun(tmp_path, "to_torchrun")]
+    try:
+        for srv in servers:
+            srv.wait_ready()
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", servers[0].url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line).startswith("data: {")
+            t0 = time.monotonic()
+            os.kill(rank_pids(servers[0].proc.pid)[0], signal.SIGTERM)
+            servers[1].proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["error"]["message"] == "the server is shutting down"
+        codes = [srv.wait_exit(timeout=30) for srv in servers]
+        assert time.monotonic() - t0 < 30
+        assert codes[0] == 0, servers[0].output()
+        for srv in servers:
+            out = srv.output()
+            assert "rank 0: stopped" in out and "rank 1: stopped" in out, out
+    finally:
+        for srv in servers:
+            srv.kill()
+
+
+def test_a_rank_that_dies_is_noticed(tmp_path):
+    """Two ranks started by hand (no launcher to clean up after them): kill one, the other says so and exits."""
+    pairs = []
+    for i in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        pairs.append([Server(tmp_path, f"pair{i}_rank{rank}", [sys.executable, "-m", "distmk.serve", *ENGINE,
+                                                                "--port", "0"],
+                             env={"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                                  "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+                      for rank in range(2)])
+    try:
+        for rank0, _ in pairs:
+            rank0.wait_ready()
+        pairs[0][1].kill()                            # rank 1 dies while the server is idle: the heartbeat notices
+        pairs[1][0].kill()                            # rank 0 dies: rank 1's broadcast fails at once
+        assert pairs[0][0].wait_exit(timeout=20) == 1
+        assert pairs[1][1].wait_exit(timeout=20) == 1
+        assert "rank 0: exiting, the engine failed: lost contact with another rank" in pairs[0][0].output()
+        assert "rank 1: exiting, lost contact with another rank" in pairs[1][1].output()
+    finally:
+        for pair in pairs:
+            for srv in pair:
+                srv.kill()
+
+
+def test_single_process_server(tmp_path):
+    srv = Server(tmp_path, "single", [sys.executable, "-m", "distmk.serve", *ENGINE, "--port", "0",
+                                      "--served-model-name", "tiny"])
+    try:
+        srv.wait_ready()
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
+                       json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5, r.text
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.wait_exit(timeout=30) == 0, srv.output()
+        assert "rank 0: stopped" in srv.output()
+    finally:
+        srv.kill()

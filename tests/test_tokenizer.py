@@ -1,0 +1,63 @@
+"""Tokenizers: chat prompts (the checkpoint's template, else ChatML text) and text decoded a token at a time."""
+import random
+
+import pytest
+
+from distmk.runtime.tokenizer import CHATML_END, ByteTokenizer, IncrementalDecoder, load_tokenizer
+
+MESSAGES = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi there"}]
+TEMPLATE = ("{% for m in messages %}<s>{{ m.role }}: {{ m.content }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A small byte-level BPE tokenizer trained here and saved the way checkpoints ship one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["Hi there, how are you?", "Be terse. The capital of France is Paris."] * 20, trainer)
+    path = tmp_path_factory.mktemp("tok")
+    for name, template in (("with_template", TEMPLATE), ("without", None)):
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+        fast.chat_template = template
+        fast.save_pretrained(path / name)
+    return path
+
+
+def test_presets_render_chat_as_chatml_bytes():
+    ids, stops = ByteTokenizer(512).render_chat(MESSAGES)
+    assert bytes(ids).decode() == ("<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+                                   "<|im_start|>assistant\n")
+    assert stops == (CHATML_END,)
+
+
+def test_checkpoint_chat_template_is_used(hf_dir):
+    from transformers import AutoTokenizer
+    tok = load_tokenizer(str(hf_dir / "with_template"), 400)
+    ids, stops = tok.render_chat(MESSAGES)
+    reference = AutoTokenizer.from_pretrained(hf_dir / "with_template")
+    assert ids == reference.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True,
+                                                return_dict=True)["input_ids"]
+    assert reference.decode(ids) == "<s>system: Be terse.</s><s>user: Hi there</s><s>assistant:"
+    assert stops == ()
+    ids, stops = load_tokenizer(str(hf_dir / "without"), 400).render_chat(MESSAGES)
+    assert reference.decode(ids).endswith("<|im_start|>assistant\n") and stops == (CHATML_END,)
+
+
+@pytest.mark.parametrize("which", ["bytes", "hf"])
+def test_incremental_decoding_adds_up_to_decoding_everything(which, hf_dir):
+    tok = ByteTokenizer(512) if which == "bytes" else load_tokenizer(str(hf_dir / "with_template"), 400)
+    rng = random.Random(0)
+    for _ in range(50):
+        # bytes: split multi-byte characters, stray continuation bytes and ids past 255 (no text)
+        ids = ([rng.choice([rng.randrange(512), *"é€😀a".encode()]) for _ in range(rng.randrange(1, 30))]
+               if which == "bytes" else tok.encode("Hi there, how are you? é€😀")[:rng.randrange(1, 20)])
+        decoder = IncrementalDecoder(tok)
+        pieces = [decoder.push(t) for t in ids] + [decoder.flush()]
+        assert "".join(pieces) == tok.decode(ids)
+        assert not any(p.endswith("\ufffd") for p in pieces[:-1])      # incomplete characters wait
