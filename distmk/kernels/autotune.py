@@ -16,6 +16,7 @@ CANDIDATES = [
     {"prefetch_kb": 0},
     {"num_stages": 3},
     {"mlp_block_n": 32, "lm_block_n": 64},
+    {"prefetch_kb": 768},                 # more of each tile in L2 while its worker waits at a phase boundary
 ]
 
 
