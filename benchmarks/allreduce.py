@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exchange_rounds import ExchangeRounds  # noqa: E402
+from exchange_rounds import ExchangeRounds, start_ranks  # noqa: E402
 
 
 def cuda_us(fn, iters: int) -> float:
@@ -109,15 +109,7 @@ def main() -> int:
     p.add_argument("--max-kb", type=int, default=4096)
     p.add_argument("--out", default="benchmarks/results/allreduce.json")
     args = p.parse_args()
-    from distmk.comm.nvshmem import NvshmemComm
-    from distmk.dist import detect_launch, init_process_group
-    launch = detect_launch()
-    if launch.world < 2:
-        p.error("run under torchrun / mpirun with 2 or more ranks")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    torch.cuda.set_device(launch.local_rank)
-    init_process_group(launch, "nccl")
-    comm = NvshmemComm(launch)
+    launch, comm = start_ranks(p)
     records = []
     try:
         check(comm)

@@ -50,6 +50,21 @@ def exchange_rounds(inp, w, partial, x, exchange, exchange_peers, counters, coun
                         allreduce_gpu((first + i) * TILE, TILE, r, n, x, exchange, H, B_PAD, WORLD, BLOCK_N)
 
 
+def start_ranks(parser):
+    """This rank's launch environment and NVSHMEM communicator, with NCCL up for the baselines (the
+    benchmark needs 2 or more ranks: torchrun, mpirun or srun)."""
+    import os
+    from distmk.comm.nvshmem import NvshmemComm
+    from distmk.dist import detect_launch, init_process_group
+    launch = detect_launch()
+    if launch.world < 2:
+        parser.error("run under torchrun / mpirun with 2 or more ranks")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(launch.local_rank)
+    init_process_group(launch, "nccl")
+    return launch, NvshmemComm(launch)
+
+
 class ExchangeRounds:
     """Buffers and launches of exchange_rounds for one vector shape [n, H] on this rank of `comm`."""
 

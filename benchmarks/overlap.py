@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from allreduce import cuda_us  # noqa: E402
-from exchange_rounds import ExchangeRounds  # noqa: E402
+from exchange_rounds import ExchangeRounds, start_ranks  # noqa: E402
 
 
 def main() -> int:
@@ -33,15 +33,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=320)
     p.add_argument("--out", default="benchmarks/results/overlap.json")
     args = p.parse_args()
-    from distmk.comm.nvshmem import NvshmemComm
-    from distmk.dist import detect_launch, init_process_group
-    launch = detect_launch()
-    if launch.world < 2:
-        p.error("run under torchrun / mpirun with 2 or more ranks")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    torch.cuda.set_device(launch.local_rank)
-    init_process_group(launch, "nccl")
-    comm = NvshmemComm(launch)
+    launch, comm = start_ranks(p)
     H, K, n = args.hidden, args.k // launch.world, args.batch
     tiles = H // 32
     configs = []

@@ -8,14 +8,8 @@
 # OMP_NUM_THREADS) are exported to every rank with -x, so they also reach ranks on other hosts.
 # MPIRUN_ARGS adds options of mpirun's own, e.g. "--oversubscribe" or "--bind-to none".
 set -euo pipefail
-if [ $# -lt 2 ]; then
-    echo "usage: $0 NPROC MODULE|SCRIPT.py [ARGS...]" >&2
-    exit 2
-fi
 source "$(dirname "$0")/env.sh"
-nproc=$1 target=$2
-shift 2
-if [[ $target == *.py ]]; then set -- "$target" "$@"; else set -- -m "$target" "$@"; fi
+parse_launch_args "$@"
 options=(-np "$nproc")
 [ "$(id -u)" -ne 0 ] || options+=(--allow-run-as-root)
 for name in $(compgen -e); do
@@ -25,4 +19,4 @@ for name in $(compgen -e); do
     esac
 done
 read -ra extra <<< "${MPIRUN_ARGS:-}"
-exec mpirun "${options[@]}" "${extra[@]}" "$DISTMK_PYTHON" "$@"
+exec mpirun "${options[@]}" "${extra[@]}" "$DISTMK_PYTHON" "${python_args[@]}"

@@ -5,12 +5,6 @@
 # torchrun gives each rank RANK/WORLD_SIZE/LOCAL_RANK and a rendezvous on this host; the ranks inherit the
 # environment, with launch/env.sh's defaults (NVLink multicast off).
 set -euo pipefail
-if [ $# -lt 2 ]; then
-    echo "usage: $0 NPROC MODULE|SCRIPT.py [ARGS...]" >&2
-    exit 2
-fi
 source "$(dirname "$0")/env.sh"
-nproc=$1 target=$2
-shift 2
-if [[ $target == *.py ]]; then set -- "$target" "$@"; else set -- -m "$target" "$@"; fi
-exec "$DISTMK_PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$nproc" "$@"
+parse_launch_args "$@"
+exec "$DISTMK_PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$nproc" "${python_args[@]}"
