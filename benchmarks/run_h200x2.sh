@@ -12,7 +12,7 @@ OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 quiet() { grep -v -E "Warn|warn_once|^W[0-9]{4}|\*{10}|OMP_NUM_THREADS"; }
 if [ -z "${SKIP_TP2:-}" ]; then
-timeout 240 python3 -m pytest -q -s tests/test_gpu.py -k "tp2" 2>&1 | quiet | tee "$OUT/gpu_tests_tp2.log" | tail -n 8
+timeout 300 python3 -m pytest -q -s tests/test_gpu.py -k "tp2" 2>&1 | quiet | tee "$OUT/gpu_tests_tp2.log" | tail -n 8
 timeout 150 torchrun --standalone --nproc-per-node 2 benchmarks/allreduce.py --out "$OUT/allreduce_tp2.json" 2>&1 \
     | quiet > "$OUT/allreduce_tp2.log"; grep -v '^\[{' "$OUT/allreduce_tp2.log" | tail -n 12
 timeout 150 torchrun --standalone --nproc-per-node 2 benchmarks/overlap.py --out "$OUT/overlap_tp2.json" 2>&1 \

@@ -226,3 +226,17 @@ def test_tp2_megakernel_over_nvshmem_matches_transformers(name):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "not freed" not in proc.stderr
     assert only_json_line(proc.stdout)["tokens"] == hf_greedy(name, weights_device="cuda")[0]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(__import__("shutil").which("mpirun") is None, reason="needs Open MPI's mpirun")
+def test_tp2_megakernel_under_mpirun_matches_transformers():
+    """The same two-GPU generation started by Open MPI (launch/mpirun.sh): NVSHMEM bootstraps over the
+    process group that mpi4py's rendezvous set up."""
+    from conftest import run_cli
+    from test_cli import only_json_line
+    proc = run_cli("bash", "launch/mpirun.sh", "2", "distmk.generate", "--model", "tiny-llama", "--prompt-ids",
+                   "1,2,3,4,5,6,7", "--max-new-tokens", "32", "--backend", "triton", "--device", "cuda", "--dtype",
+                   "float32", "--json", env={"DISTMK_PYTHON": sys.executable}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert only_json_line(proc.stdout)["tokens"] == hf_greedy("tiny-llama", weights_device="cuda")[0]
