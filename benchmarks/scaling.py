@@ -22,6 +22,7 @@ Options it does not know go to every decode.py run (--batch, --context, --iters,
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import signal
@@ -106,9 +107,9 @@ def measure(model: str, tp: int, args, decode_argv: list[str]) -> dict:
 
 
 def run_bounded(command: list[str], log, env: dict, timeout: float) -> int | None:
-    """The exit code of `command`, or None if it ran past `timeout`. It runs in a process group of its own,
-    which is killed whole when it times out or we are interrupted: torchrun's ranks must not outlive it
-    (holding their GPUs)."""
+    """The exit code of `command`, or None if it ran past `timeout`. When it times out or we are
+    interrupted, it gets SIGTERM (torchrun passes it to its ranks), then every process below it is killed:
+    torchrun's ranks run in sessions of their own and must not outlive it holding their GPUs."""
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         return proc.wait(timeout=timeout)
@@ -116,8 +117,35 @@ def run_bounded(command: list[str], log, env: dict, timeout: float) -> int | Non
         return None
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            below = descendants(proc.pid)
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+            for pid in [proc.pid, *below, *descendants(proc.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             proc.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid`, from /proc."""
+    children = collections.defaultdict(list)
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                children[int(f.read().rsplit(")", 1)[1].split()[1])].append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    found, todo = [], [pid]
+    while todo:
+        for child in children[todo.pop()]:
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def write_json(path: str, data) -> None:
@@ -296,6 +324,7 @@ def main(argv=None) -> int:
     if args.resume and os.path.exists(json_path):
         records = [r for r in load_json(json_path) if not r.get("error")]
     interrupted = False
+    signal.signal(signal.SIGTERM, signal.default_int_handler)   # SIGTERM (timeout, scancel) as Ctrl-C
     try:
         sweep(args, decode_argv, records, json_path)
     except KeyboardInterrupt:

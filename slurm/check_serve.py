@@ -39,7 +39,7 @@ def alive(pid: int | None) -> bool:
 
 def wait_healthy(url: str, timeout: float, server_pid: int | None) -> int:
     """The status of the first GET /health that answers 200; raises if the time runs out or the server dies
-    (connections are refused while it loads the model and compiles)."""
+    (the port is bound before loading, so while the server loads and compiles a poll waits up to 10 s)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not alive(server_pid):

@@ -174,8 +174,6 @@ def test_multinode_sbatch_generates_over_srun(cluster, tmp_path):
 
 
 def test_serve_sbatch_answers_a_completion(cluster, tmp_path):
-    # distmk.serve lands with issue 5 (another branch); until then there is no server to submit.
-    pytest.importorskip("distmk.serve", reason="distmk.serve lands with issue 5")
     state, log = sbatch(cluster, "slurm/serve.sbatch", tmp_path, DISTMK_PORT=str(free_port()))
     assert state == "COMPLETED 0:0" and "serve check: passed" in log, log[-3000:]
     (answer,) = json_lines(log)

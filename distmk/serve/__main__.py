@@ -4,7 +4,8 @@ One process per tensor-parallel rank, alone or under torchrun / mpirun / srun. E
 shard and steps the engine; rank 0 also serves HTTP and decides each step (see lockstep.py). SIGTERM or
 SIGINT: rank 0 stops taking requests, gives running ones a few seconds, then tells the other ranks to
 exit; every rank exits 0. A rank that dies: the others notice at their next exchange (or rank 0's next
-heartbeat) and exit 1 saying so.
+heartbeat, or a follower's control timeout) and exit 1 saying so, without the collective clean-up that
+would wait on the dead rank.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs every request)")
     args = p.parse_args(argv)
-    args.max_seqs = args.max_seqs or args.batch
+    args.max_seqs = args.batch if args.max_seqs is None else args.max_seqs
     if not 1 <= args.max_seqs <= args.batch:
         p.error(f"--max-seqs must be in 1..--max-batch ({args.batch}), got {args.max_seqs}")
     if args.max_queue < 0:
@@ -58,26 +59,27 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     launch = detect_launch()
+    comm = None
     try:
         sock = listen(args.host, args.port) if launch.rank == 0 else None   # a busy port fails before loading
         device = select_device(args, launch)
         comm = open_comm(args, launch)
-        try:
-            engine = build_engine(args, launch, comm, device, progress=launch.rank == 0, max_seqs=args.max_seqs)
-            group = control_group() if launch.world > 1 else None
-            if launch.rank == 0:
-                code = serve(args, launch, engine, Leader(engine, group), sock)
-            else:
-                code = follow_rank_0(engine, group, launch.rank)
-        finally:
-            if hasattr(comm, "close"):   # NVSHMEM: free symmetric memory and finalize
-                comm.close()
+        engine = build_engine(args, launch, comm, device, progress=launch.rank == 0, max_seqs=args.max_seqs)
+        group = control_group() if launch.world > 1 else None
+        if launch.rank == 0:
+            code = serve(args, launch, engine, Leader(engine, group), sock)
+        else:
+            code = follow_rank_0(engine, group, launch.rank)
     except DistmkError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    if code != 0:                        # a peer is gone: tearing the process group down could wait on it
+        code = 2
+    if code != 0:
+        # A peer may be gone or the ranks out of step: freeing NVSHMEM memory and tearing the process group
+        # down are collectives that would wait on it.
         sys.stderr.flush()
         os._exit(code)
+    if hasattr(comm, "close"):           # NVSHMEM: free symmetric memory and finalize, every rank together
+        comm.close()
     import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -117,7 +119,16 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
     from distmk.serve.metrics import Metrics
     from distmk.serve.scheduler import Scheduler
 
+    # A signal during warm-up (compilation, graph capture) ends the server once the warm-up is done: the
+    # other ranks are in the same steps, and leaving mid-way would strand them.
+    early_exit = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda sig, _frame: early_exit.append(sig))
     warm_up(leader, engine)
+    if early_exit:
+        leader.shutdown()
+        print(f"distmk.serve: rank 0: stopped by {signal.Signals(early_exit[0]).name} during warm-up", file=sys.stderr)
+        return 0
     scheduler = Scheduler(engine, leader, Metrics(engine.kv.num_blocks), args.max_seqs)
     name = args.served_model_name or args.model
     served = Served(name, load_tokenizer(engine.tokenizer_dir, engine.spec.vocab_size), scheduler,

@@ -2,8 +2,10 @@
 sequences) and broadcasts the plan; every rank, rank 0 included, then runs the same step, whose
 tensor-parallel exchanges need all of them. Only rank 0 looks at the results and samples.
 
-Messages travel on a gloo process group of their own with a long timeout: an idle server is every other
-rank waiting in a broadcast, which sleeps in gloo instead of spinning and must not time out. A message is
+Messages travel on a gloo process group of their own: an idle server is every other rank waiting in a
+broadcast, which sleeps in gloo instead of spinning. Rank 0 sends something at least every few seconds
+(steps, or heartbeats while idle), so a follower that hears nothing for CONTROL_TIMEOUT knows rank 0 is
+gone, even when no connection reset tells it. A message is
 a header [op, rows, block-table width, needs_logits] and, for a step, an int64 [rows, 2 + width] tensor:
 token, position and block table of each row. While idle, rank 0 sends a heartbeat now and then, so a
 rank that died is noticed without waiting for the next request.
@@ -18,7 +20,7 @@ from distmk.errors import DistmkError
 from distmk.runtime.batcher import StepInputs, run_step
 
 STEP, HEARTBEAT, SHUTDOWN = 1, 2, 3
-CONTROL_TIMEOUT = datetime.timedelta(days=365)
+CONTROL_TIMEOUT = datetime.timedelta(seconds=120)   # >> the scheduler's HEARTBEAT_S and one warm-up step
 
 
 class RankLost(DistmkError):

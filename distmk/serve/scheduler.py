@@ -12,7 +12,7 @@ from typing import Protocol
 
 from distmk.errors import DistmkError
 from distmk.runtime.batcher import Batcher, Sequence, StepInputs
-from distmk.serve.lockstep import on_engine_device
+from distmk.serve.lockstep import RankLost, on_engine_device
 
 HEARTBEAT_S = 5.0
 
@@ -77,10 +77,17 @@ class Scheduler:
             self.leader.shutdown()
         except Exception as e:  # noqa: BLE001 - any failure ends serving; the message goes to every client
             self.failure = f"{type(e).__name__}: {e}" if not isinstance(e, DistmkError) else str(e)
+            if not isinstance(e, RankLost):
+                try:        # tell the other ranks now rather than leave them to their control timeout
+                    self.leader.shutdown()
+                except DistmkError:
+                    pass
             with self.cond:
                 listeners = list(self.listeners.values()) + [l for op, _, l in self.inbox if op == "submit"]
-            if not self.loop.is_closed():
+            try:
                 self.loop.call_soon_threadsafe(_fail_all, listeners, f"the engine failed: {self.failure}")
+            except RuntimeError:    # the event loop already closed: no client is left to tell
+                pass
             self.on_death()
 
     def _loop(self) -> None:
