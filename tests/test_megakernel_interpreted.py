@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import threaded_interpreter
 from conftest import REPO, TINY
 from test_gpu import run_watchdog_script
 
@@ -37,28 +38,11 @@ def test_interpreted_megakernel_matches_reference():
         assert r["equal"] and r["rel_err"] < 1e-4, r
 
 
-# Simulated ranks are threads, each interpreting its own megakernel while the others run. Triton's
-# interpreter patches triton.language around every launch and restores it afterwards, which would pull
-# the rug from under the other threads: keep the patches for the life of this (test) process instead.
 TENSOR_PARALLEL_SCRIPT = """
-import json, sys, threading
-import triton.language as tl
-import triton.runtime.interpreter as interpreter
-patch_lang, patched, lock = interpreter._patch_lang, set(), threading.Lock()
-
-class KeepPatched:
-    def restore(self):
-        pass
-
-def patch_once(fn):
-    with lock:
-        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
-        if not langs <= patched:
-            patch_lang(fn)
-            patched.update(langs)
-    return KeepPatched()
-
-interpreter._patch_lang = patch_once
+import json, sys
+sys.path.insert(0, "tests")
+import threaded_interpreter
+threaded_interpreter.keep_patched()
 import torch
 from distmk.graph import GraphConfig
 from distmk.reference.comm import run_simulated_ranks
@@ -78,8 +62,7 @@ print(json.dumps({"equal": [t[0] for t in tri] == [r[0] for r in ref],
 @pytest.mark.parametrize("name, tp", [("tiny-qwen2", 2), ("tiny-llama", 4)])
 def test_interpreted_tensor_parallel_megakernel(name, tp):
     """Exchanges through peers' buffers and events signalled on every rank, against the reference."""
-    import triton.runtime.interpreter as interpreter
-    if not hasattr(interpreter, "_patch_lang"):
+    if not threaded_interpreter.SUPPORTED:
         pytest.skip("this Triton's interpreter has no _patch_lang to keep patched across threads")
     proc = subprocess.run([sys.executable, "-c", TENSOR_PARALLEL_SCRIPT, name, str(tp)], cwd=REPO,
                           capture_output=True, text=True, timeout=900, env=INTERPRETED)
@@ -90,3 +73,44 @@ def test_interpreted_tensor_parallel_megakernel(name, tp):
 
 def test_interpreted_watchdog_fires():
     run_watchdog_script("cpu", 1, env=INTERPRETED)
+
+
+EXCHANGE_ROUNDS_SCRIPT = """
+import json, sys
+sys.path[:0] = ["tests", "benchmarks"]
+import threaded_interpreter
+threaded_interpreter.keep_patched()
+import torch
+from exchange_rounds import ExchangeRounds
+from distmk.reference.comm import run_simulated_ranks
+H, K, layers, rounds = 128, 64, 3, 7
+
+def rank(r, comm, pipelined):
+    torch.manual_seed(r)
+    ex = ExchangeRounds(comm, 2, H, 4, 4, "pointer", K=K, layers=layers, gemv=True, pipelined=pipelined, device="cpu")
+    ex.launch(3)                 # two launches: rounds are counted across them
+    ex.launch(rounds - 3)
+    return ex.inp, ex.w, ex.x[:2].clone(), int(ex.error)
+
+for pipelined in (False, True):
+    out = run_simulated_ranks(2, lambda r, c: rank(r, c, pipelined), timeout=600)
+    expected = sum(inp @ w[i % layers].t() for inp, w, _, _ in out for i in range(rounds))
+    print(json.dumps({"pipelined": pipelined, "errors": [o[3] for o in out],
+                      "identical": torch.equal(out[0][2], out[1][2]),
+                      "rel_err": ((out[0][2] - expected).abs().max() / expected.abs().max()).item()}))
+"""
+
+
+def test_interpreted_exchange_rounds_benchmark_kernel():
+    """benchmarks/exchange_rounds.py (allreduce.py's and overlap.py's kernel) on two simulated ranks: after
+    GEMV + all-reduce rounds, plain and pipelined (a round reduced after the next round's GEMV), every rank
+    holds the same sum of all ranks' GEMVs, and no wait gave up."""
+    if not threaded_interpreter.SUPPORTED:
+        pytest.skip("this Triton's interpreter has no _patch_lang to keep patched across threads")
+    proc = subprocess.run([sys.executable, "-c", EXCHANGE_ROUNDS_SCRIPT], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env=INTERPRETED)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["pipelined"] for r in results] == [False, True]
+    for r in results:
+        assert r["errors"] == [0, 0] and r["identical"] and r["rel_err"] < 1e-5, r

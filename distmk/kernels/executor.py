@@ -41,6 +41,8 @@ def stalled_event(table, incomplete: torch.Tensor) -> int:
 
 
 TRANSPORTS = ("pointer", "nvshmem")     # the megakernel's TRANSPORT constant is the index
+# row-parallel outputs whose exchanges may be in flight at once: a rank is at most one ahead (tasks/ar_push.py)
+EXCHANGE_SLOTS = 2
 
 
 def choose_transport(requested: str, comm) -> str:
@@ -94,7 +96,7 @@ class TritonExecutor:
         # symmetric memory: peers bump our exchange events and write our exchange buffers
         self.counters, counter_peers = comm.symmetric((len(table.event_need),), torch.int64, device)
         b_pad = _pad(config.batch)
-        exchange = comm.symmetric((2, comm.world, b_pad * spec.hidden_size), torch.float32, device)
+        exchange = comm.symmetric((EXCHANGE_SLOTS, comm.world, b_pad * spec.hidden_size), torch.float32, device)
         best = comm.symmetric((comm.world, b_pad), torch.float32, device)
         best_id = comm.symmetric((comm.world, b_pad), torch.int64, device)
         # scratch of each worker: the RMS-normed input a tile computes for itself (primitives.rms_norm_rows)
@@ -134,7 +136,7 @@ class TritonExecutor:
             BLOCK_H=min(1024, _pad(spec.hidden_size)), BLOCK_T=16,
             NORM_BLOCK=min(_pad(spec.hidden_size), max(16, 8192 // _pad(config.batch))),
             DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-            TRANSPORT=TRANSPORTS.index(self.transport), SIGNAL_ADD=signal_add,
+            TRANSPORT=TRANSPORTS.index(self.transport), SIGNAL_ADD=signal_add, EXCHANGE_SLOTS=EXCHANGE_SLOTS,
             TRACE=trace, INTERPRET=self.interpret)
         self.kernel = load_megakernel(TASK_KINDS)
         if comm.world > 1:

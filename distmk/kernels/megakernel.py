@@ -30,7 +30,7 @@ CONSTANTS = ("H", "D", "HQ", "HKV", "G", "G_PAD", "INTER", "VOCAB_L", "B_PAD", "
              "HAS_BIAS", "QK_NORM", "WINDOW", "SCALE", "HALF_PAD", "LM_TILES", "LM_TILES_PAD", "BLOCK_H", "BLOCK_T",
              "DOT_PRECISION", "PREFETCH", "NORM_BLOCK", "WORLD",
              # exchanges: 0 = stores through peer pointers, 1 = NVSHMEM put-with-signal (tasks/ar_push.py)
-             "TRANSPORT", "SIGNAL_ADD",
+             "TRANSPORT", "SIGNAL_ADD", "EXCHANGE_SLOTS",
              # matmul tiles per task family: (rows, K) of one pipelined load step
              "BLOCK_N", "BLOCK_K", "MLP_BLOCK_N", "MLP_BLOCK_K", "LM_BLOCK_N", "LM_BLOCK_K", "QKV_BLOCK_K")
 

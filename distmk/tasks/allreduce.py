@@ -11,7 +11,7 @@ from distmk.tasks.base import TaskKind
 
 @triton.jit
 def allreduce_gpu(a0, a1, a2, n, x, exchange, H: tl.constexpr, B_PAD: tl.constexpr, WORLD: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
+                  EXCHANGE_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr):
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, BLOCK_N)
     for j in range(0, a1, BLOCK_N):
@@ -19,7 +19,7 @@ def allreduce_gpu(a0, a1, a2, n, x, exchange, H: tl.constexpr, B_PAD: tl.constex
         mask = (rb < n)[:, None] & (cols < a1)[None, :]
         total = tl.zeros((B_PAD, BLOCK_N), dtype=tl.float32)
         for src in tl.static_range(WORLD):
-            region = exchange_region(a0, a2, src, H, B_PAD, WORLD)
+            region = exchange_region(a0, a2, src, H, B_PAD, WORLD, EXCHANGE_SLOTS)
             total += tl.load(exchange + region + rb[:, None] * a1 + cols[None, :], mask=mask, other=0.0)
         offs = rb[:, None] * H + (a0 + cols)[None, :]
         residual = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)

@@ -2,8 +2,9 @@
 of the rows to every rank, and signal the exchange's event on every rank (it completes when all ranks
 have pushed). Waits only for the local matmul tile that produced the slice.
 
-Exchange buffers are symmetric, [2, WORLD, B_PAD * H] float32 on every rank: slot parity a2 % 2 (a rank
-cannot be two row-parallel outputs ahead of a peer that still reads the older one), then the source rank,
+Exchange buffers are symmetric, [EXCHANGE_SLOTS, WORLD, B_PAD * H] float32 on every rank: slot a2 %
+EXCHANGE_SLOTS (2 in the megakernel: a rank cannot be two row-parallel outputs ahead of a peer that still
+reads the older one), then the source rank,
 then the tile's rows packed contiguously ([n, nrows] at offset row0 * B_PAD), so one put moves a tile.
 Two transports (TRANSPORT): 0 stores straight into each peer's buffer through its address (nvshmem_ptr;
 one node) and bumps the peer's event counter with a system-scope release atomic; 1 writes its own slot,
@@ -18,18 +19,19 @@ from distmk.tasks.base import TaskKind
 
 
 @triton.jit
-def exchange_region(a0, a2, src, H: tl.constexpr, B_PAD: tl.constexpr, WORLD: tl.constexpr):
+def exchange_region(a0, a2, src, H: tl.constexpr, B_PAD: tl.constexpr, WORLD: tl.constexpr,
+                    EXCHANGE_SLOTS: tl.constexpr):
     """Offset of rank src's packed rows [row0, row0 + nrows) of row-parallel output a2 in the exchange."""
-    return ((a2 % 2) * WORLD + src).to(tl.int64) * B_PAD * H + a0 * B_PAD
+    return ((a2 % EXCHANGE_SLOTS) * WORLD + src).to(tl.int64) * B_PAD * H + a0 * B_PAD
 
 
 @triton.jit
 def ar_push_gpu(a0, a1, a2, n, rank, signal, partial, exchange, exchange_peers, counters, counter_peers,
-                H: tl.constexpr, B_PAD: tl.constexpr, WORLD: tl.constexpr, BLOCK_N: tl.constexpr,
-                TRANSPORT: tl.constexpr, SIGNAL_ADD: tl.constexpr):
+                H: tl.constexpr, B_PAD: tl.constexpr, WORLD: tl.constexpr, EXCHANGE_SLOTS: tl.constexpr,
+                BLOCK_N: tl.constexpr, TRANSPORT: tl.constexpr, SIGNAL_ADD: tl.constexpr):
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, BLOCK_N)
-    region = exchange_region(a0, a2, rank, H, B_PAD, WORLD)
+    region = exchange_region(a0, a2, rank, H, B_PAD, WORLD, EXCHANGE_SLOTS)
     for j in range(0, a1, BLOCK_N):
         cols = j + rn
         mask = (rb < n)[:, None] & (cols < a1)[None, :]
