@@ -167,7 +167,7 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
         try:
             await server.serve(sockets=[sock])
         finally:       # while the event loop is open, so that the last step's tokens can still be handed over
-            stopped = scheduler.stop(ENGINE_STOP_S)
+            stopped = await loop.run_in_executor(None, scheduler.stop, ENGINE_STOP_S)
 
     asyncio.run(run())
     if scheduler.failure:
