@@ -6,6 +6,7 @@ import argparse
 
 import torch
 
+from distmk.comm import backend_comm
 from distmk.dist import LaunchEnv, init_process_group
 from distmk.errors import DistmkError
 from distmk.graph.lowering import GraphConfig
@@ -38,11 +39,7 @@ def open_comm(args, launch: LaunchEnv):
     if launch.world == 1:
         return None
     init_process_group(launch, "gloo" if args.device == "cpu" else "nccl")
-    if args.backend == "triton":
-        from distmk.comm.nvshmem import NvshmemComm
-        return NvshmemComm(launch)
-    from distmk.reference.comm import TorchDist
-    return TorchDist()
+    return backend_comm(args.backend, launch)
 
 
 def select_device(args, launch: LaunchEnv) -> str:

@@ -77,14 +77,11 @@ def bench_comm(backend: str):
     """The communicator of a benchmark under torch.distributed with more than one rank (the megakernel's
     ranks exchange through NVSHMEM, the reference executor's through torch.distributed), else None."""
     import torch.distributed as dist
+    from distmk.comm import backend_comm
+    from distmk.dist import detect_launch
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return None
-    if backend == "triton":
-        from distmk.comm.nvshmem import NvshmemComm
-        from distmk.dist import detect_launch
-        return NvshmemComm(detect_launch())
-    from distmk.reference.comm import TorchDist
-    return TorchDist()
+    return backend_comm(backend, detect_launch())
 
 
 def distmk_step_ms(model: str, batch: int, context: int, iters: int = 200, backend: str = "triton", device=None,
