@@ -101,7 +101,7 @@ class ExchangeRounds:
                  device=None):
         from distmk.kernels.executor import TRANSPORTS
         self.comm, self.epoch = comm, 0
-        dev = torch.device(device or ("cuda", torch.cuda.current_device()))
+        dev = torch.device(device) if device else torch.device("cuda", torch.cuda.current_device())
         interpret = dev.type != "cuda"          # Triton's interpreter (TRITON_INTERPRET=1): CPU tests
         dtype = torch.float32 if interpret else torch.bfloat16   # the interpreter has no bf16 dot
         b_pad = max(16, triton.next_power_of_2(n))

@@ -20,7 +20,7 @@ def decode_step(model: str, batch: int, context: int, *, comm=None, backend: str
     watchdog checked, so executor.launch() replays it); and a function that runs that step again.
     bf16 on a GPU, float32 on the CPU; `device` defaults to the current GPU."""
     from distmk.runtime.engine import Engine, default_workers
-    device = torch.device(device or ("cuda", torch.cuda.current_device()))
+    device = torch.device(device) if device else torch.device("cuda", torch.cuda.current_device())
     workers = workers or default_workers(backend, device)
     config = GraphConfig(batch=batch, workers=workers, context=context)
     max_context = -(-context // block_size) * block_size
