@@ -1,0 +1,59 @@
+"""One short table of everything a device session measured under a results folder: the decode, all-reduce,
+overlap, serve-load and start-up JSON and the GPU tests' last lines (the run_h200*.sh scripts print it last).
+
+    python benchmarks/results_table.py benchmarks/results/h200x2-2026-12-01
+"""
+import glob
+import json
+import os
+import sys
+
+
+def fmt(value, spec=".2f"):
+    return "-" if value is None else format(value, spec)
+
+
+def decode_rows(records):
+    for r in records:
+        if r.get("step_ms") is None:
+            yield f"decode {r.get('model')} tp{r.get('tp')} b{r.get('batch')}: {r.get('error') or r.get('distmk_error')}"
+            continue
+        yield (f"decode {r['model']:<12} tp{r['tp']} b{r['batch']}: step {r['step_ms']:.3f} ms  roofline "
+               f"{fmt(r['roofline_ms'], '.3f')}  eff {fmt(r['efficiency'])}  graph {fmt(r['cudagraph_ms'])} "
+               f"(x{fmt(r['speedup_vs_cudagraph'])})  hf {fmt(r['hf_eager_ms'], '.1f')}  "
+               f"allreduce {fmt(r.get('allreduce_us'), '.1f')} us  peer wait {fmt(r.get('peer_wait_fraction'), '.3f')}")
+
+
+def main(folder: str) -> None:
+    files = lambda pattern: sorted(glob.glob(os.path.join(folder, pattern)))
+    for path in files("gpu_tests_*.log"):
+        lines = [line for line in open(path) if line.strip()]
+        print(f"{os.path.basename(path)}: {lines[-1].strip() if lines else 'empty'}")
+    decode = [json.load(open(p)) for p in files("decode_*.json")]
+    scaling = files("scaling/scaling.json")
+    if scaling:
+        decode += json.load(open(scaling[0]))
+    for row in decode_rows(decode):
+        print(row)
+    for path in files("allreduce_*.json"):
+        for r in json.load(open(path)):
+            print(f"allreduce {r['bytes'] // 1024:>5} KB: pointer {fmt(r['distmk_us'], '.1f')}  nvshmem "
+                  f"{fmt(r.get('distmk_nvshmem_us'), '.1f')}  nccl {fmt(r['nccl_eager_us'], '.1f')}  nccl graph "
+                  f"{fmt(r['nccl_graph_us'], '.1f')}  symm-mem {fmt(r['symm_mem_us'], '.1f')} us")
+    for path in files("overlap_*.json"):
+        r = json.load(open(path))
+        print(f"overlap: gemv {r['gemv_us']:.2f}  fused {r['fused_us']:.2f} (x{r['fused_over_gemv']:.2f})  cublas "
+              f"{r['cublas_us']:.2f}  cublas+nccl {r['cublas_nccl_us']:.2f} us/layer")
+    for path in files("serve_load_*.json"):
+        r = json.load(open(path))
+        print(f"serve {r['model']} tp{r['tp']}: {r['completed']}/{r['requests']} done, ttft p50 "
+              f"{fmt(r['ttft_s']['p50'], '.3f')} s, itl p50 {fmt(r['itl_s']['p50'], '.4f')} p99 "
+              f"{fmt(r['itl_s']['p99'], '.4f')} s, {r['output_token_throughput_per_s']} tok/s")
+    for path in files("startup_*.jsonl"):
+        for line in open(path):
+            r = json.loads(line)
+            print(f"start-up {r['run']}: {r['process_to_first_token_s']} s to the first token")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
