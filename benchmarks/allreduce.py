@@ -41,17 +41,22 @@ def cuda_us(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def nccl_graph_us(t: torch.Tensor, per_graph: int = 50) -> float:
+def graph_us(fn, iters: int = 20) -> float:
+    """Median µs of one replay of a CUDA graph of fn() (warmed up on a side stream first). The graph is
+    freed on return: one that holds NCCL work still alive at destroy_process_group() hangs the exit."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for _ in range(3):
-            dist.all_reduce(t)
+            fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(per_graph):
-            dist.all_reduce(t)
-    return cuda_us(graph.replay, 20) / per_graph
+        fn()
+    return cuda_us(graph.replay, iters)
+
+
+def nccl_graph_us(t: torch.Tensor, per_graph: int = 50) -> float:
+    return graph_us(lambda: [dist.all_reduce(t) for _ in range(per_graph)]) / per_graph
 
 
 def symm_mem_us(numel: int) -> float | None:
