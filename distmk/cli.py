@@ -24,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str
                    help="tokens per sequence, prompt + output (default: the model's, at most 2048)")
     p.add_argument("--kv-splits", type=int, default=0, help="0 = one attention split per worker, at most 16")
     p.add_argument("--tile-rows", type=int, default=0, help="0 = about one tile per worker")
+    p.add_argument("--qkv-parts", type=int, default=0,
+                   help="QKV tiles per head, column slices (1 without q/k-norm only); 0 = about one tile per worker")
     p.add_argument("--workers", type=int, default=None,
                    help="worker queues (default: the GPU's SMs for the triton backend, else 132)")
     p.add_argument("--timeout", type=float, default=5.0, help="triton backend: seconds a task may wait")
@@ -58,7 +60,7 @@ def build_engine(args, launch: LaunchEnv, comm, device: str, *, progress: bool, 
     kernel_options: extra options of the triton backend's executor."""
     dtype = DTYPES[args.dtype or ("float32" if args.device == "cpu" else "bfloat16")]
     config = GraphConfig(batch=args.batch, kv_splits=args.kv_splits, tile_rows=args.tile_rows,
-                         workers=args.workers or default_workers(args.backend, device))
+                         qkv_parts=args.qkv_parts, workers=args.workers or default_workers(args.backend, device))
     kernel_options = ({"timeout_s": args.timeout, "transport": args.transport, **(kernel_options or {})}
                       if args.backend == "triton" else None)
     return Engine(args.model, tp=launch.world, rank=launch.rank, comm=comm, dtype=dtype, device=device,

@@ -108,6 +108,22 @@ def test_consumers_wait_only_on_the_tiles_they_read():
             assert all(p[TYPE] == TYPE_ID["qkv"] and p[LAYER] == r[LAYER] for p in producers)
 
 
+def test_qkv_slices_heads_until_about_one_tile_per_worker_but_not_under_qk_norm():
+    def parts(name, tp, **cfg):
+        table = table_for(name, tp, **cfg)
+        return table.config.qkv_parts, int((table.tasks[:, TYPE] == TYPE_ID["qkv"]).sum()) // PRESETS[name].num_layers
+
+    assert parts("llama-3-8b", 1, workers=132) == (4, 192)     # 48 heads x 4 slices of 16 rows per half
+    assert parts("llama-3-8b", 2, workers=132) == (4, 96)      # slices stay >= 16 rows
+    assert parts("qwen3-8b", 1, workers=132) == (1, 48)        # q/k-norm: whole heads
+    assert parts("tiny-llama", 1, workers=132) == (1, 12)      # head_dim 16: slices would be under 16 rows
+    assert parts("tiny-llama", 1, qkv_parts=2) == (2, 24)
+    with pytest.raises(GraphError, match="qkv_parts=2 must divide head_dim/2=16 and be 1 for a model with q/k-norm"):
+        table_for("tiny-qwen3", 1, qkv_parts=2)
+    with pytest.raises(GraphError, match="qkv_parts=3 must divide head_dim/2=8"):
+        table_for("tiny-llama", 1, qkv_parts=3)
+
+
 def test_tp1_has_no_allreduce_and_tp2_has_one_per_row_parallel_tile():
     counts = {tp: collections.Counter(TASK_KINDS[t].name for t in table_for(tp=tp).tasks[:, TYPE].tolist())
               for tp in (1, 2)}

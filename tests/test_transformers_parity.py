@@ -34,3 +34,15 @@ def test_default_tiles_and_one_row_steps_match(name):
     ref_tokens, _ = hf_greedy(name)
     tokens, _ = generate_tp(name, 2, config=GraphConfig(batch=1))[0]
     assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_qkv_heads_cut_into_column_slices_match(name, parts):
+    """QKV tiles of a column slice of a head (both RoPE halves) give transformers' tokens at tp 1 and 2."""
+    import dataclasses
+    ref_tokens, ref_logits = hf_greedy(name)
+    for tp in (1, 2):
+        tokens, logits = generate_tp(name, tp, config=dataclasses.replace(SMALL, qkv_parts=parts))[0]
+        assert tokens == ref_tokens
+        assert (logits - ref_logits).abs().max() / ref_logits.abs().max() < 1e-4

@@ -22,7 +22,7 @@ def summary(table, spec, plan) -> str:
         f"rank {plan.rank}/{plan.tp}: q heads {plan.num_heads}, kv heads {plan.num_kv_heads}, "
         f"intermediate {plan.inter}, vocab rows {plan.vocab}",
         f"config: batch={c.batch} kv_splits={c.kv_splits} tile_rows={c.tile_rows} "
-        f"lm_tile_rows={c.lm_tile_rows} workers={c.workers} context={c.context}",
+        f"lm_tile_rows={c.lm_tile_rows} qkv_parts={c.qkv_parts} workers={c.workers} context={c.context}",
         f"tasks: {table.num_tasks}   events: {len(table.event_need)}   "
         f"bytes: {int(table.cost.sum()) / 1e6:.1f} MB",
         "tasks per type:",
@@ -44,6 +44,8 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=132, help="worker queues (SMs on the GPU)")
     p.add_argument("--kv-splits", type=int, default=0, help="0 = one attention split per worker, at most 16")
     p.add_argument("--tile-rows", type=int, default=0, help="0 = about one tile per worker")
+    p.add_argument("--qkv-parts", type=int, default=0,
+                   help="QKV tiles per head, column slices (1 without q/k-norm only); 0 = about one tile per worker")
     p.add_argument("--lm-tile-rows", type=int, default=0, help="0 = about one tile per worker")
     p.add_argument("--context", type=int, default=512, help="context length the cost model assumes")
     args = p.parse_args(argv)
@@ -52,7 +54,8 @@ def main(argv=None) -> int:
         spec = open_model(args.model)[0]
         plan = plan_shard(spec, args.tp, args.rank)
         config = GraphConfig(batch=args.batch, kv_splits=args.kv_splits, tile_rows=args.tile_rows,
-                             lm_tile_rows=args.lm_tile_rows, workers=args.workers, context=args.context)
+                             qkv_parts=args.qkv_parts, lm_tile_rows=args.lm_tile_rows, workers=args.workers,
+                             context=args.context)
         table = compile_step(spec, plan, config)
     except DistmkError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -3,8 +3,8 @@
 A consumer waits only on the event of the producer tiles it reads: attention for a KV head waits for
 that head group's q/k/v tiles, an all-reduce tile for the one matmul tile that produced its slice. The
 tiles that read the RMSNorm of the residual stream (QKV, gate/up, lm_head) normalise it themselves, so
-they wait for every tile of the stream and no single norm task stands between two phases. Tasks are emitted in a topological order, which the
-scheduler keeps within each worker queue.
+they wait for every tile of the stream and no single norm task stands between two phases. Tasks are
+emitted in a topological order, which the scheduler keeps within each worker queue.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ class GraphConfig:
     kv_splits: int = 0        # attention splits along the KV length; 0 = one split per worker (at most 16)
     tile_rows: int = 0        # output rows of an o_proj / gate_up / down tile; 0 = about one tile per worker
     lm_tile_rows: int = 0     # output rows of an lm_head tile; 0 = about one tile per worker
+    qkv_parts: int = 0        # QKV tiles per head (column slices of both RoPE halves); 0 = automatic
     workers: int = 132        # worker queues (one per SM on the GPU)
     context: int = 512        # expected context length, for the cost model only
     dtype_bytes: int = 2      # element size of weights and activations, for the cost model
@@ -35,17 +36,28 @@ class GraphConfig:
         for name in ("batch", "workers", "context", "dtype_bytes"):
             if getattr(self, name) < 1:
                 raise GraphError(f"GraphConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("kv_splits", "tile_rows", "lm_tile_rows"):
+        for name in ("kv_splits", "tile_rows", "lm_tile_rows", "qkv_parts"):
             if getattr(self, name) < 0:
                 raise GraphError(f"GraphConfig.{name} must be >= 0 (0 = automatic), got {getattr(self, name)}")
 
-    def resolved(self, plan: ShardPlan) -> "GraphConfig":
-        """kv_splits=0 made concrete: enough splits that every worker gets an attention task (at most 16),
-        so attention is one short pass over the keys instead of a long serial one on a few workers."""
-        if self.kv_splits:
-            return self
-        splits = max(1, min(16, self.workers // (self.batch * plan.num_kv_heads)))
-        return dataclasses.replace(self, kv_splits=splits)
+    def resolved(self, spec: ModelSpec, plan: ShardPlan) -> "GraphConfig":
+        """Automatic choices made concrete. kv_splits: enough splits that every worker gets an attention task
+        (at most 16), so attention is one short pass over the keys instead of a long serial one on a few
+        workers. qkv_parts: a head's QKV tile is cut into column slices (the same columns of both halves, so
+        rotate-half RoPE stays inside a tile) until there are about as many tiles as workers, slices at
+        least 16 rows high: one tile per head leaves most workers idle in that phase. Qwen3's q/k-norm needs
+        a whole head per tile."""
+        half = spec.head_dim // 2
+        if self.qkv_parts and (half % self.qkv_parts or (spec.qk_norm and self.qkv_parts > 1)):
+            raise GraphError(f"qkv_parts={self.qkv_parts} must divide head_dim/2={half}"
+                             + (" and be 1 for a model with q/k-norm" if spec.qk_norm else ""))
+        splits = self.kv_splits or max(1, min(16, self.workers // (self.batch * plan.num_kv_heads)))
+        parts = self.qkv_parts or 1
+        if not self.qkv_parts and not spec.qk_norm:
+            slots = plan.num_heads + 2 * plan.num_kv_heads
+            while slots * parts < self.workers and half % (2 * parts) == 0 and half // (2 * parts) >= 16:
+                parts *= 2
+        return dataclasses.replace(self, kv_splits=splits, qkv_parts=parts)
 
     def rows_per_tile(self, total: int, size: int) -> int:
         """`size`, or when 0 the multiple of 16 that cuts `total` rows into about one tile per worker, so
@@ -92,9 +104,9 @@ def tiles(total: int, size: int) -> list[tuple[int, int]]:
 
 
 def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> GraphBuilder:
-    config = config.resolved(plan)
+    config = config.resolved(spec, plan)
     g = GraphBuilder()
-    B, S, H = config.batch, config.kv_splits, spec.hidden_size
+    B, S, H, P = config.batch, config.kv_splits, spec.hidden_size, config.qkv_parts
     hq, hkv, group = plan.num_heads, plan.num_kv_heads, plan.group
 
     def row_parallel(kind: str, layer: int, wait: int, name: str) -> int:
@@ -117,10 +129,11 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
     for b in range(B):
         g.task("embed", 0, (b,), signal=x_ready)
     for layer in range(spec.num_layers):
-        qkv_done = [g.event(f"L{layer}.qkv.kv{h}", group + 2) for h in range(hkv)]
+        qkv_done = [g.event(f"L{layer}.qkv.kv{h}", (group + 2) * P) for h in range(hkv)]
         for slot in range(hq + 2 * hkv):
             head_group = slot // group if slot < hq else (slot - hq) % hkv
-            g.task("qkv", layer, (slot,), wait=x_ready, signal=qkv_done[head_group])
+            for part in range(P):
+                g.task("qkv", layer, (slot, part, P), wait=x_ready, signal=qkv_done[head_group])
         attn_done = g.event(f"L{layer}.attn", B * hkv)
         for b in range(B):
             for h in range(hkv):
@@ -152,7 +165,7 @@ def compile_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> TaskT
     """Lower, cost and schedule one decode step into a TaskTable."""
     from distmk.graph.scheduler import schedule
 
-    config = config.resolved(plan)
+    config = config.resolved(spec, plan)
     builder = lower_decode_step(spec, plan, config)
     tasks, need = builder.tensors(plan.tp)
     shape = StepShape(spec, plan, config.batch, config.kv_splits, config.context,

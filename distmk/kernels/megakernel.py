@@ -27,12 +27,13 @@ BUFFERS = ("embed", "wqkv", "bqkv", "qk_norm", "wo", "w_gate", "w_up", "w_down",
            "best_id_peers")
 # Shapes and tile sizes, compile-time constants.
 CONSTANTS = ("H", "D", "HQ", "HKV", "G", "G_PAD", "INTER", "VOCAB_L", "B_PAD", "MAXB", "BS", "NBLK", "S", "EPS",
-             "HAS_BIAS", "QK_NORM", "WINDOW", "SCALE", "HALF_PAD", "LM_TILES", "LM_TILES_PAD", "BLOCK_H", "BLOCK_T",
+             "HAS_BIAS", "QK_NORM", "WINDOW", "SCALE", "QKV_PARTS", "LM_TILES", "LM_TILES_PAD", "BLOCK_H", "BLOCK_T",
              "DOT_PRECISION", "PREFETCH", "NORM_BLOCK", "WORLD",
              # exchanges: 0 = stores through peer pointers, 1 = NVSHMEM put-with-signal (tasks/ar_push.py)
              "TRANSPORT", "SIGNAL_ADD", "EXCHANGE_SLOTS",
              # matmul tiles per task family: (rows, K) of one pipelined load step
-             "BLOCK_N", "BLOCK_K", "MLP_BLOCK_N", "MLP_BLOCK_K", "LM_BLOCK_N", "LM_BLOCK_K", "QKV_BLOCK_K")
+             "BLOCK_N", "BLOCK_K", "MLP_BLOCK_N", "MLP_BLOCK_K", "LM_BLOCK_N", "LM_BLOCK_K", "QKV_BLOCK_N",
+             "QKV_BLOCK_K")
 
 ERROR_FIELDS = ("failed", "rank", "worker", "task", "event", "seen", "target", "epoch")
 TRACE_FIELDS = ("wait_ns", "start_ns", "end_ns", "sm")   # wait_ns: when the task began waiting

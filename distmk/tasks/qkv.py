@@ -1,7 +1,8 @@
-"""One head of the fused QKV projection for all rows, of the input-RMSNormed residual stream (the norm is
-computed by each tile): matmul (+bias), then for q and k heads the
-per-head q/k-norm (Qwen3) and RoPE; q goes to the q buffer, k and v are appended to the paged KV cache
-at each row's position. A tile is one head so that norm and RoPE see whole heads."""
+"""One head of the fused QKV projection for all rows, or a column slice of it, of the input-RMSNormed residual
+stream (the norm is computed by each tile): matmul (+bias), then for q and k heads the per-head q/k-norm
+(Qwen3) and RoPE; q goes to the q buffer, k and v are appended to the paged KV cache at each row's
+position. Part p of P covers columns [p, p+1) * D/2P of both halves of the head, so rotate-half RoPE pairs
+columns inside one tile; q/k-norm needs the whole head (P = 1)."""
 import torch
 import triton
 import triton.language as tl
@@ -11,36 +12,40 @@ from distmk.tasks.base import TaskKind, normed_stream, rms_norm, rope
 
 
 @triton.jit
-def store_kv(cache, layer, head, lo, hi, rb, rd, pos, n, block_table, D: tl.constexpr, HKV: tl.constexpr,
-             MAXB: tl.constexpr, BS: tl.constexpr, NBLK: tl.constexpr):
-    """Write one head's [rows, D] (as two halves) at each row's position of the paged cache."""
+def store_kv(cache, layer, head, col0, cols, lo, hi, rb, rd, pos, n, block_table, D: tl.constexpr,
+             HKV: tl.constexpr, MAXB: tl.constexpr, BS: tl.constexpr, NBLK: tl.constexpr):
+    """Write columns col0 + [0, cols) of both halves of one head's [rows, D] at each row's position of the
+    paged cache."""
     rows = rb < n
     block = tl.load(block_table + rb * MAXB + pos // BS, mask=rows, other=0).to(tl.int64)
-    base = (((layer.to(tl.int64) * NBLK + block) * BS + pos % BS) * HKV + head) * D
-    mask = rows[:, None] & (rd < D // 2)[None, :]
+    base = (((layer.to(tl.int64) * NBLK + block) * BS + pos % BS) * HKV + head) * D + col0
+    mask = rows[:, None] & (rd < cols)[None, :]
     act = cache.dtype.element_ty
     tl.store(cache + base[:, None] + rd[None, :], lo.to(act), mask=mask)
     tl.store(cache + base[:, None] + D // 2 + rd[None, :], hi.to(act), mask=mask)
 
 
 @triton.jit
-def qkv_gpu(layer, a0, n, worker, x, xn, norms, wqkv, bqkv, qk_norm, inv_freq, positions, block_table, q, k_cache, v_cache,
-            H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, B_PAD: tl.constexpr,
-            HALF_PAD: tl.constexpr, MAXB: tl.constexpr, BS: tl.constexpr, NBLK: tl.constexpr, EPS: tl.constexpr,
-            HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, QKV_BLOCK_K: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):
-    # The head's two halves are separate accumulators, so rotate-half RoPE pairs columns elementwise.
+def qkv_gpu(layer, a0, a1, n, worker, x, xn, norms, wqkv, bqkv, qk_norm, inv_freq, positions, block_table, q,
+            k_cache, v_cache, H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+            B_PAD: tl.constexpr, QKV_PARTS: tl.constexpr, QKV_BLOCK_N: tl.constexpr, MAXB: tl.constexpr,
+            BS: tl.constexpr, NBLK: tl.constexpr, EPS: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
+            NORM_BLOCK: tl.constexpr, QKV_BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # The two halves of the slice are separate accumulators, so rotate-half RoPE pairs columns elementwise.
     HALF: tl.constexpr = D // 2
+    PART: tl.constexpr = HALF // QKV_PARTS
     rows: tl.constexpr = (HQ + 2 * HKV) * D
     slot = a0
+    col0 = a1 * PART                                              # first column of the slice in each half
     w = wqkv + layer.to(tl.int64) * rows * H
     inp = xn + worker * B_PAD * H                                 # input RMSNorm, by this tile
     rms_norm_rows(x, n, norms + 2 * layer * H, inp, H, EPS, B_PAD, NORM_BLOCK)
-    lo, hi = matmul_pair(inp, w, w + HALF * H, n, slot * D, HALF, H, B_PAD, HALF_PAD, QKV_BLOCK_K, DOT_PRECISION)
-    rd = tl.arange(0, HALF_PAD)
-    dmask = rd < HALF
+    lo, hi = matmul_pair(inp, w + col0 * H, w + (HALF + col0) * H, n, slot * D, PART, H, B_PAD, QKV_BLOCK_N,
+                         QKV_BLOCK_K, DOT_PRECISION)
+    rd = tl.arange(0, QKV_BLOCK_N)
+    dmask = rd < PART
     if HAS_BIAS:
-        bias = bqkv + layer * rows + slot * D
+        bias = bqkv + layer * rows + slot * D + col0
         lo += tl.load(bias + rd, mask=dmask, other=0.0).to(tl.float32)[None, :]
         hi += tl.load(bias + HALF + rd, mask=dmask, other=0.0).to(tl.float32)[None, :]
     act = q.dtype.element_ty
@@ -48,65 +53,74 @@ def qkv_gpu(layer, a0, n, worker, x, xn, norms, wqkv, bqkv, qk_norm, inv_freq, p
     pos = tl.load(positions + rb, mask=rb < n, other=0)
     if slot < HQ + HKV:
         is_k = slot >= HQ
-        if QK_NORM:
+        if QK_NORM:                                               # a whole head: QKV_PARTS == 1
             rstd = tl.math.rsqrt((tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)) / D + EPS)
             weight = qk_norm + (2 * layer + is_k) * D        # [layers, 2, D]: q_norm, k_norm
             lo = lo * rstd[:, None] * tl.load(weight + rd, mask=dmask).to(tl.float32)
             hi = hi * rstd[:, None] * tl.load(weight + HALF + rd, mask=dmask).to(tl.float32)
-        angle = pos[:, None].to(tl.float32) * tl.load(inv_freq + rd, mask=dmask, other=0.0)[None, :]
+        angle = pos[:, None].to(tl.float32) * tl.load(inv_freq + col0 + rd, mask=dmask, other=0.0)[None, :]
         cos = tl.cos(angle)
         sin = tl.sin(angle)
         rotated_lo = lo * cos - hi * sin
         hi = hi * cos + lo * sin
         lo = rotated_lo
         if is_k:
-            store_kv(k_cache, layer, slot - HQ, lo, hi, rb, rd, pos, n, block_table, D, HKV, MAXB, BS, NBLK)
+            store_kv(k_cache, layer, slot - HQ, col0, PART, lo, hi, rb, rd, pos, n, block_table, D, HKV, MAXB, BS,
+                     NBLK)
         else:
-            dst = q + (rb[:, None] * HQ + slot) * D + rd[None, :]
+            dst = q + (rb[:, None] * HQ + slot) * D + col0 + rd[None, :]
             mask = (rb < n)[:, None] & dmask[None, :]
             tl.store(dst, lo.to(act), mask=mask)
             tl.store(dst + HALF, hi.to(act), mask=mask)
     else:
-        store_kv(v_cache, layer, slot - HQ - HKV, lo, hi, rb, rd, pos, n, block_table, D, HKV, MAXB, BS, NBLK)
+        store_kv(v_cache, layer, slot - HQ - HKV, col0, PART, lo, hi, rb, rd, pos, n, block_table, D, HKV, MAXB, BS,
+                 NBLK)
 
 
 @triton.jit
-def qkv_prefetch(layer, a0, wqkv, H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-                 PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
-    # a head's weights are small and its phase leaves most workers idle: fetch up to 4x the usual amount
+def qkv_prefetch(layer, a0, a1, wqkv, H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+                 QKV_PARTS: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
+    # a slice's weights are small and its phase leaves many workers idle: fetch up to 2x the usual amount
+    # for each half
     rows: tl.constexpr = (HQ + 2 * HKV) * D
-    prefetch_l2(wqkv + layer.to(tl.int64) * rows * H + a0 * D * H, a0 * 0 + D * H, 4 * PREFETCH, INTERPRET)
+    PART: tl.constexpr = D // 2 // QKV_PARTS
+    lo = wqkv + layer.to(tl.int64) * rows * H + (a0 * D + a1 * PART) * H
+    prefetch_l2(lo, a0 * 0 + PART * H, 2 * PREFETCH, INTERPRET)
+    prefetch_l2(lo + D // 2 * H, a0 * 0 + PART * H, 2 * PREFETCH, INTERPRET)
 
 
 class QKV(TaskKind):
     name = "qkv"
-    args = ("head_slot",)  # 0..hq-1: query heads, then hkv key heads, then hkv value heads (local)
+    # head_slot 0..hq-1: query heads, then hkv key heads, then hkv value heads (local); part of parts: the
+    # columns [part, part + 1) * D / (2 * parts) of both halves of the head
+    args = ("head_slot", "part", "parts")
     gpu = qkv_gpu
     gpu_prefetch = qkv_prefetch
 
     def cost(self, shape, layer, a):
-        return shape.matmul_bytes(shape.spec.head_dim, shape.spec.hidden_size)
+        return shape.matmul_bytes(shape.spec.head_dim // a[2], shape.spec.hidden_size)
 
     def run(self, ctx, layer, a):
-        (slot,) = a
+        slot, part, parts = a[:3]
         spec, plan, lw = ctx.spec, ctx.plan, ctx.weights.layers[layer]
         d, n = spec.head_dim, ctx.num_rows
-        rows = slice(slot * d, (slot + 1) * d)
-        out = normed_stream(ctx, lw.input_norm).float() @ lw.wqkv[rows].float().t()
+        width = d // 2 // parts
+        cols = torch.cat([torch.arange(half + part * width, half + (part + 1) * width) for half in (0, d // 2)])
+        out = normed_stream(ctx, lw.input_norm).float() @ lw.wqkv[slot * d + cols].float().t()
         if lw.bqkv is not None:
-            out = out + lw.bqkv[rows].float()
-        out = out[:, None, :]                                       # [n, 1, D], float32 until stored
+            out = out + lw.bqkv[slot * d + cols].float()
+        out = out[:, None, :]                                       # [n, 1, 2 * width], float32 until stored
         pos = ctx.positions[:n]
-        if slot < plan.num_heads + plan.num_kv_heads:               # q or k: norm, then rotate
+        if slot < plan.num_heads + plan.num_kv_heads:               # q or k: norm (whole heads), then rotate
             is_q = slot < plan.num_heads
             if spec.qk_norm:
                 out = rms_norm(out, lw.q_norm if is_q else lw.k_norm, spec.rms_norm_eps)
-            out = rope(out, pos, ctx.weights.inv_freq)
+            out = rope(out, pos, ctx.weights.inv_freq[part * width:(part + 1) * width])
             if is_q:
-                ctx.buf["q"][:n, slot] = out[:, 0].to(ctx.dtype)
+                ctx.buf["q"][:n, slot, cols] = out[:, 0].to(ctx.dtype)
                 return
             cache, head = ctx.k_cache, slot - plan.num_heads
         else:
             cache, head = ctx.v_cache, slot - plan.num_heads - plan.num_kv_heads
         blocks = ctx.block_table[torch.arange(n), pos // ctx.block_size]
-        cache[layer, blocks, pos % ctx.block_size, head] = out[:, 0].to(ctx.dtype)
+        cache[layer, blocks[:, None], (pos % ctx.block_size)[:, None], head, cols] = out[:, 0].to(ctx.dtype)
