@@ -39,7 +39,11 @@ def main() -> int:
     H, K, n = args.hidden, args.k // launch.world, args.batch
     tiles = H // 32
     configs, graphs = [], {}
-    say = (lambda msg: print(f"[overlap] {msg}", file=sys.stderr, flush=True)) if launch.rank == 0 else (lambda msg: None)
+
+    def say(message):
+        if launch.rank == 0:
+            print(f"[overlap] {message}", file=sys.stderr, flush=True)
+
     try:
         # the baselines first: cuBLAS GEMV per layer, then with NCCL's all-reduce after each, in one CUDA graph
         w = (torch.randn(args.layers, H, K, device="cuda") / K ** 0.5).to(torch.bfloat16)

@@ -16,7 +16,8 @@ def fmt(value, spec=".2f"):
 def decode_rows(records):
     for r in records:
         if r.get("step_ms") is None:
-            yield f"decode {r.get('model')} tp{r.get('tp')} b{r.get('batch')}: {r.get('error') or r.get('distmk_error')}"
+            error = r.get("error") or r.get("distmk_error")
+            yield f"decode {r.get('model')} tp{r.get('tp')} b{r.get('batch')}: {error}"
             continue
         yield (f"decode {r['model']:<12} tp{r['tp']} b{r['batch']}: step {r['step_ms']:.3f} ms  roofline "
                f"{fmt(r['roofline_ms'], '.3f')}  eff {fmt(r['efficiency'])}  graph {fmt(r['cudagraph_ms'])} "
