@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Load benchmark of distmk.serve on GPUs: start the server (tp ranks under torchrun, or one process for
-# tp=1), wait for /health (at most 4 minutes), run serve_load.py against it, stop the server with SIGTERM
+# tp=1), wait until it answers (at most 4 minutes), run serve_load.py against it, stop the server with SIGTERM
 # (then kill whatever is left below it: torchrun's ranks run in sessions of their own).
 # Usage, from the repository root: OUT=dir bash benchmarks/run_serve_gpu.sh TP [MODEL]
 # (BACKEND=reference DEVICE=cpu runs the same on the CPU, for a tiny preset)
@@ -27,13 +27,9 @@ stop() {
 }
 trap stop EXIT
 trap 'exit 143' TERM INT
-healthy() { curl -sf --max-time 5 "http://127.0.0.1:$port/health" > /dev/null; }
-for _ in $(seq 240); do
-  healthy && break
-  kill -0 "$server" 2> /dev/null || break
-  sleep 1
-done
-if ! healthy; then
+# healthy and answering a completion (slurm/check_serve.py, which serve.sbatch uses too)
+if ! "$DISTMK_PYTHON" slurm/check_serve.py --url "http://127.0.0.1:$port" --model "$model" --timeout 240 \
+    --server-pid "$server" > /dev/null; then
   echo "server did not come up; see $log" >&2
   tail -n 20 "$log" >&2
   exit 1
