@@ -18,11 +18,9 @@ SCRIPT = """
 import json, sys
 from distmk.graph import GraphConfig
 from distmk.runtime.engine import Engine
-from distmk.models.presets import PRESETS
 for name in sys.argv[1:]:
-    # QKV tiles of half a head where the model allows it (no q/k-norm)
-    config = GraphConfig(batch=4, kv_splits=3, tile_rows=32, lm_tile_rows=48, workers=1,
-                         qkv_parts=1 if PRESETS[name].qk_norm else 2)
+    # QKV tiles of half a head (under q/k-norm finished by qk_finish tasks)
+    config = GraphConfig(batch=4, kv_splits=3, tile_rows=32, lm_tile_rows=48, workers=1, qkv_parts=2)
     runs = [Engine(name, backend=b, config=config).generate([1, 2, 3, 4, 5, 6, 7], 5, return_logits=True)
             for b in ("reference", "triton")]
     (ref_tokens, ref_logits), (tokens, logits) = runs

@@ -45,15 +45,13 @@ class GraphConfig:
         (at most 16), so attention is one short pass over the keys instead of a long serial one on a few
         workers. qkv_parts: a head's QKV tile is cut into column slices (the same columns of both halves, so
         rotate-half RoPE stays inside a tile) until there are about as many tiles as workers, slices at
-        least 16 rows high: one tile per head leaves most workers idle in that phase. Qwen3's q/k-norm needs
-        a whole head per tile."""
+        least 16 rows high: one tile per head leaves most workers idle in that phase."""
         half = spec.head_dim // 2
-        if self.qkv_parts and (half % self.qkv_parts or (spec.qk_norm and self.qkv_parts > 1)):
-            raise GraphError(f"qkv_parts={self.qkv_parts} must divide head_dim/2={half}"
-                             + (" and be 1 for a model with q/k-norm" if spec.qk_norm else ""))
+        if self.qkv_parts and half % self.qkv_parts:
+            raise GraphError(f"qkv_parts={self.qkv_parts} must divide head_dim/2={half}")
         splits = self.kv_splits or max(1, min(16, self.workers // (self.batch * plan.num_kv_heads)))
         parts = self.qkv_parts or 1
-        if not self.qkv_parts and not spec.qk_norm:
+        if not self.qkv_parts:
             slots = plan.num_heads + 2 * plan.num_kv_heads
             while slots * parts < self.workers and half % (2 * parts) == 0 and half // (2 * parts) >= 16:
                 parts *= 2
@@ -129,11 +127,16 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
     for b in range(B):
         g.task("embed", 0, (b,), signal=x_ready)
     for layer in range(spec.num_layers):
-        qkv_done = [g.event(f"L{layer}.qkv.kv{h}", (group + 2) * P) for h in range(hkv)]
+        # q/k-norm over column slices: the slices of a q or k head meet in a qk_finish task
+        finish = spec.qk_norm and P > 1
+        qkv_done = [g.event(f"L{layer}.qkv.kv{h}", (group + 1) * (1 if finish else P) + P) for h in range(hkv)]
         for slot in range(hq + 2 * hkv):
             head_group = slot // group if slot < hq else (slot - hq) % hkv
+            raw = g.event(f"L{layer}.qkv.raw{slot}", P) if finish and slot < hq + hkv else None
             for part in range(P):
-                g.task("qkv", layer, (slot, part, P), wait=x_ready, signal=qkv_done[head_group])
+                g.task("qkv", layer, (slot, part, P), wait=x_ready, signal=qkv_done[head_group] if raw is None else raw)
+            if raw is not None:
+                g.task("qk_finish", layer, (slot,), wait=raw, signal=qkv_done[head_group])
         attn_done = g.event(f"L{layer}.attn", B * hkv)
         for b in range(B):
             for h in range(hkv):

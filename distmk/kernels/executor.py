@@ -129,7 +129,7 @@ class TritonExecutor:
             G_PAD=_pad(plan.group), INTER=plan.inter, VOCAB_L=plan.vocab, B_PAD=b_pad,
             MAXB=kv_cache.blocks_per_seq, BS=kv_cache.block_size, NBLK=kv_cache.num_blocks, S=config.kv_splits,
             EPS=spec.rms_norm_eps, HAS_BIAS=spec.qkv_bias, QK_NORM=spec.qk_norm, WINDOW=spec.sliding_window or 0,
-            SCALE=spec.head_dim ** -0.5, QKV_PARTS=config.qkv_parts,
+            SCALE=spec.head_dim ** -0.5, HALF_PAD=_pad(spec.head_dim // 2), QKV_PARTS=config.qkv_parts,
             QKV_BLOCK_N=_pad(spec.head_dim // 2 // config.qkv_parts), LM_TILES=lm_tiles,
             LM_TILES_PAD=_pad(lm_tiles, 2), BLOCK_N=block_n, BLOCK_K=block_k, MLP_BLOCK_N=mlp_block_n,
             MLP_BLOCK_K=pair_k, LM_BLOCK_N=lm_block_n, LM_BLOCK_K=pair_k, QKV_BLOCK_K=pair_k,

@@ -19,16 +19,16 @@ RUNTIME = ("layer", "a0", "a1", "a2", "a3", "n", "worker", "rank", "signal", "vo
 # Tensors, passed by pointer (weights stacked over layers; see kernels/layout.py).
 BUFFERS = ("embed", "wqkv", "bqkv", "qk_norm", "wo", "w_gate", "w_up", "w_down", "norms", "lm_head", "inv_freq",
            "k_cache", "v_cache", "tokens", "positions", "block_table",
-           "x", "xn", "q", "attn_o", "attn_m", "attn_l", "attn", "partial", "h", "logits", "tile_max", "tile_arg",
-           "next_token",
+           "x", "xn", "q", "qk_raw", "attn_o", "attn_m", "attn_l", "attn", "partial", "h", "logits", "tile_max",
+           "tile_arg", "next_token",
            # symmetric memory (tp > 1): this rank's event counters and exchange buffers, and the peers'
            # addresses of them
            "counters", "counter_peers", "exchange", "exchange_peers", "best", "best_id", "best_peers",
            "best_id_peers")
 # Shapes and tile sizes, compile-time constants.
 CONSTANTS = ("H", "D", "HQ", "HKV", "G", "G_PAD", "INTER", "VOCAB_L", "B_PAD", "MAXB", "BS", "NBLK", "S", "EPS",
-             "HAS_BIAS", "QK_NORM", "WINDOW", "SCALE", "QKV_PARTS", "LM_TILES", "LM_TILES_PAD", "BLOCK_H", "BLOCK_T",
-             "DOT_PRECISION", "PREFETCH", "NORM_BLOCK", "WORLD",
+             "HAS_BIAS", "QK_NORM", "WINDOW", "SCALE", "HALF_PAD", "QKV_PARTS", "LM_TILES", "LM_TILES_PAD", "BLOCK_H",
+             "BLOCK_T", "DOT_PRECISION", "PREFETCH", "NORM_BLOCK", "WORLD",
              # exchanges: 0 = stores through peer pointers, 1 = NVSHMEM put-with-signal (tasks/ar_push.py)
              "TRANSPORT", "SIGNAL_ADD", "EXCHANGE_SLOTS",
              # matmul tiles per task family: (rows, K) of one pipelined load step

@@ -13,8 +13,9 @@ from distmk.tasks.embed import Embed
 from distmk.tasks.gate_up import GateUp
 from distmk.tasks.lm_head import LMHead
 from distmk.tasks.o_proj import OProj
+from distmk.tasks.qk_finish import QKFinish
 from distmk.tasks.qkv import QKV
 
-TASK_KINDS: list[TaskKind] = [Embed(), QKV(), Attention(), AttnReduce(), OProj(), ArPush(), AllReduce(), GateUp(),
-                              Down(), LMHead(), ArgmaxPush(), Argmax()]
+TASK_KINDS: list[TaskKind] = [Embed(), QKV(), QKFinish(), Attention(), AttnReduce(), OProj(), ArPush(), AllReduce(),
+                              GateUp(), Down(), LMHead(), ArgmaxPush(), Argmax()]
 TYPE_ID = {kind.name: i for i, kind in enumerate(TASK_KINDS)}

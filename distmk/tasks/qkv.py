@@ -2,7 +2,8 @@
 stream (the norm is computed by each tile): matmul (+bias), then for q and k heads the per-head q/k-norm
 (Qwen3) and RoPE; q goes to the q buffer, k and v are appended to the paged KV cache at each row's
 position. Part p of P covers columns [p, p+1) * D/2P of both halves of the head, so rotate-half RoPE pairs
-columns inside one tile; q/k-norm needs the whole head (P = 1)."""
+columns inside one tile. q/k-norm needs the whole head: with P > 1 a q or k slice is left unnormalised in
+qk_raw, and a qk_finish task (tasks/qk_finish.py) normalises, rotates and stores the head."""
 import torch
 import triton
 import triton.language as tl
@@ -26,8 +27,39 @@ def store_kv(cache, layer, head, col0, cols, lo, hi, rb, rd, pos, n, block_table
 
 
 @triton.jit
+def norm_rope_store(lo, hi, layer, slot, col0, cols, rd, n, qk_norm, inv_freq, positions, block_table, q, k_cache,
+                    D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, B_PAD: tl.constexpr, MAXB: tl.constexpr,
+                    BS: tl.constexpr, NBLK: tl.constexpr, EPS: tl.constexpr, QK_NORM: tl.constexpr):
+    """Columns col0 + [0, cols) of both halves of q or k head `slot` ([B_PAD, *] float32 each; the whole
+    head when QK_NORM): q/k-norm, RoPE at each row's position, stored to q or the k cache."""
+    HALF: tl.constexpr = D // 2
+    rb = tl.arange(0, B_PAD)
+    pos = tl.load(positions + rb, mask=rb < n, other=0)
+    dmask = rd < cols
+    is_k = slot >= HQ
+    if QK_NORM:
+        rstd = tl.math.rsqrt((tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)) / D + EPS)
+        weight = qk_norm + (2 * layer + is_k) * D        # [layers, 2, D]: q_norm, k_norm
+        lo = lo * rstd[:, None] * tl.load(weight + rd, mask=dmask).to(tl.float32)
+        hi = hi * rstd[:, None] * tl.load(weight + HALF + rd, mask=dmask).to(tl.float32)
+    angle = pos[:, None].to(tl.float32) * tl.load(inv_freq + col0 + rd, mask=dmask, other=0.0)[None, :]
+    cos = tl.cos(angle)
+    sin = tl.sin(angle)
+    rotated_lo = lo * cos - hi * sin
+    hi = hi * cos + lo * sin
+    lo = rotated_lo
+    if is_k:
+        store_kv(k_cache, layer, slot - HQ, col0, cols, lo, hi, rb, rd, pos, n, block_table, D, HKV, MAXB, BS, NBLK)
+    else:
+        dst = q + (rb[:, None] * HQ + slot) * D + col0 + rd[None, :]
+        mask = (rb < n)[:, None] & dmask[None, :]
+        tl.store(dst, lo.to(q.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, hi.to(q.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def qkv_gpu(layer, a0, a1, n, worker, x, xn, norms, wqkv, bqkv, qk_norm, inv_freq, positions, block_table, q,
-            k_cache, v_cache, H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+            qk_raw, k_cache, v_cache, H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
             B_PAD: tl.constexpr, QKV_PARTS: tl.constexpr, QKV_BLOCK_N: tl.constexpr, MAXB: tl.constexpr,
             BS: tl.constexpr, NBLK: tl.constexpr, EPS: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
             NORM_BLOCK: tl.constexpr, QKV_BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -48,33 +80,19 @@ def qkv_gpu(layer, a0, a1, n, worker, x, xn, norms, wqkv, bqkv, qk_norm, inv_fre
         bias = bqkv + layer * rows + slot * D + col0
         lo += tl.load(bias + rd, mask=dmask, other=0.0).to(tl.float32)[None, :]
         hi += tl.load(bias + HALF + rd, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    act = q.dtype.element_ty
     rb = tl.arange(0, B_PAD)
-    pos = tl.load(positions + rb, mask=rb < n, other=0)
-    if slot < HQ + HKV:
-        is_k = slot >= HQ
-        if QK_NORM:                                               # a whole head: QKV_PARTS == 1
-            rstd = tl.math.rsqrt((tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)) / D + EPS)
-            weight = qk_norm + (2 * layer + is_k) * D        # [layers, 2, D]: q_norm, k_norm
-            lo = lo * rstd[:, None] * tl.load(weight + rd, mask=dmask).to(tl.float32)
-            hi = hi * rstd[:, None] * tl.load(weight + HALF + rd, mask=dmask).to(tl.float32)
-        angle = pos[:, None].to(tl.float32) * tl.load(inv_freq + col0 + rd, mask=dmask, other=0.0)[None, :]
-        cos = tl.cos(angle)
-        sin = tl.sin(angle)
-        rotated_lo = lo * cos - hi * sin
-        hi = hi * cos + lo * sin
-        lo = rotated_lo
-        if is_k:
-            store_kv(k_cache, layer, slot - HQ, col0, PART, lo, hi, rb, rd, pos, n, block_table, D, HKV, MAXB, BS,
-                     NBLK)
-        else:
-            dst = q + (rb[:, None] * HQ + slot) * D + col0 + rd[None, :]
-            mask = (rb < n)[:, None] & dmask[None, :]
-            tl.store(dst, lo.to(act), mask=mask)
-            tl.store(dst + HALF, hi.to(act), mask=mask)
-    else:
+    if slot >= HQ + HKV:
+        pos = tl.load(positions + rb, mask=rb < n, other=0)
         store_kv(v_cache, layer, slot - HQ - HKV, col0, PART, lo, hi, rb, rd, pos, n, block_table, D, HKV, MAXB, BS,
                  NBLK)
+    elif QK_NORM and QKV_PARTS > 1:                               # the whole head is qk_finish's
+        dst = qk_raw + (rb[:, None] * (HQ + HKV) + slot) * D + col0 + rd[None, :]
+        mask = (rb < n)[:, None] & dmask[None, :]
+        tl.store(dst, lo, mask=mask)
+        tl.store(dst + HALF, hi, mask=mask)
+    else:
+        norm_rope_store(lo, hi, layer, slot, col0, PART, rd, n, qk_norm, inv_freq, positions, block_table, q,
+                        k_cache, D, HQ, HKV, B_PAD, MAXB, BS, NBLK, EPS, QK_NORM)
 
 
 @triton.jit
@@ -104,23 +122,40 @@ class QKV(TaskKind):
         slot, part, parts = a[:3]
         spec, plan, lw = ctx.spec, ctx.plan, ctx.weights.layers[layer]
         d, n = spec.head_dim, ctx.num_rows
-        width = d // 2 // parts
-        cols = torch.cat([torch.arange(half + part * width, half + (part + 1) * width) for half in (0, d // 2)])
+        cols = slice_columns(d, part, parts)
         out = normed_stream(ctx, lw.input_norm).float() @ lw.wqkv[slot * d + cols].float().t()
         if lw.bqkv is not None:
             out = out + lw.bqkv[slot * d + cols].float()
-        out = out[:, None, :]                                       # [n, 1, 2 * width], float32 until stored
-        pos = ctx.positions[:n]
-        if slot < plan.num_heads + plan.num_kv_heads:               # q or k: norm (whole heads), then rotate
-            is_q = slot < plan.num_heads
-            if spec.qk_norm:
-                out = rms_norm(out, lw.q_norm if is_q else lw.k_norm, spec.rms_norm_eps)
-            out = rope(out, pos, ctx.weights.inv_freq[part * width:(part + 1) * width])
-            if is_q:
-                ctx.buf["q"][:n, slot, cols] = out[:, 0].to(ctx.dtype)
-                return
-            cache, head = ctx.k_cache, slot - plan.num_heads
+        if slot >= plan.num_heads + plan.num_kv_heads:
+            pos = ctx.positions[:n]
+            blocks = ctx.block_table[torch.arange(n), pos // ctx.block_size]
+            head = slot - plan.num_heads - plan.num_kv_heads
+            ctx.v_cache[layer, blocks[:, None], (pos % ctx.block_size)[:, None], head, cols] = out.to(ctx.dtype)
+        elif spec.qk_norm and parts > 1:                          # the whole head is qk_finish's
+            ctx.buf["qk_raw"][:n, slot, cols] = out
         else:
-            cache, head = ctx.v_cache, slot - plan.num_heads - plan.num_kv_heads
+            norm_rope_store_reference(ctx, layer, slot, part, parts, out)
+
+
+def slice_columns(d: int, part: int, parts: int) -> torch.Tensor:
+    """The columns of part `part` of `parts` of a head of size d: the same slice of both halves."""
+    width = d // 2 // parts
+    return torch.cat([torch.arange(half + part * width, half + (part + 1) * width) for half in (0, d // 2)])
+
+
+def norm_rope_store_reference(ctx, layer: int, slot: int, part: int, parts: int, out: torch.Tensor) -> None:
+    """q/k-norm (whole heads: parts == 1), RoPE at each row's position and the store into q or the k cache
+    of the float32 [rows, columns] `out` of part `part` of q or k head `slot`."""
+    spec, plan, lw = ctx.spec, ctx.plan, ctx.weights.layers[layer]
+    n, width = ctx.num_rows, spec.head_dim // 2 // parts
+    cols, pos = slice_columns(spec.head_dim, part, parts), ctx.positions[:n]
+    is_q = slot < plan.num_heads
+    out = out[:, None, :]                                         # [n, 1, 2 * width], float32 until stored
+    if spec.qk_norm:
+        out = rms_norm(out, lw.q_norm if is_q else lw.k_norm, spec.rms_norm_eps)
+    out = rope(out, pos, ctx.weights.inv_freq[part * width:(part + 1) * width])[:, 0].to(ctx.dtype)
+    if is_q:
+        ctx.buf["q"][:n, slot, cols] = out
+    else:
         blocks = ctx.block_table[torch.arange(n), pos // ctx.block_size]
-        cache[layer, blocks[:, None], (pos % ctx.block_size)[:, None], head, cols] = out[:, 0].to(ctx.dtype)
+        ctx.k_cache[layer, blocks[:, None], (pos % ctx.block_size)[:, None], slot - plan.num_heads, cols] = out

@@ -15,6 +15,7 @@ def allocate_workspace(spec, plan, config, dtype, device) -> dict:
     return {
         "x": torch.zeros(B, H, **f32),                               # residual stream, kept in float32
         "q": torch.zeros(B, plan.num_heads, D, **act),               # roped queries
+        "qk_raw": torch.zeros(B, plan.num_heads + plan.num_kv_heads, D, **f32),  # q/k heads before q/k-norm
         "attn_o": torch.zeros(B, plan.num_kv_heads, kv_splits, g, D, **f32),  # split-KV partials
         "attn_m": torch.zeros(B, plan.num_kv_heads, kv_splits, g, **f32),
         "attn_l": torch.zeros(B, plan.num_kv_heads, kv_splits, g, **f32),
