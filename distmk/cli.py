@@ -25,7 +25,7 @@ def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str
     p.add_argument("--kv-splits", type=int, default=0, help="0 = one attention split per worker, at most 16")
     p.add_argument("--tile-rows", type=int, default=0, help="0 = about one tile per worker")
     p.add_argument("--qkv-parts", type=int, default=0,
-                   help="QKV tiles per head, column slices (1 without q/k-norm only); 0 = about one tile per worker")
+                   help="QKV tiles per head (column slices of it); 0 = about one tile per worker")
     p.add_argument("--workers", type=int, default=None,
                    help="worker queues (default: the GPU's SMs for the triton backend, else 132)")
     p.add_argument("--timeout", type=float, default=5.0, help="triton backend: seconds a task may wait")

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-splits", type=int, default=0, help="0 = one attention split per worker, at most 16")
     p.add_argument("--tile-rows", type=int, default=0, help="0 = about one tile per worker")
     p.add_argument("--qkv-parts", type=int, default=0,
-                   help="QKV tiles per head, column slices (1 without q/k-norm only); 0 = about one tile per worker")
+                   help="QKV tiles per head (column slices of it); 0 = about one tile per worker")
     p.add_argument("--lm-tile-rows", type=int, default=0, help="0 = about one tile per worker")
     p.add_argument("--context", type=int, default=512, help="context length the cost model assumes")
     args = p.parse_args(argv)
