@@ -36,5 +36,8 @@ if [[ $STAGES == *" startup "* ]]; then
     t1=$(date +%s.%N)
     echo "{\"run\": \"$run\", \"process_to_first_token_s\": $(python3 -c "print(round($t1 - $t0, 2))"), \"generate\": $(cat /tmp/startup_$run.json || echo null)}"
   done > "$OUT/startup_llama-3-8b.jsonl"
+  # where a warm start spends its time (the 2026-11-30 run took 14.8 s, 7.9 s of it in the first step)
+  python3 -m cProfile -s cumtime -m distmk.generate --model llama-3-8b --prompt-ids 1,2,3 --max-new-tokens 1 \
+      --backend triton --device cuda --json 2>&1 | head -n 60 > "$OUT/startup_warm_profile.txt"
 fi
 [ -n "${NO_TABLE:-}" ] || python3 benchmarks/results_table.py "$OUT"
