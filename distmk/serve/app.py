@@ -12,6 +12,7 @@ import asyncio
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -39,6 +40,12 @@ class Served:
     capacity: int                        # requests running or queued at once; beyond: 429
     live: set = field(default_factory=set)      # their Generations
     created: int = field(default_factory=lambda: int(time.time()))
+    # tokenizing and rendering chat templates off the event loop (a long prompt takes a while), one call at
+    # a time (a Hugging Face tokenizer is not made for concurrent calls)
+    tokenizing: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "tokenize"))
+
+    async def tokenize(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
 
     def abort_all(self, message: str) -> None:
         """End every request still running with an error (at shutdown, once they had their grace time)."""
@@ -209,7 +216,9 @@ def create_app(served: Served) -> FastAPI:
         arrived = time.monotonic()
         req = parse_body(CompletionRequest, await read_body(request))
         check_model(req.model)
-        prompt = served.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            prompt = await served.tokenize(served.tokenizer.encode, prompt)
         return await respond(request, req, prompt, "prompt", req.max_tokens, [], arrived, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -218,7 +227,8 @@ def create_app(served: Served) -> FastAPI:
         req = parse_body(ChatRequest, await read_body(request))
         check_model(req.model)
         try:
-            prompt, format_stops = served.tokenizer.render_chat([m.model_dump() for m in req.messages])
+            prompt, format_stops = await served.tokenize(served.tokenizer.render_chat,
+                                                         [m.model_dump() for m in req.messages])
         except Exception as e:  # noqa: BLE001 - a chat template refuses a conversation by raising
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens
