@@ -19,8 +19,9 @@ import json, sys
 from distmk.graph import GraphConfig
 from distmk.runtime.engine import Engine
 for name in sys.argv[1:]:
-    # QKV tiles of half a head (under q/k-norm finished by qk_finish tasks)
-    config = GraphConfig(batch=4, kv_splits=3, tile_rows=32, lm_tile_rows=48, workers=1, qkv_parts=2)
+    # QKV tiles of half a head (under q/k-norm finished by qk_finish tasks); matmul tiles of 24 rows, not a
+    # multiple of the kernels' row blocks
+    config = GraphConfig(batch=4, kv_splits=3, tile_rows=24, lm_tile_rows=48, workers=1, qkv_parts=2)
     runs = [Engine(name, backend=b, config=config).generate([1, 2, 3, 4, 5, 6, 7], 5, return_logits=True)
             for b in ("reference", "triton")]
     (ref_tokens, ref_logits), (tokens, logits) = runs
@@ -48,7 +49,7 @@ import torch
 from distmk.graph import GraphConfig
 from distmk.reference.comm import run_simulated_ranks
 from distmk.runtime.engine import Engine
-config = GraphConfig(batch=4, kv_splits=2, tile_rows=32, lm_tile_rows=48, workers=1)
+config = GraphConfig(batch=4, kv_splits=2, tile_rows=24, lm_tile_rows=48, workers=1)   # all-reduce tiles of 24 rows
 name, tp = sys.argv[1], int(sys.argv[2])
 runs = {b: run_simulated_ranks(tp, lambda r, c: Engine(name, tp=tp, rank=r, comm=c, config=config, backend=b)
                                .generate([1, 2, 3, 4, 5, 6, 7], 4, return_logits=True), timeout=600)
