@@ -33,6 +33,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--rounds", type=int, default=320)
+    p.add_argument("--tiles-per-program", default=[1], type=lambda v: [int(x) for x in v.split(",")],
+                   help="comma-separated, e.g. 1,2,4; each value compiles three kernels (about half a minute each)")
     p.add_argument("--out", default="benchmarks/results/overlap.json")
     args = p.parse_args()
     launch, comm = start_ranks(p)
@@ -61,7 +63,7 @@ def main() -> int:
             say(f"{name} ...")
             graphs[name] = graph_us(lambda: layers(all_reduce), 30) / args.layers
         del w
-        for per_program in (1, 2):
+        for per_program in args.tiles_per_program:
             row = {"tiles_per_program": per_program, "programs": tiles // per_program}
             for name, exchange, pipelined in (("gemv_us", False, False), ("fused_us", True, False),
                                               ("fused_pipelined_us", True, True)):
