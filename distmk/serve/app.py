@@ -47,6 +47,14 @@ class Served:
     async def tokenize(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
 
+    def check_admission(self) -> None:
+        """503 while the engine is down, 429 at capacity: before any work on a request, and as it starts."""
+        if not self.scheduler.alive:
+            raise APIError(503, f"the engine is down: {self.scheduler.failure or 'stopping'}", type="server_error")
+        if len(self.live) >= self.capacity:
+            raise APIError(429, f"the server is at capacity ({len(self.live)} requests running or queued); "
+                                "retry later", type="rate_limit_error", code="rate_limit_exceeded")
+
     def abort_all(self, message: str) -> None:
         """End every request still running with an error (at shutdown, once they had their grace time)."""
         for generation in list(self.live):
@@ -99,11 +107,7 @@ class Generation:
 
     def start(self) -> None:
         served = self.served
-        if not served.scheduler.alive:
-            raise APIError(503, f"the engine is down: {served.scheduler.failure or 'stopping'}", type="server_error")
-        if len(served.live) >= served.capacity:
-            raise APIError(429, f"the server is at capacity ({len(served.live)} requests running or queued); "
-                                "retry later", type="rate_limit_error", code="rate_limit_exceeded")
+        served.check_admission()
         served.live.add(self)
         self.started = True
         served.metrics.prompt_tokens.inc(len(self.seq.prompt))
@@ -216,6 +220,7 @@ def create_app(served: Served) -> FastAPI:
         arrived = time.monotonic()
         req = parse_body(CompletionRequest, await read_body(request))
         check_model(req.model)
+        served.check_admission()
         prompt = req.prompt
         if isinstance(prompt, str):
             prompt = await served.tokenize(served.tokenizer.encode, prompt)
@@ -226,6 +231,7 @@ def create_app(served: Served) -> FastAPI:
         arrived = time.monotonic()
         req = parse_body(ChatRequest, await read_body(request))
         check_model(req.model)
+        served.check_admission()
         try:
             prompt, format_stops = await served.tokenize(served.tokenizer.render_chat,
                                                          [m.model_dump() for m in req.messages])
