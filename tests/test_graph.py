@@ -113,8 +113,8 @@ def test_qkv_slices_heads_until_about_one_tile_per_worker():
         table = table_for(name, tp, **cfg)
         return table.config.qkv_parts, int((table.tasks[:, TYPE] == TYPE_ID["qkv"]).sum()) // PRESETS[name].num_layers
 
-    assert parts("llama-3-8b", 1, workers=132) == (4, 192)     # 48 heads x 4 slices of 16 rows per half
-    assert parts("llama-3-8b", 2, workers=132) == (4, 96)      # slices stay >= 16 rows
+    assert parts("llama-3-8b", 1, workers=132) == (2, 96)      # 48 heads x 2 slices: one wave of 132 workers
+    assert parts("llama-3-8b", 2, workers=132) == (4, 96)      # 24 x 4 slices of 16 rows per half
     assert parts("tiny-llama", 1, workers=132) == (1, 12)      # head_dim 16: slices would be under 16 rows
     assert parts("tiny-llama", 1, qkv_parts=2) == (2, 24)
     with pytest.raises(GraphError, match="qkv_parts=3 must divide head_dim/2=8"):
@@ -123,12 +123,12 @@ def test_qkv_slices_heads_until_about_one_tile_per_worker():
 
 def test_q_k_norm_over_slices_meets_in_one_finishing_task_per_q_and_k_head():
     spec = PRESETS["qwen3-8b"]
-    table = table_for("qwen3-8b", 1, workers=132)
+    table = table_for("qwen3-8b", 2, workers=132)
     kinds = table.tasks[:, TYPE]
     assert table.config.qkv_parts == 4
-    assert int((kinds == TYPE_ID["qkv"]).sum()) == spec.num_layers * 48 * 4
-    assert int((kinds == TYPE_ID["qk_finish"]).sum()) == spec.num_layers * 40     # 32 q heads + 8 k heads
-    assert int((table_for("llama-3-8b", 1, workers=132).tasks[:, TYPE] == TYPE_ID["qk_finish"]).sum()) == 0
+    assert int((kinds == TYPE_ID["qkv"]).sum()) == spec.num_layers * 24 * 4
+    assert int((kinds == TYPE_ID["qk_finish"]).sum()) == spec.num_layers * 20     # 16 q heads + 4 k heads
+    assert int((table_for("llama-3-8b", 2, workers=132).tasks[:, TYPE] == TYPE_ID["qk_finish"]).sum()) == 0
 
 
 def test_tp1_has_no_allreduce_and_tp2_has_one_per_row_parallel_tile():

@@ -44,8 +44,9 @@ class GraphConfig:
         """Automatic choices made concrete. kv_splits: enough splits that every worker gets an attention task
         (at most 16), so attention is one short pass over the keys instead of a long serial one on a few
         workers. qkv_parts: a head's QKV tile is cut into column slices (the same columns of both halves, so
-        rotate-half RoPE stays inside a tile) until there are about as many tiles as workers, slices at
-        least 16 rows high: one tile per head leaves most workers idle in that phase."""
+        rotate-half RoPE stays inside a tile) while the tiles still fit in one wave over the workers, slices
+        at least 16 rows high: one tile per head leaves most workers idle in that phase, two waves make it
+        longer again (each tile also normalises its input itself)."""
         half = spec.head_dim // 2
         if self.qkv_parts and half % self.qkv_parts:
             raise GraphError(f"qkv_parts={self.qkv_parts} must divide head_dim/2={half}")
@@ -53,7 +54,7 @@ class GraphConfig:
         parts = self.qkv_parts or 1
         if not self.qkv_parts:
             slots = plan.num_heads + 2 * plan.num_kv_heads
-            while slots * parts < self.workers and half % (2 * parts) == 0 and half // (2 * parts) >= 16:
+            while slots * parts * 2 <= self.workers and half % (2 * parts) == 0 and half // (2 * parts) >= 16:
                 parts *= 2
         return dataclasses.replace(self, kv_splits=splits, qkv_parts=parts)
 
