@@ -17,6 +17,7 @@ def main():
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--options", default="{}", help='kernel options as JSON, e.g. {"block_n": 64}')
+    p.add_argument("--graph", default="{}", help='task-graph options as JSON, e.g. {"qkv_parts": 1}')
     args = p.parse_args()
     from distmk.dist import detect_launch, init_process_group
     from distmk.kernels.bench import distmk_step_ms
@@ -26,7 +27,8 @@ def main():
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         init_process_group(launch, "nccl")
     options = json.loads(args.options)
-    result = distmk_step_ms(args.model, args.batch, args.context, args.iters, breakdown=True, **options)
+    result = distmk_step_ms(args.model, args.batch, args.context, args.iters, breakdown=True,
+                            graph=json.loads(args.graph), **options)
     if launch.rank == 0:
         text = result.pop("breakdown")
         print(json.dumps({"model": args.model, "batch": args.batch, "context": args.context, **result}))

@@ -13,16 +13,17 @@ from distmk.kernels.autotune import launch_times
 
 
 def decode_step(model: str, batch: int, context: int, *, comm=None, backend: str = "triton", device=None,
-                workers: int | None = None, trace: bool = False, block_size: int = 16,
+                workers: int | None = None, trace: bool = False, block_size: int = 16, graph: dict | None = None,
                 **kernel_options) -> tuple[object, Callable[[], object]]:
     """An Engine (one rank of `comm`'s, or alone) whose `batch` rows sit at position `context - 1` of their
     own sequences, with random KV-cache contents, after its first step (for triton: compiled, captured,
     watchdog checked, so executor.launch() replays it); and a function that runs that step again.
-    bf16 on a GPU, float32 on the CPU; `device` defaults to the current GPU."""
+    bf16 on a GPU, float32 on the CPU; `device` defaults to the current GPU; `graph`: GraphConfig fields
+    (e.g. qkv_parts) beyond batch, workers and context."""
     from distmk.runtime.engine import Engine, default_workers
     device = torch.device(device) if device else torch.device("cuda", torch.cuda.current_device())
     workers = workers or default_workers(backend, device)
-    config = GraphConfig(batch=batch, workers=workers, context=context)
+    config = GraphConfig(batch=batch, workers=workers, context=context, **(graph or {}))
     max_context = -(-context // block_size) * block_size
     engine = Engine(model, tp=comm.world if comm else 1, rank=comm.rank if comm else 0, comm=comm,
                     backend=backend, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
@@ -102,7 +103,7 @@ def distmk_step_ms(model: str, batch: int, context: int, iters: int = 200, backe
             times, mode = wall_times(step, iters), "reference"
         result = {"step_ms": statistics.median(times), "step_ms_min": min(times), "tp": engine.plan.tp,
                   "mode": mode, "workers": engine.table.num_workers, "tasks": engine.table.num_tasks,
-                  "setup_s": round(setup_s, 2)}
+                  "qkv_parts": engine.config.qkv_parts, "setup_s": round(setup_s, 2)}
         if backend == "triton":
             result["options"] = {k: v for k, v in ex.options.items() if k not in ("trace", "cuda_graph")}
             if breakdown:
