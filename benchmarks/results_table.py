@@ -53,7 +53,8 @@ def main(folder: str) -> None:
     for path in files("startup_*.jsonl"):
         for line in open(path):
             r = json.loads(line)
-            print(f"start-up {r['run']}: {r['process_to_first_token_s']} s to the first token")
+            outcome = "to the first token" if r["generate"] else "(generate failed: see its log)"
+            print(f"start-up {r['run']}: {r['process_to_first_token_s']} s {outcome}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU: the GPU tests, the decode benchmarks (JSON for benchmarks/results/) and start-up times. STAGES picks
-# among "tests decode startup" (default all three); run_h200x2.sh runs them on its two GPUs side by side.
+# among "tests decode startup" (default all three; they run in that order); run_h200x2.sh runs them on its
+# two GPUs side by side.
 # Usage, from the repository root: OUT=dir [STAGES=...] bash benchmarks/run_h200.sh [MODEL:BATCH ...]
 set -u
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
@@ -34,10 +35,13 @@ if [[ $STAGES == *" startup "* ]]; then
     python3 -m distmk.generate --model llama-3-8b --prompt-ids 1,2,3 --max-new-tokens 1 --backend triton \
         --device cuda --json > /tmp/startup_$run.json 2> /tmp/startup_$run.log
     t1=$(date +%s.%N)
-    echo "{\"run\": \"$run\", \"process_to_first_token_s\": $(python3 -c "print(round($t1 - $t0, 2))"), \"generate\": $(cat /tmp/startup_$run.json || echo null)}"
+    generated=$( [ -s /tmp/startup_$run.json ] && cat /tmp/startup_$run.json || echo null )
+    echo "{\"run\": \"$run\", \"process_to_first_token_s\": $(python3 -c "print(round($t1 - $t0, 2))"), \"generate\": $generated}"
   done > "$OUT/startup_llama-3-8b.jsonl"
   # where a warm start spends its time (the 2026-11-30 run took 14.8 s, 7.9 s of it in the first step)
-  python3 -m cProfile -s cumtime -m distmk.generate --model llama-3-8b --prompt-ids 1,2,3 --max-new-tokens 1 \
-      --backend triton --device cuda --json 2>&1 | head -n 60 > "$OUT/startup_warm_profile.txt"
+  python3 -m cProfile -o /tmp/startup_warm.prof -m distmk.generate --model llama-3-8b --prompt-ids 1,2,3 \
+      --max-new-tokens 1 --backend triton --device cuda --json > /dev/null 2>&1
+  python3 -c "import pstats; pstats.Stats('/tmp/startup_warm.prof').sort_stats('cumulative').print_stats(50)" \
+      > "$OUT/startup_warm_profile.txt" 2>&1
 fi
 [ -n "${NO_TABLE:-}" ] || python3 benchmarks/results_table.py "$OUT"

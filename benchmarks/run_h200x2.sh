@@ -2,9 +2,11 @@
 # Two H200s (device kind nvidia-h200-x2), one device call per STAGES value, each well inside 10 minutes:
 #   tp2      tensor-parallel GPU tests, tp=2 decode.py for TP2_MODELS
 #   allreduce, overlap   allreduce.py, overlap.py
-#   tp1      run_h200.sh's GPU tests on GPU 0 while GPU 1 times start-up and runs decode.py for TP1_MODELS
+#   tp1      run_h200.sh's GPU tests on GPU 0 while GPU 1 runs decode.py for TP1_MODELS (with transformers'
+#            eager baseline) and then times start-up
 #   serve    the server load benchmark (issue 5), one 8B preset at tp=1 and tp=2
-#   scaling  the tp 1-2 scaling sweep over the model-size sweep (figures and summary.md in $OUT/scaling)
+#   scaling  the tp 1-2 scaling sweep over the model-size sweep (figures and summary.md in $OUT/scaling),
+#            without transformers' baseline unless SCALING_ARGS says otherwise (the tp1 stage has it)
 # A table of everything measured under $OUT comes last. The device image lacks nvshmem4py and the HTTP stack:
 # carry their wheels in .whl/ (benchmarks/README.md says how). Usage, from the repository root:
 #   OUT=dir STAGES="tp2" bash benchmarks/run_h200x2.sh
@@ -40,9 +42,9 @@ if [[ $STAGES == *" overlap "* ]]; then
   timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/overlap.py --out "$OUT/overlap_tp2.json" 2>&1 \
       | quiet > "$OUT/overlap_tp2.log"
 fi
-if [[ $STAGES == *" tp1 "* ]]; then     # GPU 0: the tests; GPU 1 meanwhile: start-up times, then the decode runs
+if [[ $STAGES == *" tp1 "* ]]; then     # GPU 0: the tests; GPU 1 meanwhile: the decode runs, then start-up times
   CUDA_VISIBLE_DEVICES=0 NO_TABLE=1 STAGES=tests bash benchmarks/run_h200.sh &
-  CUDA_VISIBLE_DEVICES=1 NO_TABLE=1 STAGES="startup decode" bash benchmarks/run_h200.sh ${TP1_MODELS-llama-3-8b:8 qwen3-8b:8}
+  CUDA_VISIBLE_DEVICES=1 NO_TABLE=1 STAGES="startup decode" bash benchmarks/run_h200.sh ${TP1_MODELS-llama-3-8b:1 qwen3-8b:1 llama-3-8b:8 qwen3-8b:8}
   wait
 fi
 if [[ $STAGES == *" serve "* ]]; then
@@ -51,7 +53,7 @@ fi
 if [[ $STAGES == *" scaling "* ]]; then
   stamp "scaling sweep"
   timeout ${SCALING_TIMEOUT:-560} python3 benchmarks/scaling.py --models ${SCALING_MODELS:-llama-3-8b,qwen3-8b,llama-3.2-1b,qwen3-0.6b} \
-      --tp 1,2 --context 512 --iters 100 ${SCALING_ARGS:-} --run-timeout 240 --out-dir "$OUT/scaling" 2>&1 \
+      --tp 1,2 --context 512 --iters 100 ${SCALING_ARGS---skip-hf} --run-timeout 240 --out-dir "$OUT/scaling" 2>&1 \
       | grep -v "scaling:" > "$OUT/scaling.log"
 fi
 stamp done
