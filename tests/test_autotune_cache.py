@@ -1,20 +1,28 @@
-"""The autotuner's on-disk choice: keyed by GPU, model shape, tp, batch and dtype; stored and read back."""
+"""The autotuner's on-disk choice: keyed by GPU, model shape, tp, batch, dtype and task table; stored and read
+back."""
 import json
 
 import torch
 
+from distmk.graph import GraphConfig, compile_step
 from distmk.kernels import autotune
 from distmk.models.presets import PRESETS
 from distmk.models.shard import plan_shard
 
 
-def test_key_separates_shapes_tp_batch_and_dtype():
-    spec = PRESETS["llama-3-8b"]
-    keys = {autotune.tuning_key(spec, plan_shard(spec, tp, 0), batch, dtype, "cpu")
-            for tp in (1, 2) for batch in (1, 8) for dtype in (torch.bfloat16, torch.float16)}
+def key(name, tp=1, batch=1, dtype=torch.bfloat16, **graph):
+    spec = PRESETS[name]
+    plan = plan_shard(spec, tp, 0)
+    return autotune.tuning_key(spec, plan, compile_step(spec, plan, GraphConfig(batch=batch, **graph)), dtype, "cpu")
+
+
+def test_key_separates_shapes_tp_batch_dtype_and_tiling():
+    keys = {key("llama-3-8b", tp, batch, dtype) for tp in (1, 2) for batch in (1, 8)
+            for dtype in (torch.bfloat16, torch.float16)}
     assert len(keys) == 8
-    other = autotune.tuning_key(PRESETS["qwen3-8b"], plan_shard(PRESETS["qwen3-8b"], 1, 0), 1, torch.bfloat16, "cpu")
-    assert other not in keys
+    assert key("llama-3-8b") == key("llama-3-8b")
+    assert key("qwen3-8b") not in keys
+    assert key("llama-3-8b", qkv_parts=1) not in keys          # the same model cut into other tiles
 
 
 def test_store_and_read_back(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""Kernel options chosen by measurement: the first time a (GPU, model shape, tp, batch) is compiled, a few
+"""Kernel options chosen by measurement: the first time a (GPU, model shape, tp, batch, task table) is compiled, a few
 candidates are timed on the GPU and the fastest is cached on disk ($DISTMK_CACHE_DIR/autotune.json), so
 the next start is warm. Candidates vary what the device decides and the compiler cannot: pipeline depth,
 L2 prefetch before waits, and tile heights."""
@@ -8,6 +8,7 @@ import json
 import os
 import statistics
 import time
+import zlib
 
 import torch
 
@@ -26,11 +27,14 @@ def cache_file() -> str:
     return os.path.join(root, "autotune.json")
 
 
-def tuning_key(spec, plan, batch: int, dtype, device) -> str:
+def tuning_key(spec, plan, table, dtype, device) -> str:
+    """GPU, model shape, tp, batch, dtype, and a digest of the task table: options measured on one tiling
+    are measured again when the lowering cuts the step differently."""
     gpu = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu"
     shape = (f"h{spec.hidden_size}-i{plan.inter}-q{plan.num_heads}-kv{plan.num_kv_heads}-d{spec.head_dim}"
              f"-v{plan.vocab}-L{spec.num_layers}-bias{int(spec.qkv_bias)}-qkn{int(spec.qk_norm)}")
-    return f"{gpu}|{shape}|tp{plan.tp}|b{batch}|{str(dtype).removeprefix('torch.')}"
+    tasks = zlib.crc32(table.tasks.numpy().tobytes())
+    return f"{gpu}|{shape}|tp{plan.tp}|b{table.config.batch}|{str(dtype).removeprefix('torch.')}|tasks{tasks:08x}"
 
 
 def cached_options(key: str) -> dict | None:

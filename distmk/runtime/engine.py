@@ -69,7 +69,7 @@ class Engine:
             return TritonExecutor(self.table, self.spec, self.weights, self.kv, self.comm, self.dtype,
                                   **{**extra, **options})
 
-        key = tuning.tuning_key(self.spec, self.plan, self.config.batch, self.dtype, self.device)
+        key = tuning.tuning_key(self.spec, self.plan, self.table, self.dtype, self.device)
         tuned = tuning.cached_options(key)
         # tensor-parallel ranks take the cached or default options: tuning them would need a common choice
         if tuned is None and autotune and self.device.type == "cuda" and self.comm.world == 1:
