@@ -1,7 +1,7 @@
-"""Kernel options chosen by measurement: the first time a (GPU, model shape, tp, batch, task table) is compiled, a few
-candidates are timed on the GPU and the fastest is cached on disk ($DISTMK_CACHE_DIR/autotune.json), so
-the next start is warm. Candidates vary what the device decides and the compiler cannot: pipeline depth,
-L2 prefetch before waits, and tile heights."""
+"""Kernel options chosen by measurement: the first time a (GPU, model shape, tp, batch, task table) is
+compiled, a few candidates are timed on the GPU and the fastest is cached on disk
+($DISTMK_CACHE_DIR/autotune.json), so the next start is warm. Candidates vary what the device decides
+and the compiler cannot: pipeline depth, L2 prefetch before waits, and tile heights."""
 from __future__ import annotations
 
 import json
