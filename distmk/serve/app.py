@@ -215,12 +215,17 @@ def create_app(served: Served) -> FastAPI:
         return {"object": "list", "data": [{"id": served.model_name, "object": "model", "created": served.created,
                                             "owned_by": "distmk", "max_model_len": served.max_context}]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def accept(request: Request, schema):
+        """The parsed request and when it arrived, once its model is known and there is room for it."""
         arrived = time.monotonic()
-        req = parse_body(CompletionRequest, await read_body(request))
+        req = parse_body(schema, await read_body(request))
         check_model(req.model)
         served.check_admission()
+        return req, arrived
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req, arrived = await accept(request, CompletionRequest)
         prompt = req.prompt
         if isinstance(prompt, str):
             prompt = await served.tokenize(served.tokenizer.encode, prompt)
@@ -228,10 +233,7 @@ def create_app(served: Served) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        arrived = time.monotonic()
-        req = parse_body(ChatRequest, await read_body(request))
-        check_model(req.model)
-        served.check_admission()
+        req, arrived = await accept(request, ChatRequest)
         try:
             prompt, format_stops = await served.tokenize(served.tokenizer.render_chat,
                                                          [m.model_dump() for m in req.messages])
