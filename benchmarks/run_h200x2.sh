@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Two H200s (device kind nvidia-h200-x2), one device call per STAGES value, each well inside 10 minutes:
-#   tp2      tensor-parallel GPU tests, tp=2 decode.py for TP2_MODELS
+# Two H200s (device kind nvidia-h200-x2): the STAGES named, in this order ("tp1 tp2" fits one device call):
+#   tp2      tensor-parallel GPU tests, tp=2 decode.py for TP2_MODELS (none by default; e.g. llama-3-8b:8)
 #   allreduce, overlap   allreduce.py, overlap.py
 #   tp1      run_h200.sh's GPU tests on GPU 0 while GPU 1 runs decode.py for TP1_MODELS (with transformers'
 #            eager baseline) and then times start-up
@@ -9,7 +9,7 @@
 #            without transformers' baseline unless SCALING_ARGS says otherwise (the tp1 stage has it)
 # A table of everything measured under $OUT comes last. The device image lacks nvshmem4py and the HTTP stack:
 # carry their wheels in .whl/ (benchmarks/README.md says how). Usage, from the repository root:
-#   OUT=dir STAGES="tp2" bash benchmarks/run_h200x2.sh
+#   OUT=dir STAGES="tp1 tp2" bash benchmarks/run_h200x2.sh
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -24,7 +24,7 @@ if [[ $STAGES == *" tp2 "* ]]; then
   stamp "GPU tests (tp=2)"
   timeout 300 python3 -m pytest -q -s tests/test_gpu.py -k "tp2" 2>&1 | quiet > "$OUT/gpu_tests_tp2.log"
   tail -n 4 "$OUT/gpu_tests_tp2.log"
-  for spec in ${TP2_MODELS-llama-3-8b:8}; do       # COMPILE=--compile-baseline: also torch.compile
+  for spec in ${TP2_MODELS:-}; do       # COMPILE=--compile-baseline: also torch.compile
     model=${spec%:*} batch=${spec#*:}
     stamp "decode $model batch $batch tp=2"
     timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/decode.py --model "$model" --batch "$batch" \
@@ -44,7 +44,8 @@ if [[ $STAGES == *" overlap "* ]]; then
 fi
 if [[ $STAGES == *" tp1 "* ]]; then     # GPU 0: the tests; GPU 1 meanwhile: the decode runs, then start-up times
   CUDA_VISIBLE_DEVICES=0 NO_TABLE=1 STAGES=tests bash benchmarks/run_h200.sh &
-  CUDA_VISIBLE_DEVICES=1 NO_TABLE=1 STAGES="startup decode" bash benchmarks/run_h200.sh ${TP1_MODELS-llama-3-8b:1 qwen3-8b:1 llama-3-8b:8 qwen3-8b:8}
+  CUDA_VISIBLE_DEVICES=1 NO_TABLE=1 STAGES="startup decode" bash benchmarks/run_h200.sh \
+      ${TP1_MODELS:-llama-3-8b:1 qwen3-8b:1 llama-3-8b:8 qwen3-8b:8}
   wait
 fi
 if [[ $STAGES == *" serve "* ]]; then
