@@ -62,3 +62,36 @@ def test_nvshmem_transport_links_and_compiles_for_sm90():
 
     for compiled in run_simulated_ranks(2, compile_rank):
         assert "nvshmemx_putmem_signal_block" in compiled.asm["ptx"] or "putmem_signal" in compiled.asm["llir"]
+
+
+@pytest.mark.skipif(nvshmem_bitcode() is None, reason="needs the nvidia-nvshmem-cu13 wheel's device bitcode")
+def test_every_nvshmem_binding_links_for_sm90():
+    """Each Triton binding of distmk.comm.nvshmem_device names a function libnvshmem_device.bc has, with
+    the argument types it takes (the megakernel calls only some of them)."""
+    import triton
+    import triton.language as tl
+    from distmk.comm import nvshmem_device as nv
+    from distmk.kernels.megakernel import compile_ahead
+
+    @triton.jit
+    def every_binding(buf, sig, out, SIGNAL_ADD: tl.constexpr, CMP_GE: tl.constexpr):
+        pe = (nv.my_pe() + 1) % nv.n_pes()
+        src = buf.to(tl.int64)
+        size = tl.full((), 64, tl.int64)
+        one = tl.full((), 1, tl.uint64)
+        nv.putmem_block(src, src, size, pe)
+        nv.putmem_nbi_block(src, src, size, pe)
+        nv.putmem_warp(src, src, size, pe)
+        nv.putmem_signal_block(src, src, size, sig.to(tl.int64), one, SIGNAL_ADD, pe)
+        nv.putmem_signal_nbi_block(src, src, size, sig.to(tl.int64), one, SIGNAL_ADD, pe)
+        nv.fence()
+        nv.quiet()
+        tl.store(out, nv.signal_wait_until(sig.to(tl.int64), CMP_GE, one).to(tl.int64))
+
+    args = {"buf": torch.zeros(16), "sig": torch.zeros(1, dtype=torch.int64), "out": torch.zeros(1, dtype=torch.int64),
+            "SIGNAL_ADD": 10, "CMP_GE": 5}   # any values compile; on a GPU they come from nvshmem4py
+    compiled = compile_ahead(every_binding, args, {"extern_libs": {"libnvshmem_device": nvshmem_bitcode()}}, 90)
+    for name in ("nvshmem_my_pe", "nvshmem_n_pes", "nvshmemx_putmem_block", "nvshmemx_putmem_nbi_block",
+                 "nvshmemx_putmem_warp", "nvshmemx_putmem_signal_block", "nvshmemx_putmem_signal_nbi_block",
+                 "nvshmem_fence", "nvshmem_quiet", "nvshmem_signal_wait_until"):
+        assert name in compiled.asm["llir"] or name in compiled.asm["ptx"], name
