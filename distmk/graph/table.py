@@ -9,6 +9,7 @@ cost       int64 [T]     bytes each task moves (the scheduler's estimate)
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,10 @@ class TaskTable:
     @property
     def num_workers(self) -> int:
         return self.queue_ptr.shape[0] - 1
+
+    def digest(self) -> int:
+        """crc32 of the tasks and their events: equal tables (every tensor-parallel rank's) give equal digests."""
+        return zlib.crc32(self.tasks.cpu().numpy().tobytes() + self.event_need.cpu().numpy().tobytes())
 
     def worker_queue(self, w: int) -> list[int]:
         return self.queue[self.queue_ptr[w]:self.queue_ptr[w + 1]].tolist()

@@ -8,7 +8,6 @@ import json
 import os
 import statistics
 import time
-import zlib
 
 import torch
 
@@ -33,8 +32,8 @@ def tuning_key(spec, plan, table, dtype, device) -> str:
     gpu = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu"
     shape = (f"h{spec.hidden_size}-i{plan.inter}-q{plan.num_heads}-kv{plan.num_kv_heads}-d{spec.head_dim}"
              f"-v{plan.vocab}-L{spec.num_layers}-bias{int(spec.qkv_bias)}-qkn{int(spec.qk_norm)}")
-    tasks = zlib.crc32(table.tasks.numpy().tobytes())
-    return f"{gpu}|{shape}|tp{plan.tp}|b{table.config.batch}|{str(dtype).removeprefix('torch.')}|tasks{tasks:08x}"
+    dtype = str(dtype).removeprefix("torch.")
+    return f"{gpu}|{shape}|tp{plan.tp}|b{table.config.batch}|{dtype}|tasks{table.digest():08x}"
 
 
 def cached_options(key: str) -> dict | None:

@@ -8,7 +8,6 @@ step() raises WatchdogTimeout naming the task and the event.
 from __future__ import annotations
 
 import os
-import zlib
 
 import torch
 import triton
@@ -145,9 +144,8 @@ class TritonExecutor:
             # gather also keeps every rank from pushing into a peer's buffers before the peer zeroed them.
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            digest = zlib.crc32(table.tasks.numpy().tobytes() + table.event_need.numpy().tobytes())
             on = device if device.type == "cuda" else "cpu"       # NCCL gathers CUDA tensors; meta has no values
-            digests = [int(d) for d in comm.gather(torch.tensor([digest], dtype=torch.int64, device=on))]
+            digests = [int(d) for d in comm.gather(torch.tensor([table.digest()], dtype=torch.int64, device=on))]
             if len(set(digests)) > 1:
                 raise DistmkError(f"tensor-parallel ranks compiled different task tables (digests {digests}): "
                                   f"give every rank the same GraphConfig (workers, batch, tiles) and model")

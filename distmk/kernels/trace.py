@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from distmk.graph.table import TYPE
+from distmk.graph.table import A2, TYPE
 from distmk.tasks import TASK_KINDS
 
 
@@ -44,7 +44,7 @@ def exposed_allreduce_ns(table, timings: torch.Tensor) -> float | None:
     kinds = [TASK_KINDS[int(t)].name for t in table.tasks[:, TYPE].tolist()]
     pushed, reduced = collections.defaultdict(int), collections.defaultdict(int)
     for task, kind in enumerate(kinds):
-        slot = int(table.tasks[task, 4])
+        slot = int(table.tasks[task, A2])
         if kind == "ar_push":
             pushed[slot] = max(pushed[slot], int(timings[task, 2]))
         elif kind == "allreduce":
