@@ -5,10 +5,9 @@ tensor-parallel exchanges need all of them. Only rank 0 looks at the results and
 Messages travel on a gloo process group of their own: an idle server is every other rank waiting in a
 broadcast, which sleeps in gloo instead of spinning. Rank 0 sends something at least every few seconds
 (steps, or heartbeats while idle), so a follower that hears nothing for CONTROL_TIMEOUT knows rank 0 is
-gone, even when no connection reset tells it. A message is
-a header [op, rows, block-table width, needs_logits] and, for a step, an int64 [rows, 2 + width] tensor:
-token, position and block table of each row. While idle, rank 0 sends a heartbeat now and then, so a
-rank that died is noticed without waiting for the next request.
+gone, even when no connection reset tells it; and rank 0 notices a dead rank while idle, without
+waiting for the next request. A message is a header [op, rows, block-table width, needs_logits] and, for
+a step, an int64 [rows, 2 + width] tensor: token, position and block table of each row.
 """
 from __future__ import annotations
 
