@@ -26,9 +26,13 @@ if [[ $STAGES == *" decode "* ]]; then
 fi
 
 if [[ $STAGES == *" startup "* ]]; then
-  # process start to first token, with empty Triton and distmk caches (cold: compiling, autotuning) and warm
+  # process start to first token, with empty Triton, distmk and bytecode caches (cold: compiling, autotuning)
+  # and warm. The device image sets PYTHONDONTWRITEBYTECODE, so its site-packages hold no bytecode and every
+  # process compiled torch's sources again (3 s); a pip install writes bytecode, so here it goes to a cache
+  # of its own (cold compiles it, warm reads it).
   export TRITON_CACHE_DIR=/tmp/distmk_startup/triton DISTMK_CACHE_DIR=/tmp/distmk_startup/distmk
-  rm -rf /tmp/distmk_startup
+  export PYTHONPYCACHEPREFIX=/tmp/distmk_startup/pycache; unset PYTHONDONTWRITEBYTECODE
+  rm -rf /tmp/distmk_startup /tmp/distmk_startup_cold
   for run in cold warm; do
     stamp "start-up, $run" >&2
     t0=$(date +%s.%N)
@@ -36,12 +40,17 @@ if [[ $STAGES == *" startup "* ]]; then
         --device cuda --json > /tmp/startup_$run.json 2> /tmp/startup_$run.log
     t1=$(date +%s.%N)
     generated=$( [ -s /tmp/startup_$run.json ] && cat /tmp/startup_$run.json || echo null )
-    echo "{\"run\": \"$run\", \"process_to_first_token_s\": $(python3 -c "print(round($t1 - $t0, 2))"), \"generate\": $generated}"
+    # kernels in the Triton cache after the run: a warm start that compiles adds some
+    entries=$(ls "$TRITON_CACHE_DIR" 2>/dev/null | wc -l)
+    (cd "$TRITON_CACHE_DIR" && ls -t */*.json) > "$OUT/startup_triton_cache_$run.txt" 2>&1
+    echo "{\"run\": \"$run\", \"process_to_first_token_s\": $(python3 -c "print(round($t1 - $t0, 2))"), \"triton_cache_entries\": $entries, \"generate\": $generated}"
+    [ $run = cold ] && cp -a /tmp/distmk_startup /tmp/distmk_startup_cold
   done > "$OUT/startup_llama-3-8b.jsonl"
-  # where a warm start spends its time (the 2026-11-30 run took 14.8 s, 7.9 s of it in the first step)
+  # where a first warm start spends its time: the caches as the cold run left them, under cProfile
+  rm -rf /tmp/distmk_startup && cp -a /tmp/distmk_startup_cold /tmp/distmk_startup
   python3 -m cProfile -o /tmp/startup_warm.prof -m distmk.generate --model llama-3-8b --prompt-ids 1,2,3 \
       --max-new-tokens 1 --backend triton --device cuda --json > /dev/null 2>&1
-  python3 -c "import pstats; pstats.Stats('/tmp/startup_warm.prof').sort_stats('cumulative').print_stats(50)" \
-      > "$OUT/startup_warm_profile.txt" 2>&1
+  python3 -c "import pstats; s = pstats.Stats('/tmp/startup_warm.prof'); s.sort_stats('cumulative').print_stats(
+      'distmk/|triton/(runtime|compiler)', 60); s.print_callers('_do_compile|make_cubin')" > "$OUT/startup_warm_profile.txt" 2>&1
 fi
 [ -n "${NO_TABLE:-}" ] || python3 benchmarks/results_table.py "$OUT"

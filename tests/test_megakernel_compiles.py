@@ -95,3 +95,11 @@ def test_every_nvshmem_binding_links_for_sm90():
                  "nvshmemx_putmem_warp", "nvshmemx_putmem_signal_block", "nvshmemx_putmem_signal_nbi_block",
                  "nvshmem_fence", "nvshmem_quiet", "nvshmem_signal_wait_until"):
         assert name in compiled.asm["llir"] or name in compiled.asm["ptx"], name
+
+
+def test_executors_share_one_kernel_object():
+    """One @triton.jit object per process: Triton 3.6 hashed a re-imported copy differently, so autotuning's
+    candidates missed the disk cache on the next start."""
+    engines = [Engine("tiny-llama", backend="triton", device="meta", dtype=torch.float32, max_context=64,
+                      config=GraphConfig(batch=batch, workers=132)) for batch in (1, 2)]
+    assert engines[0].executor.kernel is engines[1].executor.kernel

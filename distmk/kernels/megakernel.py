@@ -130,10 +130,19 @@ def generate_source(kinds) -> str:
                             dispatch=dispatch, prefetch=prefetch, broadcast=broadcast)
 
 
+_LOADED = {}      # source digest -> kernel, one per process
+
+
 def load_megakernel(kinds):
-    """Generate, write and import the megakernel module; returns its @triton.jit kernel."""
+    """Generate, write and import the megakernel module; returns its @triton.jit kernel, the same object for
+    every executor of the process. Sharing it matters beyond the import: on Triton 3.6 a second import of the
+    module hashed differently once the first had been launched, so a start-up whose autotuning had compiled
+    its candidates through several imports found none of them in Triton's disk cache the next time (the warm
+    start compiled again: 6-7 s)."""
     source = generate_source(kinds)
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    if digest in _LOADED:
+        return _LOADED[digest]
     cache = os.environ.get("DISTMK_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "distmk")
     os.makedirs(cache, exist_ok=True)
     path = os.path.join(cache, f"megakernel_{digest}.py")
@@ -145,6 +154,7 @@ def load_megakernel(kinds):
     spec = importlib.util.spec_from_file_location(f"distmk_megakernel_{digest}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    _LOADED[digest] = module.megakernel
     return module.megakernel
 
 
