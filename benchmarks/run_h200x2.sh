@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Two H200s (device kind nvidia-h200-x2): the STAGES named, in this order ("tp1 tp2" fits one device call):
-#   tp2      tensor-parallel GPU tests, tp=2 decode.py for TP2_MODELS (none by default; e.g. llama-3-8b:8)
+#   tp2      tensor-parallel GPU tests (TP2_TESTS=0 skips them), tp=2 decode.py for TP2_MODELS (none by
+#            default; e.g. llama-3-8b:8)
 #   allreduce, overlap   allreduce.py, overlap.py
 #   tp1      run_h200.sh's GPU tests on GPU 0 while GPU 1 runs decode.py for TP1_MODELS (with transformers'
 #            eager baseline) and then times start-up
