@@ -136,9 +136,9 @@ _LOADED = {}      # source digest -> kernel, one per process
 def load_megakernel(kinds):
     """Generate, write and import the megakernel module; returns its @triton.jit kernel, the same object for
     every executor of the process. Sharing it matters beyond the import: on Triton 3.6 a second import of the
-    module hashed differently once the first had been launched, so a start-up whose autotuning had compiled
-    its candidates through several imports found none of them in Triton's disk cache the next time (the warm
-    start compiled again: 6-7 s)."""
+    module hashed differently from the first, so of the candidates that autotuning had compiled through one
+    import each, the next process found only the first in Triton's disk cache (the warm start compiled the
+    chosen one again: 6-7 s)."""
     source = generate_source(kinds)
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     if digest in _LOADED:
