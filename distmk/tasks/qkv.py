@@ -127,10 +127,8 @@ class QKV(TaskKind):
         if lw.bqkv is not None:
             out = out + lw.bqkv[slot * d + cols].float()
         if slot >= plan.num_heads + plan.num_kv_heads:
-            pos = ctx.positions[:n]
-            blocks = ctx.block_table[torch.arange(n), pos // ctx.block_size]
-            head = slot - plan.num_heads - plan.num_kv_heads
-            ctx.v_cache[layer, blocks[:, None], (pos % ctx.block_size)[:, None], head, cols] = out.to(ctx.dtype)
+            store_kv_reference(ctx, ctx.v_cache, layer, slot - plan.num_heads - plan.num_kv_heads, cols,
+                               out.to(ctx.dtype))
         elif spec.qk_norm and parts > 1:                          # the whole head is qk_finish's
             ctx.buf["qk_raw"][:n, slot, cols] = out
         else:
@@ -157,5 +155,14 @@ def norm_rope_store_reference(ctx, layer: int, slot: int, part: int, parts: int,
     if is_q:
         ctx.buf["q"][:n, slot, cols] = out
     else:
-        blocks = ctx.block_table[torch.arange(n), pos // ctx.block_size]
-        ctx.k_cache[layer, blocks[:, None], (pos % ctx.block_size)[:, None], slot - plan.num_heads, cols] = out
+        store_kv_reference(ctx, ctx.k_cache, layer, slot - plan.num_heads, cols, out)
+
+
+def store_kv_reference(ctx, cache: torch.Tensor, layer: int, head: int, cols: torch.Tensor,
+                       values: torch.Tensor) -> None:
+    """Write columns `cols` of one head's [rows, columns] `values` at each row's position of the paged cache
+    (store_kv's semantics)."""
+    n = ctx.num_rows
+    pos = ctx.positions[:n]
+    blocks = ctx.block_table[torch.arange(n), pos // ctx.block_size]
+    cache[layer, blocks[:, None], (pos % ctx.block_size)[:, None], head, cols] = values
