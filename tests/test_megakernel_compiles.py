@@ -103,3 +103,24 @@ def test_executors_share_one_kernel_object():
     engines = [Engine("tiny-llama", backend="triton", device="meta", dtype=torch.float32, max_context=64,
                       config=GraphConfig(batch=batch, workers=132)) for batch in (1, 2)]
     assert engines[0].executor.kernel is engines[1].executor.kernel
+
+
+def test_weight_ring_compiles_for_sm90():
+    """The Gluon weight ring (distmk/kernels/ring.py: TMA producer warp, mbarrier ring, wgmma consumer) builds
+    with the Triton this machine has: Gluon moves between releases, and the GPU image runs another one."""
+    pytest.importorskip("triton.experimental.gluon")
+    from distmk.kernels import ring
+    from distmk.models.presets import preset
+    from distmk.models.shard import plan_shard
+    from distmk.tasks import TYPE_ID
+    spec = preset("llama-3-8b")
+    plan = plan_shard(spec, 1, 0)
+    shape = dict(H=spec.hidden_size, D=spec.head_dim, HQ=plan.num_heads, HKV=plan.num_kv_heads, INTER=plan.inter,
+                 QKV_PARTS=2, QKV_ID=TYPE_ID["qkv"], OPROJ_ID=TYPE_ID["o_proj"], GATEUP_ID=TYPE_ID["gate_up"],
+                 DOWN_ID=TYPE_ID["down"])
+    probe = ring.compile_ring_stream(rows=64, n=132 * 64, k=4096, block_n=64, block_k=256, stages=4, x_stages=3,
+                                     programs=132, mode=1)
+    for compiled in (probe, ring.compile_ring_matmuls(shape)):
+        assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
+        ptx = compiled.asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx
