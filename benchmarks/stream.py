@@ -1,0 +1,287 @@
+"""How fast the matmul tasks stream weights, apart from the rest of the decode step; one JSON object.
+
+    python benchmarks/stream.py --model llama-3-8b --json --out benchmarks/results/x/stream.json
+
+Measured in one process on one GPU:
+1. the read ceiling: the streaming-read kernel of decode.py's roofline;
+2. the megakernel itself running only the step's matmul tasks (qkv, o_proj, gate_up, down) of --layers layers,
+   the same tiles and code: first with no waits at all ("free"), then with a full barrier between
+   phases as the step has them ("phases": each phase waits for every task of the one before); GB/s
+   overall, and per task type from a traced run: a tile's bytes over its running time, per worker and as if
+   every worker streamed at that rate;
+3. the same two tables through the weight ring (distmk/kernels/ring.py, Gluon: a TMA producer warp fills a
+   shared-memory ring from the worker's queue while the consumer waits on events and computes; the
+   matmuls' epilogues aside), after a one-layer check against torch;
+4. the ring against its plain-`tl` twin over 32 stacked layer matrices, with and without a full-grid
+   barrier between layers: what a phase boundary costs each.
+A try takes seconds: this is where the matmul path is iterated on, not in full decode runs.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import statistics
+import sys
+
+import torch
+import triton
+
+from baselines import measure_hbm_read_bandwidth
+from decode import git_commit
+
+MATMULS = ("qkv", "o_proj", "gate_up", "down")     # a layer's phases, in step order
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3-8b", help="preset name or Hugging Face checkpoint directory")
+    p.add_argument("--batch", type=int, default=1, help="rows per step")
+    p.add_argument("--layers", type=int, default=0, help="layers whose matmul tasks run (0: all)")
+    p.add_argument("--iters", type=int, default=50, help="timed launches per measurement")
+    p.add_argument("--options", default='{"prefetch_kb": 0}',
+                   help='megakernel options as JSON (given options skip autotuning), e.g. {"num_stages": 5}')
+    p.add_argument("--no-ring", action="store_true", help="skip both weight-ring measurements (3. and 4.)")
+    p.add_argument("--no-probe", action="store_true", help="skip the stacked-layer probe (4.)")
+    p.add_argument("--json", action="store_true", help="print the JSON on one line (default: indented)")
+    p.add_argument("--out", help="also write the JSON to this file")
+    args = p.parse_args(argv)
+    if min(args.batch, args.iters) < 1 or args.layers < 0:
+        p.error("--batch and --iters must be >= 1, --layers >= 0")
+    return args
+
+
+def matmul_table(table, layers: int, phases: bool):
+    """The step's matmul tasks of the first `layers` layers, rescheduled over the same workers: with no events
+    at all, or each phase waiting for all of the previous one (a layer's qkv waits for the last down)."""
+    from distmk.graph.scheduler import schedule
+    from distmk.graph.table import LAYER, SIGNAL, TYPE, WAIT
+    from distmk.tasks import TYPE_ID
+    types = table.tasks[:, TYPE].tolist()
+    keep = [t for t, kind in enumerate(types)
+            if kind in [TYPE_ID[m] for m in MATMULS] and int(table.tasks[t, LAYER]) < layers]
+    tasks = table.tasks[keep].clone()
+    phase = torch.tensor([int(tasks[i, LAYER]) * len(MATMULS) + MATMULS.index(_name(tasks[i, TYPE]))
+                          for i in range(len(keep))])
+    order = torch.argsort(phase, stable=True)          # emission order = phase order, a topological order
+    tasks, phase = tasks[order], phase[order]
+    num_phases = int(phase.max()) + 1
+    if phases:
+        tasks[:, SIGNAL] = phase.to(torch.int32)
+        tasks[:, WAIT] = (phase - 1).to(torch.int32)      # the first phase waits on nothing (-1)
+        need = torch.bincount(phase, minlength=num_phases).to(torch.int32)
+    else:
+        tasks[:, WAIT] = -1
+        tasks[:, SIGNAL] = -1
+        need = torch.ones(1, dtype=torch.int32)
+    names = [f"phase{p}" for p in range(len(need))]
+    return schedule(tasks, need, table.cost[keep][order], names, table.config)
+
+
+def _name(type_id) -> str:
+    from distmk.tasks import TASK_KINDS
+    return TASK_KINDS[int(type_id)].name
+
+
+def run_megakernel(engine, table, iters: int, workers: int) -> dict:
+    """GB/s of `table` in the megakernel (graph replays) and, from a traced launch, per task type."""
+    from distmk.graph.table import TYPE
+    from distmk.kernels.autotune import launch_times
+    from distmk.kernels.executor import TritonExecutor
+    options = {k: v for k, v in engine.executor.options.items() if k != "trace"}
+
+    def executor(trace):
+        ex = TritonExecutor(table, engine.spec, engine.weights, engine.kv, engine.comm, engine.dtype,
+                            **{**options, "trace": trace, "cuda_graph": not trace})
+        ex.rows.fill_(engine.config.batch)
+        ex.positions.fill_(0)
+        return ex
+
+    timed = executor(False)
+    ms = statistics.median(launch_times(timed, iters, warmup=5))
+    del timed
+    traced = executor(True)
+    for _ in range(3):
+        traced.launch()
+    traced.check()
+    timings = traced.timings()
+    run_ns = (timings[:, 2] - timings[:, 1]).double()
+    total = int(table.cost.sum())
+    per_type = {}
+    for kind in MATMULS:
+        rows = [t for t, k in enumerate(table.tasks[:, TYPE].tolist()) if _name(k) == kind]
+        if rows:
+            nbytes, ns = float(table.cost[rows].sum()), float(run_ns[rows].sum())
+            per_type[kind] = {"tasks": len(rows), "tile_bytes": nbytes / len(rows), "tile_us": ns / len(rows) / 1e3,
+                              "gbps_per_worker": nbytes / ns, "gbps_all_workers": nbytes / ns * workers}
+    span = int(timings[:, 2].max() - timings[:, 0].min())
+    return {"ms": ms, "bytes": total, "gbps": total / ms / 1e6, "traced_span_ms": span / 1e6,
+            "wait_fraction": float((timings[:, 1] - timings[:, 0]).sum()) / (span * workers), "per_type": per_type}
+
+
+def ring_matmuls_runner(engine, b_pad: int = 16, block_k: int = 256, stages: int = 4, x_stages: int = 4):
+    """A function that runs a matmul table through distmk.kernels.ring.ring_matmuls over the engine's own
+    weights (random inputs), returning its outputs; the launch zeroes the event counters first."""
+    from distmk.kernels import ring
+    from distmk.kernels.layout import stack_layers
+    from distmk.tasks import TYPE_ID
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    spec, plan, device = engine.spec, engine.plan, engine.device
+    stacked = stack_layers(engine.weights)
+    w_layout, x_layout = ring.matmul_layouts(block_k, b_pad)
+    weights = [TensorDescriptor.from_tensor(stacked[name].view(-1, stacked[name].shape[-1]), [16, block_k], w_layout)
+               for name in ("wqkv", "wo", "w_gate", "w_up", "w_down")]
+    # the inputs of qkv and gate_up, of o_proj, of down
+    inputs = [torch.randn(b_pad, k, device=device, dtype=torch.bfloat16)
+              for k in (spec.hidden_size, plan.num_heads * spec.head_dim, plan.inter)]
+    x_descs = [TensorDescriptor.from_tensor(x, [b_pad, block_k], x_layout) for x in inputs]
+    rows_qkv = (plan.num_heads + 2 * plan.num_kv_heads) * spec.head_dim
+    outs = {name: torch.zeros(b_pad, cols, device=device) for name, cols in
+            (("qkv", rows_qkv), ("o_proj", spec.hidden_size), ("gate_up", 2 * plan.inter), ("down", spec.hidden_size))}
+    rows = torch.full((1,), engine.config.batch, dtype=torch.int32, device=device)
+    ids = {f"{name.upper()}_ID": TYPE_ID[kind] for name, kind in
+           (("qkv", "qkv"), ("oproj", "o_proj"), ("gateup", "gate_up"), ("down", "down"))}
+
+    def run(table):
+        t = table.to(device)
+        counters = torch.zeros(len(table.event_need), dtype=torch.int64, device=device)
+
+        def launch():
+            counters.zero_()
+            ring.ring_matmuls[(table.num_workers,)](
+                t.tasks, t.queue, t.queue_ptr, t.event_need, counters, rows, *weights, *x_descs, *outs.values(),
+                spec.hidden_size, spec.head_dim, plan.num_heads, plan.num_kv_heads, plan.inter, engine.config.qkv_parts,
+                64, stages, x_stages, **ids, num_warps=4)
+        return launch
+
+    def expected(layer: int = 0):
+        """What the matmul tasks of `layer` write, in float32."""
+        lw = engine.weights.layers[layer]
+        xh, xa, xi = (x.float() for x in inputs)
+        n = engine.config.batch
+        return {"qkv": xh[:n] @ lw.wqkv.float().t(), "o_proj": xa[:n] @ lw.wo.float().t(),
+                "gate_up": torch.cat([xh[:n] @ lw.w_gate.float().t(), xh[:n] @ lw.w_up.float().t()], dim=1),
+                "down": xi[:n] @ lw.w_down.float().t()}
+    return run, outs, expected
+
+
+def run_ring_matmuls(engine, ceiling: float, iters: int, layers: int, log) -> dict:
+    """The step's matmul tables (free and phases) through the weight ring; first a one-layer table checked
+    against torch."""
+    run, outs, expected = ring_matmuls_runner(engine)
+    run(matmul_table(engine.table, 1, phases=False))()
+    torch.cuda.synchronize()
+    n = engine.config.batch
+    errors = {k: float(((outs[k][:n] - v).abs().max() / v.abs().max())) for k, v in expected().items()}
+    log(f"ring matmuls, one layer against torch: relative max error {errors}")
+    result = {"relative_error": errors}
+    for mode in ("free", "phases"):
+        table = matmul_table(engine.table, layers, phases=mode == "phases")
+        ms = triton.testing.do_bench(run(table), warmup=5, rep=max(20, iters), return_mode="median")
+        total = int(table.cost.sum())
+        result[mode] = {"ms": ms, "bytes": total, "gbps": total / ms / 1e6, "of_read": total / ms / 1e-3 / ceiling}
+        log(f"ring matmuls of {layers} layers, {mode}: {ms:.3f} ms, {total / ms / 1e6:.0f} GB/s "
+            f"({result[mode]['of_read']:.2f} of the read ceiling; includes zeroing the counters)")
+    return result
+
+
+def run_ring(device, iters: int, log) -> list[dict]:
+    """The weight ring against its tl twin over 32 layers of [SMs * rows, 4096] bf16 (2.2 GB at 64 rows),
+    barrier off and on; a few tile shapes each. Each Gluon configuration is checked against torch first."""
+    from distmk.kernels import ring
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    layers, k, b_pad = 32, 4096, 16
+    results = []
+    for rows in (64, 128):
+        n = sms * rows
+        w = torch.randn(layers * n, k, device=device, dtype=torch.bfloat16)
+        y = torch.randn(2, b_pad, n, device=device, dtype=torch.bfloat16) * 0.1
+        counters = torch.zeros(layers, device=device, dtype=torch.int32)
+        nbytes = w.numel() * w.element_size()
+        configs = [("tl", 64, 256, 4, 0), ("tl", 64, 128, 6, 0)]
+        configs += [("gluon", bn, bk, stages, xd) for bn, bk, stages, xd in
+                    ((64, 256, 4, 3), (64, 256, 4, 4), (64, 128, 8, 4), (64, 128, 8, 6), (128, 128, 6, 4))
+                    if rows % bn == 0]
+        for kernel, bn, bk, stages, xd in configs:
+            if kernel == "tl":
+                def launch(layer_count, mode):
+                    ring.tl_stream[(sms,)](w, y, counters, layer_count, rows, n, k, bn, bk, b_pad, sms, stages, mode,
+                                           num_warps=4)
+            else:
+                w_desc, x_desc = ring.stream_descriptors(w, y, bn, bk, b_pad)
+
+                def launch(layer_count, mode):
+                    ring.ring_stream[(sms,)](w_desc, x_desc, y, counters, layer_count, rows, n, k, stages, xd, sms,
+                                             mode, num_warps=4)
+            y.copy_(torch.randn_like(y) * 0.1)
+            before = y.clone()
+            launch(1, 0)
+            expected = before[0].float()[:, :k] @ w[:n].float().t() * ring.STREAM_SCALE.value
+            error = float((y[1].float() - expected).abs().max() / expected.abs().max())
+            for mode in (0, 1):
+                def step():
+                    counters.zero_()
+                    launch(layers, mode)
+                ms = triton.testing.do_bench(step, warmup=5, rep=max(20, iters), return_mode="median")
+                row = {"kernel": kernel, "rows": rows, "block_n": bn, "block_k": bk, "stages": stages, "x_stages": xd,
+                       "barrier": bool(mode), "gbps": nbytes / ms / 1e6, "us_per_layer": ms * 1e3 / layers,
+                       "relative_error": error}
+                results.append(row)
+                log(f"ring {kernel:5s} rows {rows} BN {bn} BK {bk} stages {stages} x {xd} barrier {mode}: "
+                    f"{row['gbps']:.0f} GB/s, {row['us_per_layer']:.2f} us/layer (error {error:.1e})")
+        del w
+        torch.cuda.empty_cache()
+    return results
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+
+    def log(msg):
+        print(f"[stream] {msg}", file=sys.stderr, flush=True)
+
+    if not torch.cuda.is_available():
+        log("no CUDA GPU is visible: stream.py measures GPU kernels")
+        return 2
+    from distmk.kernels.bench import decode_engine
+    device = torch.device("cuda", torch.cuda.current_device())
+    result = {"model": args.model, "batch": args.batch}
+    ceiling = measure_hbm_read_bandwidth(device)
+    result["read_gbps"] = ceiling / 1e9
+    log(f"read ceiling {ceiling / 1e9:.0f} GB/s")
+    engine = decode_engine(args.model, args.batch, 512, **json.loads(args.options))
+    layers = args.layers or engine.spec.num_layers
+    workers = engine.table.num_workers
+    result.update(layers=layers, workers=workers, options={k: v for k, v in engine.executor.options.items()})
+    for mode in ("free", "phases"):
+        table = matmul_table(engine.table, layers, phases=mode == "phases")
+        figures = run_megakernel(engine, table, args.iters, workers)
+        figures["of_read"] = figures["gbps"] * 1e9 / ceiling
+        result[f"megakernel_{mode}"] = figures
+        log(f"megakernel, matmul tasks of {layers} layers, {mode}: {figures['ms']:.3f} ms, {figures['gbps']:.0f} GB/s "
+            f"({figures['of_read']:.2f} of the read ceiling), waits {figures['wait_fraction']:.1%} of worker time")
+        for kind, f in figures["per_type"].items():
+            log(f"  {kind:8s} {f['tasks']:5d} tiles of {f['tile_bytes'] / 1e6:.2f} MB in {f['tile_us']:.1f} us: "
+                f"{f['gbps_per_worker']:.1f} GB/s per worker, {f['gbps_all_workers']:.0f} GB/s on all")
+    if not args.no_ring:
+        result["ring_matmuls"] = run_ring_matmuls(engine, ceiling, args.iters, layers, log)
+    del engine
+    torch.cuda.empty_cache()
+    if not (args.no_ring or args.no_probe):
+        result["ring"] = run_ring(device, args.iters, log)
+    result.update(gpu=torch.cuda.get_device_name(device), torch=torch.__version__, triton=triton.__version__,
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  command=shlex.join(["python", *sys.argv]), distmk_commit=git_commit())
+    text = json.dumps(result, indent=None if args.json else 2)
+    print(text, flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
