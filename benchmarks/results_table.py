@@ -20,8 +20,9 @@ def decode_rows(records):
             yield f"decode {r.get('model')} tp{r.get('tp')} b{r.get('batch')}: {error}"
             continue
         yield (f"decode {r['model']:<12} tp{r['tp']} b{r['batch']}: step {r['step_ms']:.3f} ms  roofline "
-               f"{fmt(r['roofline_ms'], '.3f')}  eff {fmt(r['efficiency'])}  graph {fmt(r['cudagraph_ms'])} "
-               f"(x{fmt(r['speedup_vs_cudagraph'])})  hf {fmt(r['hf_eager_ms'], '.1f')}  "
+               f"{fmt(r['roofline_ms'], '.3f')}  eff {fmt(r['efficiency'])}  compiled graph "
+               f"{fmt(r.get('cudagraph_compiled_ms'))} (x{fmt(r.get('speedup_vs_compiled'))})  graph "
+               f"{fmt(r['cudagraph_ms'])} (x{fmt(r['speedup_vs_cudagraph'])})  hf {fmt(r['hf_eager_ms'], '.1f')}  "
                f"allreduce {fmt(r.get('allreduce_us'), '.1f')} us  peer wait {fmt(r.get('peer_wait_fraction'), '.3f')}")
 
 
