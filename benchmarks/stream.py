@@ -7,8 +7,8 @@ Measured in one process on one GPU:
 2. the megakernel itself running only the step's matmul tasks (qkv, o_proj, gate_up, down) of --layers layers,
    the same tiles and code: first with no waits at all ("free"), then with a full barrier between
    phases as the step has them ("phases": each phase waits for every task of the one before); GB/s
-   overall, and per task type from a traced run: a tile's bytes over its running time, per worker and as if
-   every worker streamed at that rate;
+   overall, and per task type from a traced run: a tile's weight bytes over its running time, per worker and
+   as if every worker streamed at that rate;
 3. the same two tables through the weight ring (distmk/kernels/ring.py, Gluon: a TMA producer warp fills a
    shared-memory ring from the worker's queue while the consumer waits on events and computes; the
    matmuls' epilogues aside), after a one-layer check against torch;
@@ -80,6 +80,18 @@ def matmul_table(table, layers: int, phases: bool):
     return schedule(tasks, need, table.cost[keep][order], names, table.config)
 
 
+def weight_bytes(table, engine) -> torch.Tensor:
+    """Bytes of weights each matmul task of `table` reads (the activations it reads come from L2)."""
+    from distmk.graph.table import A1, TYPE
+    spec, plan, size = engine.spec, engine.plan, engine.dtype.itemsize
+    per_row = {"qkv": 2 * spec.hidden_size, "o_proj": plan.num_heads * spec.head_dim,
+               "gate_up": 2 * spec.hidden_size, "down": plan.inter}      # qkv and gate_up: two matrices each
+    qkv_rows = spec.head_dim // 2 // engine.config.qkv_parts
+    rows = [qkv_rows if _name(t) == "qkv" else int(a1) for t, a1 in table.tasks[:, [TYPE, A1]].tolist()]
+    return torch.tensor([r * per_row[_name(t)] * size for r, t in zip(rows, table.tasks[:, TYPE].tolist())],
+                        dtype=torch.float64)
+
+
 def _name(type_id) -> str:
     from distmk.tasks import TASK_KINDS
     return TASK_KINDS[int(type_id)].name
@@ -108,16 +120,17 @@ def run_megakernel(engine, table, iters: int, workers: int) -> dict:
     traced.check()
     timings = traced.timings()
     run_ns = (timings[:, 2] - timings[:, 1]).double()
-    total = int(table.cost.sum())
+    tile_bytes = weight_bytes(table, engine)
+    total = int(tile_bytes.sum())
     per_type = {}
     for kind in MATMULS:
         rows = [t for t, k in enumerate(table.tasks[:, TYPE].tolist()) if _name(k) == kind]
         if rows:
-            nbytes, ns = float(table.cost[rows].sum()), float(run_ns[rows].sum())
+            nbytes, ns = float(tile_bytes[rows].sum()), float(run_ns[rows].sum())
             per_type[kind] = {"tasks": len(rows), "tile_bytes": nbytes / len(rows), "tile_us": ns / len(rows) / 1e3,
                               "gbps_per_worker": nbytes / ns, "gbps_all_workers": nbytes / ns * workers}
     span = int(timings[:, 2].max() - timings[:, 0].min())
-    return {"ms": ms, "bytes": total, "gbps": total / ms / 1e6, "traced_span_ms": span / 1e6,
+    return {"ms": ms, "bytes": total, "gbps": total / ms / 1e6, "traced_span_ms": span / 1e6,  # weight bytes
             "wait_fraction": float((timings[:, 1] - timings[:, 0]).sum()) / (span * workers), "per_type": per_type}
 
 
@@ -180,7 +193,7 @@ def run_ring_matmuls(engine, ceiling: float, iters: int, layers: int, log) -> di
     for mode in ("free", "phases"):
         table = matmul_table(engine.table, layers, phases=mode == "phases")
         ms = triton.testing.do_bench(run(table), warmup=5, rep=max(20, iters), return_mode="median")
-        total = int(table.cost.sum())
+        total = int(weight_bytes(table, engine).sum())
         result[mode] = {"ms": ms, "bytes": total, "gbps": total / ms / 1e6, "of_read": total / ms / 1e-3 / ceiling}
         log(f"ring matmuls of {layers} layers, {mode}: {ms:.3f} ms, {total / ms / 1e6:.0f} GB/s "
             f"({result[mode]['of_read']:.2f} of the read ceiling; includes zeroing the counters)")
