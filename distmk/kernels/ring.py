@@ -38,47 +38,94 @@ def _acquire(ptr):
 
 
 @gluon.jit
-def _stream_producer(w_desc, ring, ready, empty, layers, ROWS: gl.constexpr, N: gl.constexpr, K: gl.constexpr):
-    """Every weight tile of this program, in the consumer's order, into the ring as slots come free."""
+def _produce(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c):
+    """The slots of `rows` weight rows from row0: BN rows a slot (in boxes of the descriptor's rows), BK columns
+    at a time, each copied as soon as the consumer frees its slot; returns the slots used so far."""
     NBUF: gl.constexpr = ring.type.shape[0]
-    BN: gl.constexpr = w_desc.block_type.shape[0]
-    BK: gl.constexpr = w_desc.block_type.shape[1]
+    BN: gl.constexpr = ring.type.shape[1]
+    BOX: gl.constexpr = desc.block_type.shape[0]
+    BK: gl.constexpr = desc.block_type.shape[1]
+    for j in range(0, rows, BN):
+        boxes = (gl.minimum(rows - j, BN) + BOX - 1) // BOX
+        for k in range(0, K, BK):
+            s = c % NBUF
+            slot = ring.index(s)
+            mbarrier.wait(empty.index(s), ((c // NBUF) & 1) ^ 1)      # slots start free (phase 1 done)
+            for nb in gl.static_range(1, BN // BOX + 1):                  # expect takes a constant byte count
+                mbarrier.expect(ready.index(s), nb * desc.block_type.nbytes, pred=boxes == nb)
+            for b in gl.static_range(BN // BOX):
+                tma_load(desc, [row0 + j + b * BOX, k], ready.index(s), slot.slice(b * BOX, BOX), pred=b < boxes)
+            c += 1
+    return c
+
+
+@gluon.jit
+def _consume(x_desc, x_row, out, OUT_STRIDE: gl.constexpr, col0, rows, n, K: gl.constexpr, SCALE: gl.constexpr,
+             ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr):
+    """out[:n, col0:col0 + rows] = SCALE * x[x_row:x_row + n] @ W^T over the ring's next slots (as _produce filled
+    them): one wgmma per slot, one in flight while the next is waited for; the input slices come by TMA, XD - 1
+    ahead, issued here because they may depend on the event just waited for. Returns the slots and input
+    slices used so far."""
+    NBUF: gl.constexpr = ring.type.shape[0]
+    BN: gl.constexpr = ring.type.shape[1]
+    XD: gl.constexpr = xring.type.shape[0]
+    B_PAD: gl.constexpr = xring.type.shape[1]
+    BK: gl.constexpr = xring.type.shape[2]
+    KT: gl.constexpr = K // BK
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, B_PAD, 16])
+    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
+    rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(0, acc_layout))
+    for j in range(0, rows, BN):
+        for p in gl.static_range(XD - 1):
+            slot = (cx + p) % XD
+            mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=p < KT)
+            tma_load(x_desc, [x_row, (p % KT) * BK], xready.index(slot), xring.index(slot), pred=p < KT)
+        acc = gl.zeros([BN, B_PAD], gl.float32, layout=acc_layout)
+        for it in range(KT):
+            xs = (cx + it) % XD
+            mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1)
+            s = c % NBUF
+            mbarrier.wait(ready.index(s), (c // NBUF) & 1)
+            acc = warpgroup_mma(ring.index(s), xring.index(xs).permute((1, 0)), acc, use_acc=it > 0, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+            # the previous wgmma is done: its weight slot goes back to the producer, its input slot is refilled
+            mbarrier.arrive(empty.index((c + NBUF - 1) % NBUF), count=1, pred=it > 0)
+            ahead = it + XD - 1
+            slot = (cx + ahead) % XD
+            mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=ahead < KT)
+            tma_load(x_desc, [x_row, (ahead % KT) * BK], xready.index(slot), xring.index(slot), pred=ahead < KT)
+            c += 1
+            if it == KT - 1:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+                mbarrier.arrive(empty.index(s), count=1)
+                mask = (rn < rows - j)[:, None] & (rb < n)[None, :]
+                gl.store(out + rb[None, :] * OUT_STRIDE + (col0 + j + rn)[:, None],
+                         (acc * SCALE).to(out.dtype.element_ty), mask=mask)
+        cx += KT
+    return c, cx
+
+
+@gluon.jit
+def _stream_producer(w_desc, ring, ready, empty, layers, ROWS: gl.constexpr, N: gl.constexpr, K: gl.constexpr):
+    """This program's rows of every layer, in the consumer's order."""
     row0 = gl.program_id(0) * ROWS
     c = 0
     for layer in range(layers):
-        for j in range(0, ROWS, BN):
-            for k in range(0, K, BK):
-                s = c % NBUF
-                mbarrier.wait(empty.index(s), ((c // NBUF) & 1) ^ 1)      # slots start free (phase 1 done)
-                mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
-                tma_load(w_desc, [layer * N + row0 + j, k], ready.index(s), ring.index(s))
-                c += 1
+        c = _produce(w_desc, layer * N + row0, ROWS, K, ring, ready, empty, c)
 
 
 @gluon.jit
 def _stream_consumer(x_desc, y, counters, ring, ready, empty, xring, xready, layers, ROWS: gl.constexpr,
                      N: gl.constexpr, K: gl.constexpr, NPROG: gl.constexpr, MODE: gl.constexpr,
                      num_warps: gl.constexpr):
-    """y[layer % 2 ^ 1][:, rows] = STREAM_SCALE * x[layer % 2] @ W_layer[rows]^T, one wgmma per ring slot, one in flight
-    while the next slot is waited for; input slices come by TMA XD - 1 ahead (they may depend on the barrier,
-    so they are issued after it)."""
-    NBUF: gl.constexpr = ring.type.shape[0]
-    XD: gl.constexpr = xring.type.shape[0]
-    BN: gl.constexpr = ring.type.shape[1]
-    BK: gl.constexpr = ring.type.shape[2]
+    """y[(layer + 1) % 2][:, rows] = STREAM_SCALE * y[layer % 2] @ W_layer[rows]^T for every layer, after a
+    full-grid barrier (MODE 1)."""
     B_PAD: gl.constexpr = xring.type.shape[1]
-    KT: gl.constexpr = K // BK
-    ITERS: gl.constexpr = ROWS // BN * KT
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, B_PAD, 16])
-    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
-    rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(0, acc_layout))
     row0 = gl.program_id(0) * ROWS
     c = 0           # weight slots consumed
     cx = 0          # input slices used
     for layer in range(layers):
-        x_row = (layer % 2) * B_PAD
-        out = y + ((layer + 1) % 2) * B_PAD * N
         if MODE == 1:
             if layer > 0:
                 seen = _acquire(counters + layer - 1)
@@ -87,34 +134,8 @@ def _stream_consumer(x_desc, y, counters, ring, ready, empty, xring, xready, lay
                     seen = _acquire(counters + layer - 1)
                     polls += 1
                 cta_barrier()
-        for p in gl.static_range(XD - 1):
-            slot = (cx + p) % XD
-            mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=p < ITERS)
-            tma_load(x_desc, [x_row, (p % KT) * BK], xready.index(slot), xring.index(slot),
-                                            pred=p < ITERS)
-        acc = gl.zeros([BN, B_PAD], gl.float32, layout=acc_layout)
-        for it in range(ITERS):
-            k = it % KT
-            xs = (cx + it) % XD
-            mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1)
-            s = c % NBUF
-            mbarrier.wait(ready.index(s), (c // NBUF) & 1)
-            acc = warpgroup_mma(ring.index(s), xring.index(xs).permute((1, 0)), acc, use_acc=k > 0, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-            # the previous wgmma is done: its weight slot goes back to the producer, its input slot is refilled
-            mbarrier.arrive(empty.index((c + NBUF - 1) % NBUF), count=1, pred=k > 0)
-            ahead = it + XD - 1
-            slot = (cx + ahead) % XD
-            mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=ahead < ITERS)
-            tma_load(x_desc, [x_row, (ahead % KT) * BK], xready.index(slot),
-                                            xring.index(slot), pred=ahead < ITERS)
-            c += 1
-            if k == KT - 1:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-                mbarrier.arrive(empty.index(s), count=1)
-                rows = row0 + it // KT * BN + rn
-                gl.store(out + rb[None, :] * N + rows[:, None], (acc * STREAM_SCALE).to(out.dtype.element_ty))
-        cx += ITERS
+        c, cx = _consume(x_desc, (layer % 2) * B_PAD, y + ((layer + 1) % 2) * B_PAD * N, N, row0, ROWS, B_PAD, K,
+                         STREAM_SCALE, ring, ready, empty, xring, xready, c, cx, num_warps)
         if MODE == 1:
             cta_barrier()
             gl.atomic_add(counters + layer, 1, sem="release", scope="gpu")
@@ -259,27 +280,6 @@ def _segment(kind, layer, a0, a1, seg: gl.constexpr, H: gl.constexpr, D: gl.cons
 
 
 @gluon.jit
-def _produce(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c):
-    """The slots of `rows` weight rows from row0, BN rows a slot, BK columns at a time."""
-    NBUF: gl.constexpr = ring.type.shape[0]
-    BN: gl.constexpr = ring.type.shape[1]
-    BOX: gl.constexpr = desc.block_type.shape[0]
-    BK: gl.constexpr = desc.block_type.shape[1]
-    for j in range(0, rows, BN):
-        boxes = (gl.minimum(rows - j, BN) + BOX - 1) // BOX
-        for k in range(0, K, BK):
-            s = c % NBUF
-            slot = ring.index(s)
-            mbarrier.wait(empty.index(s), ((c // NBUF) & 1) ^ 1)
-            for nb in gl.static_range(1, BN // BOX + 1):
-                mbarrier.expect(ready.index(s), nb * desc.block_type.nbytes, pred=boxes == nb)
-            for b in gl.static_range(BN // BOX):
-                tma_load(desc, [row0 + j + b * BOX, k], ready.index(s), slot.slice(b * BOX, BOX), pred=b < boxes)
-            c += 1
-    return c
-
-
-@gluon.jit
 def _matmul_producer(tasks, queue, queue_ptr, wqkv_desc, wo_desc, wg_desc, wu_desc, wd_desc, ring, ready, empty,
                      H: gl.constexpr, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, INTER: gl.constexpr,
                      QKV_PARTS: gl.constexpr, QKV_ID: gl.constexpr, OPROJ_ID: gl.constexpr,
@@ -306,48 +306,6 @@ def _matmul_producer(tasks, queue, queue_ptr, wqkv_desc, wo_desc, wg_desc, wu_de
                 c = _produce(wu_desc, w_row, rows, H, ring, ready, empty, c)
             elif which == SEG_DOWN:
                 c = _produce(wd_desc, w_row, rows, INTER, ring, ready, empty, c)
-
-
-@gluon.jit
-def _consume(x_desc, out, OUT_STRIDE: gl.constexpr, col0, rows, n, K: gl.constexpr, ring, ready, empty, xring,
-             xready, c, cx, num_warps: gl.constexpr):
-    """out[:n, col0:col0 + rows] = x[:n] @ W^T over the ring's next slots (as _produce filled them)."""
-    NBUF: gl.constexpr = ring.type.shape[0]
-    BN: gl.constexpr = ring.type.shape[1]
-    XD: gl.constexpr = xring.type.shape[0]
-    B_PAD: gl.constexpr = xring.type.shape[1]
-    BK: gl.constexpr = xring.type.shape[2]
-    KT: gl.constexpr = K // BK
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, B_PAD, 16])
-    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
-    rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(0, acc_layout))
-    for j in range(0, rows, BN):
-        for p in gl.static_range(XD - 1):
-            slot = (cx + p) % XD
-            mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=p < KT)
-            tma_load(x_desc, [0, (p % KT) * BK], xready.index(slot), xring.index(slot), pred=p < KT)
-        acc = gl.zeros([BN, B_PAD], gl.float32, layout=acc_layout)
-        for it in range(KT):
-            xs = (cx + it) % XD
-            mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1)
-            s = c % NBUF
-            mbarrier.wait(ready.index(s), (c // NBUF) & 1)
-            acc = warpgroup_mma(ring.index(s), xring.index(xs).permute((1, 0)), acc, use_acc=it > 0, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-            mbarrier.arrive(empty.index((c + NBUF - 1) % NBUF), count=1, pred=it > 0)
-            ahead = it + XD - 1
-            slot = (cx + ahead) % XD
-            mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=ahead < KT)
-            tma_load(x_desc, [0, (ahead % KT) * BK], xready.index(slot), xring.index(slot), pred=ahead < KT)
-            c += 1
-            if it == KT - 1:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-                mbarrier.arrive(empty.index(s), count=1)
-                mask = (rn < rows - j)[:, None] & (rb < n)[None, :]
-                gl.store(out + rb[None, :] * OUT_STRIDE + (col0 + j + rn)[:, None], acc, mask=mask)
-        cx += KT
-    return c, cx
 
 
 @gluon.jit
@@ -382,20 +340,17 @@ def _matmul_consumer(tasks, queue, queue_ptr, event_need, counters, rows_ptr, xh
             which, w_row, rows, col = _segment(kind, layer, a0, a1, seg, H, D, HQ, HKV, INTER, QKV_PARTS, QKV_ID,
                                                OPROJ_ID, GATEUP_ID, DOWN_ID)
             if which == SEG_QKV:
-                c, cx = _consume(xh_desc, out_qkv, (HQ + 2 * HKV) * D, col, rows, n, H, ring, ready, empty, xring,
-                                 xready, c, cx, num_warps)
+                c, cx = _consume(xh_desc, 0, out_qkv, (HQ + 2 * HKV) * D, col, rows, n, H, 1.0, ring, ready, empty,
+                                 xring, xready, c, cx, num_warps)
             elif which == SEG_O:
-                c, cx = _consume(xa_desc, out_o, H, col, rows, n, HQ * D, ring, ready, empty, xring, xready, c, cx,
-                                 num_warps)
-            elif which == SEG_GATE:
-                c, cx = _consume(xh_desc, out_gu, 2 * INTER, col, rows, n, H, ring, ready, empty, xring, xready, c,
-                                 cx, num_warps)
-            elif which == SEG_UP:
-                c, cx = _consume(xh_desc, out_gu, 2 * INTER, col, rows, n, H, ring, ready, empty, xring, xready, c,
-                                 cx, num_warps)
+                c, cx = _consume(xa_desc, 0, out_o, H, col, rows, n, HQ * D, 1.0, ring, ready, empty, xring, xready,
+                                 c, cx, num_warps)
+            elif (which == SEG_GATE) | (which == SEG_UP):     # col tells gate's columns from up's
+                c, cx = _consume(xh_desc, 0, out_gu, 2 * INTER, col, rows, n, H, 1.0, ring, ready, empty, xring,
+                                 xready, c, cx, num_warps)
             elif which == SEG_DOWN:
-                c, cx = _consume(xi_desc, out_down, H, col, rows, n, INTER, ring, ready, empty, xring, xready, c, cx,
-                                 num_warps)
+                c, cx = _consume(xi_desc, 0, out_down, H, col, rows, n, INTER, 1.0, ring, ready, empty, xring, xready,
+                                 c, cx, num_warps)
         if signal >= 0:
             cta_barrier()
             gl.atomic_add(counters + signal, 1, sem="release", scope="gpu")
