@@ -178,13 +178,18 @@ def main(argv=None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     if lead:
-        text = json.dumps(result, indent=None if args.json else 2, default=str)
-        print(text, flush=True)
-        if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                f.write(text + "\n")
+        emit(result, args.json, args.out)
     return 0
+
+
+def emit(result: dict, one_line: bool, out: str | None) -> None:
+    """A benchmark's JSON on stdout (indented unless `one_line`), and in `out` if given."""
+    text = json.dumps(result, indent=None if one_line else 2, default=str)
+    print(text, flush=True)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":

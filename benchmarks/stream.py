@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import shlex
 import statistics
 import sys
@@ -30,7 +29,7 @@ import torch
 import triton
 
 from baselines import measure_hbm_read_bandwidth
-from decode import git_commit
+from decode import emit, git_commit
 
 MATMULS = ("qkv", "o_proj", "gate_up", "down")     # a layer's phases, in step order
 
@@ -287,12 +286,7 @@ def main(argv=None) -> int:
     result.update(gpu=torch.cuda.get_device_name(device), torch=torch.__version__, triton=triton.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   command=shlex.join(["python", *sys.argv]), distmk_commit=git_commit())
-    text = json.dumps(result, indent=None if args.json else 2)
-    print(text, flush=True)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.json, args.out)
     return 0
 
 
