@@ -199,6 +199,17 @@ def test_seeded_sampling_is_reproducible(server):
     assert runs[0] == runs[1] != runs[2]
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_tiny_temperature_and_top_p_act_as_greedy(server, chat):
+    """Temperatures and top_p down to the smallest double (which overflowed float32 and killed the engine)."""
+    prompt = [{"role": "user", "content": "Hi"}] if chat else [1, 2, 3]
+    greedy = complete(server, prompt, 6, chat=chat)
+    for params in ({"temperature": 1e-50}, {"temperature": 1.0, "top_p": 1e-50}, {"temperature": 5e-324, "top_p": 5e-324}):
+        for stream in (False, True):
+            assert complete(server, prompt, 6, stream=stream, chat=chat, **params) == greedy, params
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
 def test_32_concurrent_clients_get_what_they_would_get_alone(server):
     rng = random.Random(3)
     jobs = [([rng.randrange(1, 500) for _ in range(rng.randrange(1, 20))], rng.randrange(2, 10)) for _ in range(8)]

@@ -105,4 +105,6 @@ class Engine:
                 batcher.step()
         finally:
             batcher.cancel(seq)                      # an error mid-way still returns the KV blocks
+        if seq.error:
+            raise DistmkError(seq.error)
         return (seq.output, torch.stack(seq.logits)) if return_logits else seq.output

@@ -81,7 +81,15 @@ class StopStrings:
 
 
 class Aborted(Exception):
-    """The request cannot finish: the engine failed, or the server is shutting down."""
+    """The request cannot finish: the engine failed or the server is shutting down (503), or something
+    went wrong with this request alone (500)."""
+
+    def __init__(self, message: str, status: int = 503):
+        super().__init__(message)
+        self.status = status
+
+    def as_api_error(self) -> "APIError":
+        return APIError(self.status, str(self), type="server_error")
 
 
 @dataclass
@@ -118,9 +126,9 @@ class Generation:
         if not self.closed:
             self.queue.put_nowait((token, finish_reason))
 
-    def on_failure(self, message: str) -> None:
+    def on_failure(self, message: str, status: int = 503) -> None:
         if not self.closed:
-            self.queue.put_nowait(Aborted(message))
+            self.queue.put_nowait(Aborted(message, status))
 
     async def pieces(self):
         metrics = self.served.metrics
@@ -138,8 +146,12 @@ class Generation:
             self.last_token_at = now
             metrics.generation_tokens.inc()
             self.tokens.append(token)
-            text = self.decoder.push(token) + (self.decoder.flush() if finish_reason else "")
-            text, stopped = self.stop.feed(text, final=finish_reason is not None)
+            try:
+                text = self.decoder.push(token) + (self.decoder.flush() if finish_reason else "")
+                text, stopped = self.stop.feed(text, final=finish_reason is not None)
+            except Exception as e:  # noqa: BLE001 - decoding or stop strings failed for this request only
+                self.finish_reason = "error"
+                raise Aborted(f"decoding the output failed: {type(e).__name__}: {e}", status=500) from None
             if stopped and finish_reason is None:
                 self.served.scheduler.cancel(self.seq)         # frees its KV blocks before the next step
             self.finish_reason = "stop" if stopped else finish_reason
@@ -319,7 +331,7 @@ class Reply:
         try:
             text = collect.result()
         except Aborted as e:
-            raise APIError(503, str(e), type="server_error") from None
+            raise e.as_api_error() from None
         choice = {"index": 0, "logprobs": None, "finish_reason": generation.finish_reason}
         choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
         if self.req.return_token_ids:
@@ -350,7 +362,7 @@ class Reply:
                 first = False
                 yield _event({**self.head, "object": obj, "choices": [choice]})
         except Aborted as e:
-            yield _event(APIError(503, str(e), type="server_error").body())
+            yield _event(e.as_api_error().body())
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
             yield _event({**self.head, "object": obj, "choices": [], "usage": self.usage(generation)})
         yield "data: [DONE]\n\n"
