@@ -323,6 +323,8 @@ def test_fuzzed_malformed_requests_get_4xx_and_the_server_stays_up(server):
     ({"model": MODEL, "prompt": "hi", "temperature": "0.5"}, 400, "'temperature': Input should be a valid number"),
     ({"model": MODEL, "prompt": "hi", "tools": []}, 400, "unsupported parameter 'tools'"),
     ({"model": MODEL, "prompt": [1, 9999]}, 400, "outside the vocabulary"),
+    ({"model": MODEL, "prompt": "hi", "stop": "x" * 1_000_000}, 400,
+     "'stop': takes strings of at most 1024 characters, got one of 1000000"),
 ])
 def test_errors_say_what_is_wrong(server, body, status, says):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()

@@ -62,22 +62,50 @@ class Served:
 
 
 class StopStrings:
-    """Cuts text at the first stop string, holding back a tail that may be the start of one."""
+    """Cuts text at the first stop string to appear, holding back a tail that may be the start of one.
+
+    Each stop string keeps its Knuth-Morris-Pratt state (how long a start of it the text ends with), so
+    each character of the text is looked at once per stop string: linear in the text, however long the
+    stop strings are. Of stop strings completed by the same character, the longest wins."""
 
     def __init__(self, stops: list[str]):
         self.stops, self.pending = stops, ""
+        self.fallback = [_kmp_fallback(s) for s in stops]
+        self.matched = [0] * len(stops)
 
     def feed(self, text: str, final: bool) -> tuple[str, bool]:
         """(text that is safe to send, whether a stop string was reached)."""
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[:min(hits)], ""
-            return out, True
-        hold = 0 if final else max((k for s in self.stops for k in range(1, len(s))
-                                    if self.pending.endswith(s[:k])), default=0)
-        out, self.pending = self.pending[:len(self.pending) - hold], self.pending[len(self.pending) - hold:]
+        for end, char in enumerate(text, 1):
+            completed = 0
+            for i, stop in enumerate(self.stops):
+                k = self.matched[i]
+                while k and stop[k] != char:
+                    k = self.fallback[i][k - 1]
+                if stop[k] == char:
+                    k += 1
+                if k == len(stop):
+                    completed = max(completed, k)
+                self.matched[i] = k
+            if completed:
+                seen = self.pending + text[:end]          # the stop string lies in what is not sent yet
+                self.pending = ""
+                return seen[:len(seen) - completed], True
+        seen = self.pending + text
+        hold = 0 if final else max(self.matched, default=0)
+        out, self.pending = seen[:len(seen) - hold], seen[len(seen) - hold:]
         return out, False
+
+
+def _kmp_fallback(s: str) -> list[int]:
+    """fallback[k - 1]: the longest proper prefix of s[:k] that is also a suffix of it."""
+    fallback, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fallback[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fallback[i] = k
+    return fallback
 
 
 class Aborted(Exception):

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 1024          # per stop string: a longer one is refused rather than matched
 
 
 class APIError(Exception):
@@ -59,6 +60,9 @@ def _stop_strings(v: Any) -> list[str]:
         raise ValueError("must be a string or a list of strings")
     if len(stops) > MAX_STOP_STRINGS or not all(stops):
         raise ValueError(f"takes at most {MAX_STOP_STRINGS} non-empty strings")
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(f"takes strings of at most {MAX_STOP_CHARS} characters, got one of {longest}")
     return stops
 
 
