@@ -19,7 +19,7 @@ import threading
 
 from tqdm import tqdm
 
-from distmk.cli import add_engine_args, build_engine, open_comm, select_device
+from distmk.cli import COUNT, NON_NEGATIVE, SEED, add_engine_args, build_engine, int_in, open_comm, select_device
 from distmk.dist import detect_launch
 from distmk.errors import DistmkError
 from distmk.runtime.batcher import StepInputs
@@ -36,23 +36,22 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p, "--max-batch", "rows (tokens) per engine step: one per running sequence, the rest "
                                       "prompt chunks; compiled once at start")
-    p.add_argument("--max-seqs", type=int, default=None,
+    p.add_argument("--max-seqs", type=COUNT, default=None,
                    help="sequences generating at once (default and at most: --max-batch); each has KV-cache "
                         "room for --max-context tokens")
-    p.add_argument("--max-queue", type=int, default=256,
+    p.add_argument("--max-queue", type=NON_NEGATIVE, default=256,
                    help="requests waiting for a place in the batch; beyond: 429")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0: any free port (the startup line says which)")
-    p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
+    p.add_argument("--port", type=int_in(0, 65535), default=8000,
+                   help="0: any free port (the startup line says which)")
+    p.add_argument("--seed", type=SEED, default=0, help="seed of a preset's random weights")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs every request)")
     args = p.parse_args(argv)
     args.max_seqs = args.batch if args.max_seqs is None else args.max_seqs
-    if not 1 <= args.max_seqs <= args.batch:
-        p.error(f"--max-seqs must be in 1..--max-batch ({args.batch}), got {args.max_seqs}")
-    if args.max_queue < 0:
-        p.error(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_seqs > args.batch:
+        p.error(f"argument --max-seqs: must be at most --max-batch ({args.batch}), got {args.max_seqs}")
     return args
 
 
