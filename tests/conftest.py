@@ -36,11 +36,13 @@ def hf_model(name: str, weights_device: str = "cpu"):
 
 @functools.lru_cache(maxsize=None)
 def hf_greedy(name: str, prompt: tuple = tuple(PROMPT), new_tokens: int = 32, weights_device: str = "cpu"):
-    """(tokens, [new_tokens, vocab] logits) of transformers' greedy generate."""
+    """(tokens, [new_tokens, vocab] logits) of transformers' greedy generate. The attention mask is explicit:
+    without one, transformers masks every prompt id equal to pad_token_id."""
+    ids = torch.tensor([list(prompt)])
     with torch.no_grad():
-        out = hf_model(name, weights_device).generate(torch.tensor([list(prompt)]), max_new_tokens=new_tokens, do_sample=False,
-                                      output_logits=True, return_dict_in_generate=True, eos_token_id=None,
-                                      pad_token_id=0)
+        out = hf_model(name, weights_device).generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+            return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
     return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0]
 
 

@@ -47,3 +47,9 @@ def test_qkv_heads_cut_into_column_slices_match(name, parts):
         tokens, logits = generate_tp(name, tp, config=dataclasses.replace(SMALL, qkv_parts=parts))[0]
         assert tokens == ref_tokens
         assert (logits - ref_logits).abs().max() / ref_logits.abs().max() < 1e-4
+
+
+def test_prompt_ids_equal_to_the_pad_id_are_attended():
+    """Token id 0 (the reference's pad_token_id) inside the prompt is a token like any other."""
+    prompt = (0, 1, 0, 2, 0)
+    assert Engine("tiny-llama", config=SMALL).generate(list(prompt), 8) == hf_greedy("tiny-llama", prompt, 8)[0]
