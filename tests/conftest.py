@@ -1,5 +1,6 @@
 """Shared test helpers: the Hugging Face twin of a preset, and its greedy output."""
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -69,3 +70,19 @@ def saved_checkpoints(tmp_path_factory):
         hf_model(name).save_pretrained(path, max_shard_size="200KB" if i == 0 else "1GB")
         paths[name] = str(path)
     return paths
+
+
+@pytest.fixture(scope="session")
+def generation_config_checkpoint(tmp_path_factory):
+    """tiny-llama saved with a generation_config.json as Llama-3 instruct checkpoints ship one: eos ids only
+    there (config.json has none), as a list, one of them the 6th token of transformers' greedy output; and
+    sampling defaults. Returns (path, that generation config)."""
+    tokens = hf_greedy("tiny-llama")[0]
+    stop_at = next(i for i in range(5, len(tokens)) if tokens[i] not in tokens[:i])
+    unused = max(set(range(preset("tiny-llama").vocab_size)) - set(tokens))
+    gen = {"eos_token_id": [unused, tokens[stop_at]], "do_sample": True, "temperature": 0.6, "top_p": 0.9,
+           "top_k": 20}
+    path = tmp_path_factory.mktemp("gen") / "tiny-llama"
+    hf_model("tiny-llama").save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    return str(path), gen

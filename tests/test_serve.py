@@ -13,10 +13,11 @@ import time
 import httpx
 import pytest
 
-from conftest import REPO, torchrun
+from conftest import PROMPT, REPO, hf_greedy, torchrun
 
 MODEL = "tiny-llama"
-ENGINE = ["--model", MODEL, "--backend", "reference", "--device", "cpu", "--log-level", "warning"]
+ON_CPU = ["--backend", "reference", "--device", "cpu", "--log-level", "warning"]
+ENGINE = ["--model", MODEL, *ON_CPU]
 MAX_SEQS, MAX_QUEUE = 8, 32                  # the main server: 8 running, 32 queued, then 429
 CONTEXT = 1024                               # tiny-llama's
 
@@ -459,5 +460,31 @@ def test_single_process_server(tmp_path):
         srv.proc.send_signal(signal.SIGINT)
         assert srv.wait_exit(timeout=30) == 0, srv.output()
         assert "rank 0: stopped" in srv.output()
+    finally:
+        srv.kill()
+
+
+def test_generation_config_eos_and_sampling_defaults(tmp_path, generation_config_checkpoint):
+    """A checkpoint's generation_config.json: its eos ids end a reply where transformers' greedy output
+    reaches one, and its temperature, top_p and top_k are what a request that leaves them out gets."""
+    path, gen = generation_config_checkpoint
+    srv = Server(tmp_path, "gen", [sys.executable, "-m", "distmk.serve", "--model", path, *ON_CPU, "--port", "0",
+                                   "--served-model-name", MODEL])
+    try:
+        srv.wait_ready()
+        _, tokens, finish = complete(srv, PROMPT, 32)
+        assert finish == "stop" and tokens[-1] in gen["eos_token_id"]
+        assert tokens == hf_greedy("tiny-llama")[0][:len(tokens)] and len(tokens) < 32
+
+        def sampled(**params):
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "seed": 7, "ignore_eos": True,
+                    "return_token_ids": True, **params}
+            r = post(srv, "/v1/completions", body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        checkpoints = sampled(temperature=gen["temperature"], top_p=gen["top_p"], top_k=gen["top_k"])
+        assert sampled() == checkpoints != sampled(temperature=1, top_p=1, top_k=-1)
+        assert sampled(temperature=None, top_p=None) == checkpoints          # null: the default too
     finally:
         srv.kill()

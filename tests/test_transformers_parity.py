@@ -53,3 +53,19 @@ def test_prompt_ids_equal_to_the_pad_id_are_attended():
     """Token id 0 (the reference's pad_token_id) inside the prompt is a token like any other."""
     prompt = (0, 1, 0, 2, 0)
     assert Engine("tiny-llama", config=SMALL).generate(list(prompt), 8) == hf_greedy("tiny-llama", prompt, 8)[0]
+
+
+def test_eos_ids_of_generation_config_stop_as_transformers_stops(generation_config_checkpoint):
+    """eos_token_id given only in generation_config.json, as a list: transformers stops on it, so does distmk."""
+    from transformers import AutoModelForCausalLM
+    path, gen = generation_config_checkpoint
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        reference = AutoModelForCausalLM.from_pretrained(path).generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, pad_token_id=0)
+    reference = reference[0, len(PROMPT):].tolist()
+    assert len(reference) < 32 and reference[-1] in gen["eos_token_id"]
+    engine = Engine(path, config=SMALL)
+    assert engine.spec.eos_token_id == tuple(gen["eos_token_id"])
+    assert engine.spec.generation_defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    assert engine.generate(PROMPT, 32) == reference

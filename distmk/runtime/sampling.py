@@ -36,6 +36,16 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
+def resolve_sampling(temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None, *,
+                     defaults: dict, greedy_default: bool) -> SamplingParams:
+    """What a caller asked for, each parameter it left out (None) taken from the checkpoint's defaults
+    (ModelSpec.generation_defaults), else from distmk's: greedy for the CLI, temperature 1 for the API."""
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    values = {"temperature": 0.0 if greedy_default else 1.0, "top_p": 1.0, "top_k": 0, **defaults,
+              **{k: v for k, v in given.items() if v is not None}}
+    return SamplingParams(values["temperature"], values["top_p"], values["top_k"], seed)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
     logits = logits.double().cpu()
     if params.greedy:

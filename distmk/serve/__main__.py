@@ -131,7 +131,8 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
     scheduler = Scheduler(engine, leader, Metrics(engine.kv.num_blocks), args.max_seqs)
     name = args.served_model_name or args.model
     served = Served(name, load_tokenizer(engine.tokenizer_dir, engine.spec.vocab_size), scheduler,
-                    scheduler.metrics, engine.max_context, capacity=args.max_seqs + args.max_queue)
+                    scheduler.metrics, engine.max_context, capacity=args.max_seqs + args.max_queue,
+                    sampling_defaults=engine.spec.generation_defaults)
     loop = None           # the event loop, once running
 
     class Server(uvicorn.Server):

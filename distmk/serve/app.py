@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 
 from distmk.errors import DistmkError
 from distmk.runtime.batcher import Sequence
-from distmk.runtime.sampling import SamplingParams
+from distmk.runtime.sampling import resolve_sampling
 from distmk.runtime.tokenizer import IncrementalDecoder
 from distmk.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_body
 
@@ -38,6 +38,7 @@ class Served:
     metrics: object
     max_context: int
     capacity: int                        # requests running or queued at once; beyond: 429
+    sampling_defaults: dict = field(default_factory=dict)     # the checkpoint's (ModelSpec.generation_defaults)
     live: set = field(default_factory=set)      # their Generations
     created: int = field(default_factory=lambda: int(time.time()))
     # tokenizing and rendering chat templates off the event loop (a long prompt takes a while), one call at
@@ -297,7 +298,9 @@ def create_app(served: Served) -> FastAPI:
             raise APIError(400, f"max_tokens {max_tokens} is more than the context has room for: {room} tokens "
                                 f"after the prompt's {len(prompt)} (context {served.max_context})",
                            param="max_tokens", code="context_length_exceeded")
-        params = SamplingParams(req.temperature, req.top_p, max(req.top_k, 0), req.seed)
+        top_k = None if req.top_k is None else max(req.top_k, 0)          # -1, as vLLM has it: no limit
+        params = resolve_sampling(req.temperature, req.top_p, top_k, req.seed, defaults=served.sampling_defaults,
+                                  greedy_default=False)
         seq = Sequence(prompt, max_tokens or room, params, stop_on_eos=not req.ignore_eos)
         try:
             served.scheduler.check(seq)

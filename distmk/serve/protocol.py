@@ -85,9 +85,10 @@ class StreamOptions(_Strict):
 
 class _Sampling(_Strict):
     model: str
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1, description="-1 or 0: no limit")
+    # left out or null: the checkpoint's default (generation_config.json), else OpenAI's (temperature 1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0: no limit")
     seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)
     stop: Annotated[list[str], PlainValidator(_stop_strings)] = []
     stream: bool = False
