@@ -1,4 +1,5 @@
 """Shared test helpers: the Hugging Face twin of a preset, and its greedy output."""
+import dataclasses
 import functools
 import json
 import os
@@ -10,6 +11,7 @@ import torch
 
 from distmk.graph import GraphConfig
 from distmk.models.presets import preset
+from distmk.models.spec import ModelSpec
 from distmk.models.weights import RandomWeights
 
 TINY = ["tiny-llama", "tiny-qwen3", "tiny-qwen2", "tiny-mistral"]
@@ -19,11 +21,11 @@ SMALL = GraphConfig(batch=4, kv_splits=3, tile_rows=32, lm_tile_rows=48, workers
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def hf_model(name: str, weights_device: str = "cpu"):
-    """transformers' own model class for a preset (on the CPU), holding the preset's seeded random weights
-    as drawn on `weights_device` (CPU and CUDA generators draw different numbers)."""
+def hf_model(name: str | ModelSpec, weights_device: str = "cpu"):
+    """transformers' own model class for a preset or spec (on the CPU), holding distmk's seeded random
+    weights for it as drawn on `weights_device` (CPU and CUDA generators draw different numbers)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    spec = preset(name)
+    spec = preset(name) if isinstance(name, str) else name
     cfg = spec.to_hf_config()
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg),
                                              dtype=torch.float32)
@@ -35,15 +37,20 @@ def hf_model(name: str, weights_device: str = "cpu"):
     return model.eval()
 
 
-@functools.lru_cache(maxsize=None)
-def hf_greedy(name: str, prompt: tuple = tuple(PROMPT), new_tokens: int = 32, weights_device: str = "cpu"):
-    """(tokens, [new_tokens, vocab] logits) of transformers' greedy generate. The attention mask is explicit:
-    without one, transformers masks every prompt id equal to pad_token_id."""
+def hf_generate(model, prompt, new_tokens: int, **kw):
+    """transformers' greedy generate of one prompt. The attention mask is explicit: without one,
+    transformers masks every prompt id equal to pad_token_id."""
     ids = torch.tensor([list(prompt)])
     with torch.no_grad():
-        out = hf_model(name, weights_device).generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, output_logits=True,
-            return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                              pad_token_id=0, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def hf_greedy(name: str, prompt: tuple = tuple(PROMPT), new_tokens: int = 32, weights_device: str = "cpu"):
+    """(tokens, [new_tokens, vocab] logits) of transformers' greedy generate, eos ignored."""
+    out = hf_generate(hf_model(name, weights_device), prompt, new_tokens, output_logits=True,
+                      return_dict_in_generate=True, eos_token_id=None)
     return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0]
 
 
@@ -86,3 +93,13 @@ def generation_config_checkpoint(tmp_path_factory):
     hf_model("tiny-llama").save_pretrained(path)
     (path / "generation_config.json").write_text(json.dumps(gen))
     return str(path), gen
+
+
+@pytest.fixture(scope="session")
+def small_vocab_checkpoint(tmp_path_factory):
+    """tiny-llama with a vocabulary of 200 ids (too few for the byte-level tokenizer) and no tokenizer,
+    saved by transformers. Returns (path, transformers' greedy tokens after PROMPT)."""
+    model = hf_model(dataclasses.replace(preset("tiny-llama"), vocab_size=200))
+    path = tmp_path_factory.mktemp("vocab") / "small-vocab"
+    model.save_pretrained(path)
+    return str(path), hf_generate(model, PROMPT, 32)[0, len(PROMPT):].tolist()

@@ -57,6 +57,17 @@ def test_generation_config_gives_the_default_sampling(generation_config_checkpoi
     assert default == explicit != greedy == hf_greedy("tiny-llama")[0]
 
 
+def test_a_vocabulary_under_256_ids_takes_prompt_ids(small_vocab_checkpoint):
+    """No byte-level text for it, but token ids generate transformers' tokens; text is a clear error."""
+    path, expected = small_vocab_checkpoint
+    proc = run_cli(sys.executable, "-m", "distmk.generate", "--model", path, *ARGS)
+    assert proc.returncode == 0, proc.stderr
+    assert only_json_line(proc.stdout)["tokens"] == expected
+    proc = run_cli(sys.executable, "-m", "distmk.generate", "--model", path, "--prompt", "hi")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "error: text needs a tokenizer: the byte-level one needs a vocabulary of >= 256 ids" in proc.stderr
+
+
 def test_text_prompt_with_byte_fallback_tokenizer():
     proc = run_cli(sys.executable, "-m", "distmk.generate", "--model", "tiny-mistral", "--prompt", "Hello",
                    "--max-new-tokens", "4", "--json")

@@ -488,3 +488,20 @@ def test_generation_config_eos_and_sampling_defaults(tmp_path, generation_config
         assert sampled(temperature=None, top_p=None) == checkpoints          # null: the default too
     finally:
         srv.kill()
+
+
+def test_a_vocabulary_under_256_ids_serves_token_ids(tmp_path, small_vocab_checkpoint):
+    path, expected = small_vocab_checkpoint
+    srv = Server(tmp_path, "small_vocab", [sys.executable, "-m", "distmk.serve", "--model", path, *ON_CPU,
+                                           "--port", "0", "--served-model-name", MODEL])
+    try:
+        srv.wait_ready()
+        assert complete(srv, PROMPT, 32)[1] == expected
+        for route, body, param in (("/v1/completions", {"prompt": "hi"}, "prompt"),
+                                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+                                    "messages")):
+            r = post(srv, route, {"model": MODEL, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert r.json()["error"]["message"].startswith("text needs a tokenizer")
+    finally:
+        srv.kill()

@@ -4,7 +4,7 @@ import torch
 
 from distmk.reference.comm import run_simulated_ranks
 from distmk.runtime.engine import Engine
-from conftest import PROMPT, SMALL, TINY, hf_greedy
+from conftest import PROMPT, SMALL, TINY, hf_generate, hf_greedy
 
 
 def generate_tp(name, tp, config=SMALL, new_tokens=32, **kw):
@@ -59,11 +59,7 @@ def test_eos_ids_of_generation_config_stop_as_transformers_stops(generation_conf
     """eos_token_id given only in generation_config.json, as a list: transformers stops on it, so does distmk."""
     from transformers import AutoModelForCausalLM
     path, gen = generation_config_checkpoint
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        reference = AutoModelForCausalLM.from_pretrained(path).generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, pad_token_id=0)
-    reference = reference[0, len(PROMPT):].tolist()
+    reference = hf_generate(AutoModelForCausalLM.from_pretrained(path), PROMPT, 32)[0, len(PROMPT):].tolist()
     assert len(reference) < 32 and reference[-1] in gen["eos_token_id"]
     engine = Engine(path, config=SMALL)
     assert engine.spec.eos_token_id == tuple(gen["eos_token_id"])

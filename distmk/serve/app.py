@@ -269,7 +269,10 @@ def create_app(served: Served) -> FastAPI:
         req, arrived = await accept(request, CompletionRequest)
         prompt = req.prompt
         if isinstance(prompt, str):
-            prompt = await served.tokenize(served.tokenizer.encode, prompt)
+            try:
+                prompt = await served.tokenize(served.tokenizer.encode, prompt)
+            except DistmkError as e:                 # this model takes token ids only
+                raise APIError(400, str(e), param="prompt") from None
         return await respond(request, req, prompt, "prompt", req.max_tokens, [], arrived, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -278,6 +281,8 @@ def create_app(served: Served) -> FastAPI:
         try:
             prompt, format_stops = await served.tokenize(served.tokenizer.render_chat,
                                                          [m.model_dump() for m in req.messages])
+        except DistmkError as e:                     # this model takes token ids only
+            raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # noqa: BLE001 - a chat template refuses a conversation by raising
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens
