@@ -121,6 +121,7 @@ def test_bad_input_is_a_clear_error(argv, message):
     ("serve", ["--max-seqs", "0"], "argument --max-seqs: must be an integer >= 1, got 0"),
     ("serve", ["--max-batch", "4", "--max-seqs", "5"], "argument --max-seqs: must be at most --max-batch (4), got 5"),
     ("serve", ["--max-queue", "-1"], "argument --max-queue: must be an integer >= 0, got -1"),
+    ("serve", ["--api-key", ""], "argument --api-key: must not be empty"),
     ("graph", ["--tp", "0"], "argument --tp: must be an integer >= 1, got 0"),
 ])
 def test_out_of_range_flags_are_refused_naming_the_flag(program, argv, message, capsys):

@@ -464,6 +464,48 @@ def test_single_process_server(tmp_path):
         srv.kill()
 
 
+def test_api_key_guards_every_route_but_health(tmp_path):
+    """--api-key, and DISTMK_API_KEY with --metrics-public: without the key, with another or in another
+    scheme, a 401 in OpenAI's shape (streaming requests too); with it, the answer; /health needs none."""
+    key = "sk-distmk-" + "7" * 24
+    servers = {"flag": Server(tmp_path, "key_flag", [sys.executable, "-m", "distmk.serve", *ENGINE, "--port", "0",
+                                                      "--api-key", key]),
+               "env": Server(tmp_path, "key_env", [sys.executable, "-m", "distmk.serve", *ENGINE, "--port", "0",
+                                                    "--metrics-public"], env={"DISTMK_API_KEY": key})}
+    routes = [("GET", "/v1/models", None), ("GET", "/metrics", None),
+              ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+              ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}),
+              ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                "max_tokens": 2, "stream": True})]
+    refused = [({}, "this server needs an API key"), ({"Authorization": "Bearer sk-other"}, "incorrect API key"),
+               ({"Authorization": f"Basic {key}"}, "this server needs an API key")]
+    try:
+        for name, srv in servers.items():
+            srv.wait_ready()
+            assert "API key required" in srv.output()
+            with httpx.Client(base_url=srv.url, timeout=60) as http:
+                assert http.get("/health").json() == {"status": "ok"}
+                for method, route, body in routes:
+                    public = route == "/metrics" and name == "env"
+                    for headers, says in refused:
+                        r = http.request(method, route, json=body, headers=headers)
+                        if public:
+                            assert r.status_code == 200
+                            continue
+                        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (route, r.text)
+                        error = r.json()["error"]
+                        assert error["message"].startswith(says) and error["code"] == "invalid_api_key"
+                        assert set(error) == {"message", "type", "param", "code"}
+                    r = http.request(method, route, json=body, headers={"Authorization": f"Bearer {key}"})
+                    assert r.status_code == 200, (route, r.text)
+                    if body and body.get("stream"):
+                        assert r.headers["content-type"].startswith("text/event-stream")
+                        assert r.text.rstrip().endswith("data: [DONE]")
+    finally:
+        for srv in servers.values():
+            srv.kill()
+
+
 def test_generation_config_eos_and_sampling_defaults(tmp_path, generation_config_checkpoint):
     """A checkpoint's generation_config.json: its eos ids end a reply where transformers' greedy output
     reaches one, and its temperature, top_p and top_k are what a request that leaves them out gets."""

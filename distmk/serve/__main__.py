@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import os
 import signal
 import socket
@@ -46,6 +47,10 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int_in(0, 65535), default=8000,
                    help="0: any free port (the startup line says which)")
     p.add_argument("--seed", type=SEED, default=0, help="seed of a preset's random weights")
+    p.add_argument("--api-key", type=_nonempty, default=os.environ.get("DISTMK_API_KEY") or None,
+                   help="every route but /health needs 'Authorization: Bearer KEY' (default: $DISTMK_API_KEY, "
+                        "which keeps the key out of the process list)")
+    p.add_argument("--metrics-public", action="store_true", help="with --api-key: /metrics without the key")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs every request)")
     args = p.parse_args(argv)
@@ -53,6 +58,12 @@ def parse_args(argv=None):
     if args.max_seqs > args.batch:
         p.error(f"argument --max-seqs: must be at most --max-batch ({args.batch}), got {args.max_seqs}")
     return args
+
+
+def _nonempty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def main(argv=None) -> int:
@@ -132,7 +143,8 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
     name = args.served_model_name or args.model
     served = Served(name, load_tokenizer(engine.tokenizer_dir, engine.spec.vocab_size), scheduler,
                     scheduler.metrics, engine.max_context, capacity=args.max_seqs + args.max_queue,
-                    sampling_defaults=engine.spec.generation_defaults)
+                    sampling_defaults=engine.spec.generation_defaults, api_key=args.api_key,
+                    metrics_public=args.metrics_public)
     loop = None           # the event loop, once running
 
     class Server(uvicorn.Server):
@@ -162,8 +174,11 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
         print(f"distmk.serve: {name} | tp {launch.world}, {args.backend} backend on {args.device}, "
               f"{str(engine.dtype).removeprefix('torch.')} | {engine.config.batch} rows per step, "
-              f"{args.max_seqs} sequences at once, context {engine.max_context}, queue {args.max_queue} | {url}",
-              file=sys.stderr, flush=True)
+              f"{args.max_seqs} sequences at once, context {engine.max_context}, queue {args.max_queue} | {url}"
+              f"{' | API key required' if args.api_key else ''}", file=sys.stderr, flush=True)
+        if not args.api_key and not ipaddress.ip_address(host).is_loopback:
+            print(f"distmk.serve: warning: serving {host} without --api-key: anyone who reaches the port can use "
+                  "the server", file=sys.stderr, flush=True)
         try:
             await server.serve(sockets=[sock])
         finally:       # while the event loop is open, so that the last step's tokens can still be handed over

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
@@ -27,6 +28,7 @@ from distmk.runtime.tokenizer import IncrementalDecoder
 from distmk.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_body
 
 MAX_BODY_BYTES = 8 << 20
+BEARER_CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
 
 @dataclass
@@ -38,6 +40,8 @@ class Served:
     metrics: object
     max_context: int
     capacity: int                        # requests running or queued at once; beyond: 429
+    api_key: str | None = None           # when set, clients send it as "Authorization: Bearer <key>"
+    metrics_public: bool = False         # /metrics without the key
     sampling_defaults: dict = field(default_factory=dict)     # the checkpoint's (ModelSpec.generation_defaults)
     live: set = field(default_factory=set)      # their Generations
     created: int = field(default_factory=lambda: int(time.time()))
@@ -54,7 +58,8 @@ class Served:
             raise APIError(503, f"the engine is down: {self.scheduler.failure or 'stopping'}", type="server_error")
         if len(self.live) >= self.capacity:
             raise APIError(429, f"the server is at capacity ({len(self.live)} requests running or queued); "
-                                "retry later", type="rate_limit_error", code="rate_limit_exceeded")
+                                "retry later", type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"})
 
     def abort_all(self, message: str) -> None:
         """End every request still running with an error (at shutdown, once they had their grace time)."""
@@ -217,7 +222,21 @@ class GenerationStream(StreamingResponse):
 
 
 def create_app(served: Served) -> FastAPI:
-    app = FastAPI(title="distmk", docs_url=None, redoc_url=None, openapi_url=None)
+    async def authorize(request: Request) -> None:
+        """With an API key, every route but /health (and /metrics when public) needs it as a bearer token,
+        compared in constant time."""
+        path = request.url.path
+        if served.api_key is None or path == "/health" or (path == "/metrics" and served.metrics_public):
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise APIError(401, "this server needs an API key: send it in an Authorization header as "
+                                "'Authorization: Bearer <key>'", code="invalid_api_key", headers=BEARER_CHALLENGE)
+        if not secrets.compare_digest(given.strip().encode(), served.api_key.encode()):
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key", headers=BEARER_CHALLENGE)
+
+    app = FastAPI(title="distmk", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(authorize)])
     metrics = served.metrics
 
     def count(request: Request, status: int) -> None:
@@ -227,8 +246,7 @@ def create_app(served: Served) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         count(request, e.status)
-        headers = {"Retry-After": "1"} if e.status == 429 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):

@@ -18,12 +18,13 @@ MAX_STOP_CHARS = 1024          # per stop string: a longer one is refused rather
 
 
 class APIError(Exception):
-    """An error response: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+    """An error response: {"error": {"message", "type", "param", "code"}} with an HTTP status (and headers)."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
