@@ -181,6 +181,26 @@ def test_chat_streamed_and_whole_agree(server):
     assert complete(server, chatml, 10)[:2] == whole[:2]
 
 
+def test_developer_role_and_names_in_chat(server):
+    """OpenAI's developer role is the template's system role; a message's name is accepted (ChatML has no
+    place for it)."""
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    named = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": "ada"}]
+    assert complete(server, named, 8, chat=True) == complete(server, plain, 8, chat=True)
+
+
+def test_json_bodies_need_a_json_content_type(server):
+    body = json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": 2}).encode()
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": content_type})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", r.text
+        assert content_type in r.json()["error"]["message"]
+    for content_type in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json", None):
+        headers = {"content-type": content_type} if content_type else {}
+        r = httpx.post(server.url + "/v1/completions", content=body, headers=headers, timeout=30)
+        assert r.status_code == 200, (content_type, r.text)
+
+
 def test_stop_string_cuts_the_text(server):
     prompt = "The quick brown fox"
     text, tokens, _ = complete(server, prompt, 40, ignore_eos=True)
@@ -273,7 +293,6 @@ def malformed_requests(seed: int, count: int):
     wrong_chat = {"messages": ["hi", [], [{"role": "bot", "content": "x"}], [{"role": "user"}],
                                [{"role": "user", "content": 5}], [{"content": "x"}],
                                [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-                               [{"role": "user", "content": "x", "name": "bob"}],
                                [{"role": "user", "content": "x" * 1100}]],
                   "max_completion_tokens": [0, "2"], "logprobs": [True]}
     for _ in range(count):
@@ -326,6 +345,8 @@ def test_fuzzed_malformed_requests_get_4xx_and_the_server_stays_up(server):
     ({"model": MODEL, "prompt": [1, 9999]}, 400, "outside the vocabulary"),
     ({"model": MODEL, "prompt": "hi", "stop": "x" * 1_000_000}, 400,
      "'stop': takes strings of at most 1024 characters, got one of 1000000"),
+    ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+     "'stream_options': is only allowed when stream is true"),
 ])
 def test_errors_say_what_is_wrong(server, body, status, says):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()

@@ -125,7 +125,7 @@ def listen(host: str, port: int) -> socket.socket:
 def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
     import uvicorn
 
-    from distmk.serve.app import Served, create_app
+    from distmk.serve.app import H11WithJSONErrors, Served, create_app
     from distmk.serve.metrics import Metrics
     from distmk.serve.scheduler import Scheduler
 
@@ -154,7 +154,7 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
             super().handle_exit(sig, frame)
             loop.call_soon_threadsafe(loop.call_later, GRACEFUL_S, served.abort_all, "the server is shutting down")
 
-    server = Server(uvicorn.Config(create_app(served), log_level=args.log_level,
+    server = Server(uvicorn.Config(create_app(served), http=H11WithJSONErrors, log_level=args.log_level,
                                    timeout_graceful_shutdown=GRACEFUL_S + 2))
 
     def request_exit(*_):

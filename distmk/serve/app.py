@@ -16,10 +16,13 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import h11
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from distmk.errors import DistmkError
 from distmk.runtime.batcher import Sequence
@@ -277,6 +280,7 @@ def create_app(served: Served) -> FastAPI:
     async def accept(request: Request, schema):
         """The parsed request and when it arrived, once its model is known and there is room for it."""
         arrived = time.monotonic()
+        check_json_content(request)
         req = parse_body(schema, await read_body(request))
         check_model(req.model)
         served.check_admission()
@@ -298,7 +302,7 @@ def create_app(served: Served) -> FastAPI:
         req, arrived = await accept(request, ChatRequest)
         try:
             prompt, format_stops = await served.tokenize(served.tokenizer.render_chat,
-                                                         [m.model_dump() for m in req.messages])
+                                                         [m.for_template() for m in req.messages])
         except DistmkError as e:                     # this model takes token ids only
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # noqa: BLE001 - a chat template refuses a conversation by raising
@@ -345,15 +349,43 @@ def create_app(served: Served) -> FastAPI:
     return app
 
 
+def check_json_content(request: Request) -> None:
+    """A body whose Content-Type is not JSON gets 415 (as OpenAI answers); a body with none is read as JSON."""
+    content_type = request.headers.get("content-type")
+    if content_type is None:
+        return
+    media_type = content_type.partition(";")[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise APIError(415, f"the request body must be JSON (Content-Type: application/json), got Content-Type "
+                            f"{content_type[:100]!r}", code="unsupported_media_type")
+
+
 async def read_body(request: Request) -> bytes:
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
         raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    except ClientDisconnect:            # nobody to answer; 499 (nginx's "client closed request") for the metrics
+        raise APIError(499, "the client closed the connection before the end of the request body") from None
     return bytes(body)
+
+
+class H11WithJSONErrors(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, answering a request it cannot parse (a bad request line or header, a
+    broken chunked body, a bad Content-Length) in OpenAI's error shape rather than in plain text."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps(APIError(400, "the request is not valid HTTP/1.1").body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
 
 async def _client_gone(request: Request) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 1024          # per stop string: a longer one is refused rather than matched
@@ -93,7 +93,7 @@ class _Sampling(_Strict):
     seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)
     stop: Annotated[list[str], PlainValidator(_stop_strings)] = []
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = None     # only with stream: true, as OpenAI has it
     n: Annotated[int, _neutral(1)] = 1              # one choice per request
     user: str | None = None                        # the caller's id for the operator's logs: unused here
     ignore_eos: bool = False
@@ -101,6 +101,13 @@ class _Sampling(_Strict):
     presence_penalty: Annotated[float, _neutral(0)] = 0.0
     frequency_penalty: Annotated[float, _neutral(0)] = 0.0
     logit_bias: Annotated[dict[str, float] | None, _neutral(None)] = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, v, info):
+        if v is not None and info.data.get("stream") is not True:
+            raise ValueError("is only allowed when stream is true")
+        return v
 
 
 class CompletionRequest(_Sampling):
@@ -113,8 +120,15 @@ class CompletionRequest(_Sampling):
 
 
 class Message(_Strict):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["developer", "system", "user", "assistant"]
     content: Annotated[str, PlainValidator(_text_content)]
+    name: str | None = None              # the participant's name, for chat templates that show it
+
+    def for_template(self) -> dict:
+        """The message as chat templates take it: OpenAI's developer role is the system role of the
+        templates (and of ChatML)."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        return message if self.name is None else {**message, "name": self.name}
 
 
 class ChatRequest(_Sampling):
