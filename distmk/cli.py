@@ -100,8 +100,9 @@ def build_engine(args, launch: LaunchEnv, comm, device: str, *, progress: bool, 
     """The Engine the flags describe, with KV-cache room for max_seqs sequences of the full context.
     kernel_options: extra options of the triton backend's executor."""
     dtype = DTYPES[args.dtype or ("float32" if args.device == "cpu" else "bfloat16")]
+    workers = default_workers(args.backend, device) if args.workers is None else args.workers
     config = GraphConfig(batch=args.batch, kv_splits=args.kv_splits, tile_rows=args.tile_rows,
-                         qkv_parts=args.qkv_parts, workers=default_workers(args.backend, device) if args.workers is None else args.workers)
+                         qkv_parts=args.qkv_parts, workers=workers)
     kernel_options = ({"timeout_s": args.timeout, "transport": args.transport, **(kernel_options or {})}
                       if args.backend == "triton" else None)
     return Engine(args.model, tp=launch.world, rank=launch.rank, comm=comm, dtype=dtype, device=device,

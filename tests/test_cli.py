@@ -145,6 +145,7 @@ def test_decode_benchmark_without_a_gpu_says_so():
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
     proc = run_cli(sys.executable, "benchmarks/decode.py", "--model", "tiny-llama", "--device", "cuda")
-    assert proc.returncode == 2 and proc.stderr.strip() == "error: --device cuda: no CUDA device is visible", proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "error: --device cuda: no CUDA device is visible"
     proc = run_cli(sys.executable, "benchmarks/decode.py", "--model", "tiny-llama", "--context", "0")
     assert proc.returncode == 2 and "error: argument --context: must be an integer >= 1, got 0" in proc.stderr
