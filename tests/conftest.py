@@ -1,11 +1,16 @@
-"""Shared test helpers: the Hugging Face twin of a preset, and its greedy output."""
+"""Shared test helpers: the Hugging Face twin of a preset and its greedy output, tiny checkpoints, and
+distmk.serve processes on the CPU."""
 import dataclasses
 import functools
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
+import httpx
 import pytest
 import torch
 
@@ -19,6 +24,8 @@ PROMPT = [1, 2, 3, 4, 5, 6, 7]
 # Small tiles so that every row-parallel output and the lm_head are cut into several tiles.
 SMALL = GraphConfig(batch=4, kv_splits=3, tile_rows=32, lm_tile_rows=48, workers=5)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = "tiny-llama"                         # what the server tests serve
+SERVE_ON_CPU = ["--backend", "reference", "--device", "cpu", "--log-level", "warning"]
 
 
 def hf_model(name: str | ModelSpec, weights_device: str = "cpu"):
@@ -103,3 +110,75 @@ def small_vocab_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("vocab") / "small-vocab"
     model.save_pretrained(path)
     return str(path), hf_generate(model, PROMPT, 32)[0, len(PROMPT):].tolist()
+
+
+class Server:
+    """A server process (torchrun or a plain python) in a process group of its own, logging to a file."""
+
+    def __init__(self, tmp_path, name, argv, env=None):
+        self.log_path = tmp_path / f"{name}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                     start_new_session=True)
+        self.url = None
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout=90.0) -> "Server":
+        """Until the startup line names the URL and /health answers 200."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{self.output()}"
+            found = re.search(r"(http://127\.0\.0\.1:\d+)/v1", self.output())
+            if found:
+                try:
+                    if httpx.get(found.group(1) + "/health", timeout=5).status_code == 200:
+                        self.url = found.group(1)
+                        return self
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.2)
+        raise AssertionError(f"server not healthy within {timeout} s:\n{self.output()}")
+
+    def wait_exit(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        """torchrun starts each rank in a session of its own, so its ranks are killed one by one."""
+        if self.proc.poll() is None:
+            ranks = rank_pids(self.proc.pid).values()
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            for pid in ranks:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.proc.wait()
+        self.log.close()
+
+
+
+def serve_alone(tmp_path, name, *extra, model=MODEL, env=None) -> Server:
+    """One distmk.serve process (tp 1) on the CPU, on a free port."""
+    return Server(tmp_path, name, [sys.executable, "-m", "distmk.serve", "--model", model, *SERVE_ON_CPU,
+                                   "--port", "0", *extra], env=env)
+
+
+def rank_pids(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of torchrun's worker processes, from their environment."""
+    ranks = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher_pid:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if b"RANK" in env:
+            ranks[int(env[b"RANK"])] = int(pid)
+    return ranks

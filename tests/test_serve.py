@@ -1,4 +1,5 @@
-"""distmk.serve for real: torchrun starts 2 CPU ranks (gloo), and the tests talk HTTP to rank 0."""
+"""distmk.serve for real: torchrun starts 2 CPU ranks (gloo), or one process serves alone, and the tests talk
+HTTP to rank 0. (Fuzzing it: test_serve_fuzz.py.)"""
 import asyncio
 import json
 import os
@@ -6,90 +7,22 @@ import random
 import re
 import signal
 import socket
-import subprocess
 import sys
 import time
 
 import httpx
 import pytest
 
-from conftest import PROMPT, REPO, hf_greedy, torchrun
+from conftest import MODEL, PROMPT, SERVE_ON_CPU, Server, hf_greedy, rank_pids, serve_alone, torchrun
 
-MODEL = "tiny-llama"
-ON_CPU = ["--backend", "reference", "--device", "cpu", "--log-level", "warning"]
-ENGINE = ["--model", MODEL, *ON_CPU]
+ENGINE = ["--model", MODEL, *SERVE_ON_CPU]
 MAX_SEQS, MAX_QUEUE = 8, 32                  # the main server: 8 running, 32 queued, then 429
 CONTEXT = 1024                               # tiny-llama's
-
-
-class Server:
-    """A server process (torchrun or a plain python) in a process group of its own, logging to a file."""
-
-    def __init__(self, tmp_path, name, argv, env=None):
-        self.log_path = tmp_path / f"{name}.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                     start_new_session=True)
-        self.url = None
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout=90.0) -> "Server":
-        """Until the startup line names the URL and /health answers 200."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{self.output()}"
-            found = re.search(r"(http://127\.0\.0\.1:\d+)/v1", self.output())
-            if found:
-                try:
-                    if httpx.get(found.group(1) + "/health", timeout=5).status_code == 200:
-                        self.url = found.group(1)
-                        return self
-                except httpx.TransportError:
-                    pass
-            time.sleep(0.2)
-        raise AssertionError(f"server not healthy within {timeout} s:\n{self.output()}")
-
-    def wait_exit(self, timeout: float) -> int:
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        """torchrun starts each rank in a session of its own, so its ranks are killed one by one."""
-        if self.proc.poll() is None:
-            ranks = rank_pids(self.proc.pid).values()
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            for pid in ranks:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            self.proc.wait()
-        self.log.close()
 
 
 def serve_torchrun(tmp_path, name, *extra) -> Server:
     return Server(tmp_path, name, [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                    "--nproc-per-node=2", "-m", "distmk.serve", *ENGINE, "--port", "0", *extra])
-
-
-def rank_pids(launcher_pid: int) -> dict[int, int]:
-    """{rank: pid} of torchrun's worker processes, from their environment."""
-    ranks = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != launcher_pid:
-                continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if b"RANK" in env:
-            ranks[int(env[b"RANK"])] = int(pid)
-    return ranks
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +158,8 @@ def test_tiny_temperature_and_top_p_act_as_greedy(server, chat):
     """Temperatures and top_p down to the smallest double (which overflowed float32 and killed the engine)."""
     prompt = [{"role": "user", "content": "Hi"}] if chat else [1, 2, 3]
     greedy = complete(server, prompt, 6, chat=chat)
-    for params in ({"temperature": 1e-50}, {"temperature": 1.0, "top_p": 1e-50}, {"temperature": 5e-324, "top_p": 5e-324}):
+    for params in ({"temperature": 1e-50}, {"temperature": 1.0, "top_p": 1e-50},
+                   {"temperature": 5e-324, "top_p": 5e-324}):
         for stream in (False, True):
             assert complete(server, prompt, 6, stream=stream, chat=chat, **params) == greedy, params
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
@@ -268,68 +202,6 @@ def test_32_concurrent_clients_get_what_they_would_get_alone(server):
     for j, got in results:
         assert got == alone[j]
     assert metric(server, "distmk_kv_cache_used_blocks") == 0
-
-
-def malformed_requests(seed: int, count: int):
-    """(method, path, body bytes) of requests that are each wrong in a way the server must refuse."""
-    rng = random.Random(seed)
-    wrong = {   # field: values that are invalid for it (wrong type, out of range, unsupported)
-        "model": [1, None, [], "no-such-model"],
-        "prompt": [5, {"a": 1}, [1.5], [[1], [2]], ["a", "b"], True, [], "", [1, 512], [-1], list(range(1, 1100)),
-                   "x" * 1100],
-        "max_tokens": ["10", 1.5, True, -1, 0, 10 ** 9, 1024],
-        "temperature": ["hot", -0.1, 3, None, [0]],
-        "top_p": [0, 1.5, "x"],
-        "top_k": [-2, 1.5, "5"],
-        "seed": ["1", 2 ** 70, 1.5],
-        "stop": [5, [1], ["a"] * 5, [""], {"s": 1}],
-        "stream": ["yes", 1],
-        "n": [2, 0, "1"],
-        "stream_options": ["x", {"foo": True}],
-        "logprobs": [3], "echo": [True], "presence_penalty": [1], "frequency_penalty": [-0.5],
-        "logit_bias": [{"5": 1}], "best_of": [2], "suffix": ["end"],
-        "tools": [[]], "response_format": [{"type": "json_object"}], "frobnicate": [1],
-    }
-    wrong_chat = {"messages": ["hi", [], [{"role": "bot", "content": "x"}], [{"role": "user"}],
-                               [{"role": "user", "content": 5}], [{"content": "x"}],
-                               [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-                               [{"role": "user", "content": "x" * 1100}]],
-                  "max_completion_tokens": [0, "2"], "logprobs": [True]}
-    for _ in range(count):
-        chat = rng.random() < 0.4
-        path = "/v1/chat/completions" if chat else "/v1/completions"
-        body = {"model": MODEL, "max_tokens": 4, "temperature": 0}
-        body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
-        kind = rng.randrange(10)
-        if kind == 0:                                 # not JSON: cut short, or not even text
-            text = json.dumps(body).encode()
-            yield "POST", path, text[:rng.randrange(len(text) - 1)] if rng.random() < 0.7 else rng.randbytes(20)
-        elif kind == 1:                               # JSON, but not an object
-            yield "POST", path, json.dumps(rng.choice([[], 1, "s", None, True, [body]])).encode()
-        elif kind == 2:                               # a required field left out
-            del body[rng.choice(["model", "messages" if chat else "prompt"])]
-            yield "POST", path, json.dumps(body).encode()
-        elif kind == 3:                               # wrong method or no such route
-            yield rng.choice([("GET", path, b""), ("POST", "/v1/nothing", json.dumps(body).encode()),
-                              ("DELETE", "/v1/models", b"")])
-        else:                                         # one to three fields set to something invalid
-            table = {**{k: v for k, v in wrong.items() if k != "prompt"}, **wrong_chat} if chat else wrong
-            for field in rng.sample(sorted(table), rng.randrange(1, 4)):
-                body[field] = rng.choice(table[field])
-            yield "POST", path, json.dumps(body).encode()
-
-
-def test_fuzzed_malformed_requests_get_4xx_and_the_server_stays_up(server):
-    requests = list(malformed_requests(seed=5, count=240))
-    with httpx.Client(base_url=server.url, timeout=30) as http:
-        for method, path, body in requests:
-            r = http.request(method, path, content=body, headers={"content-type": "application/json"})
-            assert 400 <= r.status_code < 500, (method, path, body[:300], r.status_code, r.text[:300])
-            error = r.json()["error"]
-            assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
-            assert set(error) == {"message", "type", "param", "code"}
-        assert http.get("/health").status_code == 200
-    assert complete(server, [1, 2, 3], 3)[2] == "length"
 
 
 @pytest.mark.parametrize("body, status, says", [
@@ -471,8 +343,7 @@ def test_a_rank_that_dies_is_noticed(tmp_path):
 
 
 def test_single_process_server(tmp_path):
-    srv = Server(tmp_path, "single", [sys.executable, "-m", "distmk.serve", *ENGINE, "--port", "0",
-                                      "--served-model-name", "tiny"])
+    srv = serve_alone(tmp_path, "single", "--served-model-name", "tiny")
     try:
         srv.wait_ready()
         r = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
@@ -489,10 +360,8 @@ def test_api_key_guards_every_route_but_health(tmp_path):
     """--api-key, and DISTMK_API_KEY with --metrics-public: without the key, with another or in another
     scheme, a 401 in OpenAI's shape (streaming requests too); with it, the answer; /health needs none."""
     key = "sk-distmk-" + "7" * 24
-    servers = {"flag": Server(tmp_path, "key_flag", [sys.executable, "-m", "distmk.serve", *ENGINE, "--port", "0",
-                                                      "--api-key", key]),
-               "env": Server(tmp_path, "key_env", [sys.executable, "-m", "distmk.serve", *ENGINE, "--port", "0",
-                                                    "--metrics-public"], env={"DISTMK_API_KEY": key})}
+    servers = {"flag": serve_alone(tmp_path, "key_flag", "--api-key", key),
+               "env": serve_alone(tmp_path, "key_env", "--metrics-public", env={"DISTMK_API_KEY": key})}
     routes = [("GET", "/v1/models", None), ("GET", "/metrics", None),
               ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
               ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}),
@@ -531,8 +400,7 @@ def test_generation_config_eos_and_sampling_defaults(tmp_path, generation_config
     """A checkpoint's generation_config.json: its eos ids end a reply where transformers' greedy output
     reaches one, and its temperature, top_p and top_k are what a request that leaves them out gets."""
     path, gen = generation_config_checkpoint
-    srv = Server(tmp_path, "gen", [sys.executable, "-m", "distmk.serve", "--model", path, *ON_CPU, "--port", "0",
-                                   "--served-model-name", MODEL])
+    srv = serve_alone(tmp_path, "gen", "--served-model-name", MODEL, model=path)
     try:
         srv.wait_ready()
         _, tokens, finish = complete(srv, PROMPT, 32)
@@ -555,8 +423,7 @@ def test_generation_config_eos_and_sampling_defaults(tmp_path, generation_config
 
 def test_a_vocabulary_under_256_ids_serves_token_ids(tmp_path, small_vocab_checkpoint):
     path, expected = small_vocab_checkpoint
-    srv = Server(tmp_path, "small_vocab", [sys.executable, "-m", "distmk.serve", "--model", path, *ON_CPU,
-                                           "--port", "0", "--served-model-name", MODEL])
+    srv = serve_alone(tmp_path, "small_vocab", "--served-model-name", MODEL, model=path)
     try:
         srv.wait_ready()
         assert complete(srv, PROMPT, 32)[1] == expected
