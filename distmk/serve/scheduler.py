@@ -118,7 +118,7 @@ class Scheduler:
                 produced = self.batcher.step()
             self.metrics.batcher_state(self.batcher)
             if produced:
-                deliveries = [(self.listeners[seq.id], seq, token) for seq, token in produced]
+                deliveries = [(self.listeners[seq.id], token, seq.finish_reason, seq.error) for seq, token in produced]
                 for seq, _ in produced:
                     if seq.finish_reason is not None:
                         del self.listeners[seq.id]
@@ -130,11 +130,12 @@ class Scheduler:
 
 
 def _deliver(deliveries) -> None:
-    for listener, seq, token in deliveries:
+    """(listener, token, finish_reason, error) as they were after the step (the next may already run)."""
+    for listener, token, finish_reason, error in deliveries:
         if token is None:                     # this sequence failed (the others go on)
-            listener.on_failure(seq.error, status=500)
+            listener.on_failure(error, status=500)
         else:
-            listener.on_token(token, seq.finish_reason)
+            listener.on_token(token, finish_reason)
 
 
 def _fail_all(listeners, message: str) -> None:
