@@ -29,7 +29,9 @@ import triton
 
 from baselines import (cudagraph_step_ms, decode_step_bytes, hf_eager_ms_per_token, measure_hbm_read_bandwidth,
                        tp_rank)
+from distmk.cli import COUNT, NON_NEGATIVE, select_device
 from distmk.dist import detect_launch, init_process_group
+from distmk.errors import DistmkError
 from distmk.models.shard import plan_shard
 from distmk.models.weights import open_model
 
@@ -37,20 +39,18 @@ from distmk.models.weights import open_model
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="preset name or Hugging Face checkpoint directory")
-    p.add_argument("--batch", type=int, default=1, help="rows per decode step")
-    p.add_argument("--context", type=int, default=1024, help="positions each row attends to (it sits at context - 1)")
-    p.add_argument("--iters", type=int, default=200, help="timed steps of distmk and the CUDA-graph baselines")
+    p.add_argument("--batch", type=COUNT, default=1, help="rows per decode step")
+    p.add_argument("--context", type=COUNT, default=1024, help="positions each row attends to (it sits at context - 1)")
+    p.add_argument("--iters", type=COUNT, default=200, help="timed steps of distmk and the CUDA-graph baselines")
     p.add_argument("--json", action="store_true", help="print the JSON on one line (default: indented)")
     p.add_argument("--out", help="also write the JSON to this file")
     p.add_argument("--skip-hf", action="store_true", help="skip transformers' eager generate")
     p.add_argument("--compile-baseline", action="store_true", help="also time the torch.compile'd CUDA graph")
-    p.add_argument("--qkv-parts", type=int, default=0, help="QKV tiles per head (0: the automatic choice)")
+    p.add_argument("--qkv-parts", type=NON_NEGATIVE, default=0, help="QKV tiles per head (0: the automatic choice)")
     p.add_argument("--backend", choices=["triton", "reference"], default="triton",
                    help="distmk's executor: the megakernel, or the reference executor (the one CPU runs have)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = p.parse_args(argv)
-    if min(args.batch, args.context, args.iters) < 1:
-        p.error("--batch, --context and --iters must be >= 1")
     if args.backend == "triton" and args.device == "cpu":
         p.error("--backend triton needs --device cuda")
     return args
@@ -167,10 +167,14 @@ def main(argv=None) -> int:
         if lead:
             print(f"[decode] {msg}", file=sys.stderr, flush=True)
 
+    try:
+        select_device(args, launch)
+    except DistmkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.device == "cuda":
         # The H200 hosts this runs on need NVLink multicast off (see launch/env.sh).
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        torch.cuda.set_device(launch.local_rank)
     init_process_group(launch, "nccl" if args.device == "cuda" else "gloo")
     try:
         result = run(args, launch.launcher, log)

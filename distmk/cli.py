@@ -1,8 +1,11 @@
 """What the programs that build an Engine (distmk.generate, distmk.serve) share: the model and engine
-flags, the communicator for the launch, and the Engine built from them, so both read flags alike."""
+flags, the communicator for the launch, and the Engine built from them, so both read flags alike; and the
+argparse types that check a flag's range, so that every program refuses an out-of-range value in one line
+naming the flag."""
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
@@ -13,22 +16,60 @@ from distmk.graph.lowering import GraphConfig
 from distmk.runtime.engine import DTYPES, Engine, default_workers
 
 
+def int_in(lo: int, hi: int | None = None):
+    """An argparse type: an integer in lo..hi (no upper bound when hi is None)."""
+    wanted = f"an integer in {lo}..{hi}" if hi is not None else f"an integer >= {lo}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {value}")
+        return value
+    return parse
+
+
+def float_in(lo: float, hi: float = math.inf, lo_open: bool = False):
+    """An argparse type: a finite number in [lo, hi], or (lo, hi] when lo_open; NaN and inf are refused."""
+    wanted = f"a finite number {'>' if lo_open else '>='} {lo:g}" + (f" and <= {hi:g}" if hi < math.inf else "")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}") from None
+        if not (math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+        return value
+    return parse
+
+
+COUNT = int_in(1)                  # how many of something: at least one
+NON_NEGATIVE = int_in(0)
+SEED = int_in(0, 2 ** 32 - 1)
+PROBABILITY = float_in(0, 1, lo_open=True)
+
+
 def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str) -> None:
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or preset name")
     p.add_argument("--backend", choices=["reference", "triton"], default="reference")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="default: float32 on cpu, bfloat16 on cuda")
-    p.add_argument(batch_flag, dest="batch", type=int, default=16, help=batch_help)
-    p.add_argument("--max-context", type=int, default=None,
+    p.add_argument(batch_flag, dest="batch", type=COUNT, default=16, help=batch_help)
+    p.add_argument("--max-context", type=COUNT, default=None,
                    help="tokens per sequence, prompt + output (default: the model's, at most 2048)")
-    p.add_argument("--kv-splits", type=int, default=0, help="0 = one attention split per worker, at most 16")
-    p.add_argument("--tile-rows", type=int, default=0, help="0 = about one tile per worker")
-    p.add_argument("--qkv-parts", type=int, default=0,
+    p.add_argument("--kv-splits", type=NON_NEGATIVE, default=0,
+                   help="0 = one attention split per worker, at most 16")
+    p.add_argument("--tile-rows", type=NON_NEGATIVE, default=0, help="0 = about one tile per worker")
+    p.add_argument("--qkv-parts", type=NON_NEGATIVE, default=0,
                    help="QKV tiles per head (column slices of it); 0 = about one tile per worker")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=COUNT, default=None,
                    help="worker queues (default: the GPU's SMs for the triton backend, else 132)")
-    p.add_argument("--timeout", type=float, default=5.0, help="triton backend: seconds a task may wait")
+    p.add_argument("--timeout", type=float_in(0, lo_open=True), default=5.0,
+                   help="triton backend: seconds a task may wait")
     p.add_argument("--transport", choices=("auto", "pointer", "nvshmem"), default="auto",
                    help="triton backend at tp>1: how all-reduce tiles reach peers (auto: peer pointers when every "
                         "peer is reachable by one, else NVSHMEM put-with-signal)")
@@ -59,8 +100,9 @@ def build_engine(args, launch: LaunchEnv, comm, device: str, *, progress: bool, 
     """The Engine the flags describe, with KV-cache room for max_seqs sequences of the full context.
     kernel_options: extra options of the triton backend's executor."""
     dtype = DTYPES[args.dtype or ("float32" if args.device == "cpu" else "bfloat16")]
+    workers = default_workers(args.backend, device) if args.workers is None else args.workers
     config = GraphConfig(batch=args.batch, kv_splits=args.kv_splits, tile_rows=args.tile_rows,
-                         qkv_parts=args.qkv_parts, workers=args.workers or default_workers(args.backend, device))
+                         qkv_parts=args.qkv_parts, workers=workers)
     kernel_options = ({"timeout_s": args.timeout, "transport": args.transport, **(kernel_options or {})}
                       if args.backend == "triton" else None)
     return Engine(args.model, tp=launch.world, rank=launch.rank, comm=comm, dtype=dtype, device=device,

@@ -9,10 +9,11 @@ import json
 import sys
 import time
 
-from distmk.cli import add_engine_args, build_engine, open_comm, select_device
+from distmk.cli import (COUNT, NON_NEGATIVE, PROBABILITY, SEED, add_engine_args, build_engine, float_in, open_comm,
+                        select_device)
 from distmk.dist import detect_launch
 from distmk.errors import DistmkError
-from distmk.runtime.sampling import SamplingParams
+from distmk.runtime.sampling import resolve_sampling
 from distmk.runtime.tokenizer import load_tokenizer
 
 
@@ -23,11 +24,12 @@ def parse_args(argv=None):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenizer of the checkpoint; bytes for presets)")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 1,2,3")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (and preset weight seed)")
+    p.add_argument("--max-new-tokens", type=COUNT, default=32)
+    p.add_argument("--temperature", type=float_in(0), default=None,
+                   help="0 = greedy (default: the checkpoint's generation_config.json, else 0)")
+    p.add_argument("--top-p", type=PROBABILITY, default=None, help="default: the checkpoint's, else 1")
+    p.add_argument("--top-k", type=NON_NEGATIVE, default=None, help="0 = no limit (default: the checkpoint's, else 0)")
+    p.add_argument("--seed", type=SEED, default=0, help="sampling seed (and preset weight seed)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--trace", metavar="OUT.json",
                    help="triton backend: write a Chrome/Perfetto trace of the last step and print the "
@@ -61,10 +63,9 @@ def run_with(args, launch, comm, device) -> dict:
             prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
         except ValueError:
             raise DistmkError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-    if args.max_new_tokens < 1:
-        raise DistmkError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     t1 = time.perf_counter()
-    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    params = resolve_sampling(args.temperature, args.top_p, args.top_k, args.seed,
+                              defaults=engine.spec.generation_defaults, greedy_default=True)
     tokens = engine.generate(prompt, args.max_new_tokens, params, stop_on_eos=not args.ignore_eos)
     t2 = time.perf_counter()
     if args.trace:

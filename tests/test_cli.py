@@ -23,6 +23,13 @@ def test_generate_alone_is_tp1():
     assert out["tp"] == 1 and out["tokens"] == hf_greedy("tiny-llama")[0]
 
 
+@pytest.mark.parametrize("sampling", [["--temperature", "1e-40"], ["--temperature", "1", "--top-p", "1e-50"]])
+def test_tiny_temperature_or_top_p_is_greedy(sampling):
+    proc = run_cli(sys.executable, "-m", "distmk.generate", "--model", "tiny-llama", *ARGS, *sampling)
+    assert proc.returncode == 0, proc.stderr
+    assert only_json_line(proc.stdout)["tokens"] == hf_greedy("tiny-llama")[0]
+
+
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen2"])
 def test_torchrun_tp2_preset_matches_transformers(name):
     proc = torchrun(2, "-m", "distmk.generate", "--model", name, *ARGS)
@@ -38,6 +45,27 @@ def test_torchrun_tp2_checkpoint_dir_matches_transformers(name, saved_checkpoint
     proc = torchrun(2, "-m", "distmk.generate", "--model", saved_checkpoints[name], *ARGS)
     assert proc.returncode == 0, proc.stderr
     assert only_json_line(proc.stdout)["tokens"] == hf_greedy(name)[0]
+
+
+def test_generation_config_gives_the_default_sampling(generation_config_checkpoint):
+    path, gen = generation_config_checkpoint
+    runs = [run_cli(sys.executable, "-m", "distmk.generate", "--model", path, *ARGS, "--ignore-eos", "--seed", "7",
+                    *extra) for extra in ([], ["--temperature", "0.6", "--top-p", "0.9", "--top-k", "20"],
+                                          ["--temperature", "0"])]
+    assert all(proc.returncode == 0 for proc in runs), [proc.stderr for proc in runs]
+    default, explicit, greedy = (only_json_line(proc.stdout)["tokens"] for proc in runs)
+    assert default == explicit != greedy == hf_greedy("tiny-llama")[0]
+
+
+def test_a_vocabulary_under_256_ids_takes_prompt_ids(small_vocab_checkpoint):
+    """No byte-level text for it, but token ids generate transformers' tokens; text is a clear error."""
+    path, expected = small_vocab_checkpoint
+    proc = run_cli(sys.executable, "-m", "distmk.generate", "--model", path, *ARGS)
+    assert proc.returncode == 0, proc.stderr
+    assert only_json_line(proc.stdout)["tokens"] == expected
+    proc = run_cli(sys.executable, "-m", "distmk.generate", "--model", path, "--prompt", "hi")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "error: text needs a tokenizer: the byte-level one needs a vocabulary of >= 256 ids" in proc.stderr
 
 
 def test_text_prompt_with_byte_fallback_tokenizer():
@@ -63,9 +91,9 @@ def test_graph_summary_for_8b_model():
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),
     (["--model", "tiny-llama", "--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
     (["--model", "tiny-llama", "--prompt-ids", "1,99999"], "outside the vocabulary"),
-    (["--model", "tiny-llama", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--model", "tiny-llama", "--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1, got 0"),
     (["--model", "tiny-llama", "--max-new-tokens", "5000"], "exceeds the context"),
-    (["--model", "tiny-llama", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--model", "tiny-llama", "--temperature", "-1"], "argument --temperature: must be a finite number >= 0"),
 ])
 def test_bad_input_is_a_clear_error(argv, message):
     if "--prompt-ids" not in argv:
@@ -74,3 +102,50 @@ def test_bad_input_is_a_clear_error(argv, message):
     assert proc.returncode == 2
     assert message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("program, argv, message", [
+    ("generate", ["--temperature", "nan"], "argument --temperature: must be a finite number >= 0, got nan"),
+    ("generate", ["--temperature", "inf"], "argument --temperature: must be a finite number >= 0, got inf"),
+    ("generate", ["--top-p", "0"], "argument --top-p: must be a finite number > 0 and <= 1, got 0"),
+    ("generate", ["--top-p", "1.5"], "argument --top-p: must be a finite number > 0 and <= 1, got 1.5"),
+    ("generate", ["--top-k", "-1"], "argument --top-k: must be an integer >= 0, got -1"),
+    ("generate", ["--seed", str(2 ** 64)], "argument --seed: must be an integer in 0..4294967295"),
+    ("generate", ["--max-context", "0"], "argument --max-context: must be an integer >= 1, got 0"),
+    ("generate", ["--workers", "0"], "argument --workers: must be an integer >= 1, got 0"),
+    ("generate", ["--batch", "x"], "argument --batch: must be an integer >= 1, got 'x'"),
+    ("generate", ["--timeout", "-1"], "argument --timeout: must be a finite number > 0, got -1"),
+    ("serve", ["--port", "70000"], "argument --port: must be an integer in 0..65535, got 70000"),
+    ("serve", ["--port", "-1"], "argument --port: must be an integer in 0..65535, got -1"),
+    ("serve", ["--max-context", "-5"], "argument --max-context: must be an integer >= 1, got -5"),
+    ("serve", ["--max-seqs", "0"], "argument --max-seqs: must be an integer >= 1, got 0"),
+    ("serve", ["--max-batch", "4", "--max-seqs", "5"], "argument --max-seqs: must be at most --max-batch (4), got 5"),
+    ("serve", ["--max-queue", "-1"], "argument --max-queue: must be an integer >= 0, got -1"),
+    ("serve", ["--api-key", ""], "argument --api-key: must not be empty"),
+    ("graph", ["--tp", "0"], "argument --tp: must be an integer >= 1, got 0"),
+])
+def test_out_of_range_flags_are_refused_naming_the_flag(program, argv, message, capsys):
+    """argparse refuses them before anything loads: exit 2 and an error line naming the flag."""
+    if program == "generate":
+        from distmk.generate import parse_args
+        argv = [*argv, "--prompt-ids", "1"]
+    elif program == "serve":
+        from distmk.serve.__main__ import parse_args
+    else:
+        from distmk.graph.__main__ import main as parse_args
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--model", "tiny-llama", *argv])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"error: {message}" in error, error
+
+
+def test_decode_benchmark_without_a_gpu_says_so():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    proc = run_cli(sys.executable, "benchmarks/decode.py", "--model", "tiny-llama", "--device", "cuda")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "error: --device cuda: no CUDA device is visible"
+    proc = run_cli(sys.executable, "benchmarks/decode.py", "--model", "tiny-llama", "--context", "0")
+    assert proc.returncode == 2 and "error: argument --context: must be an integer >= 1, got 0" in proc.stderr

@@ -1,9 +1,11 @@
-"""Sampling: seeded and reproducible, top-k/top-p restrict the support, all ranks agree."""
+"""Sampling: seeded and reproducible, top-k/top-p restrict the support, all ranks agree, no finite
+parameters break it, and a failure ends one sequence only."""
 import pytest
 import torch
 
 from distmk.errors import DistmkError
 from distmk.reference.comm import run_simulated_ranks
+from distmk.runtime.batcher import Batcher, Sequence, run_step
 from distmk.runtime.engine import Engine
 from distmk.runtime.sampling import SamplingParams, sample
 from conftest import PROMPT, SMALL, hf_greedy
@@ -35,8 +37,52 @@ def test_seeded_sampling_is_reproducible_and_ranks_agree():
     assert other != runs[0][0]
 
 
+def test_any_finite_parameters_sample_safely():
+    """Temperatures down to the smallest double act as greedy, top_p down to it keeps the most likely token,
+    the largest temperatures and top_k values are fine: no inf or nan reaches the draw."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(300, generator=gen) * 30
+    best = int(logits.argmax())
+    for temperature in (5e-324, 1e-320, 1e-50, 1e-39, 1e-6, 1e-5, 1e-3, 1.0, 1e38, 1e308, 1.7976931348623157e308):
+        for top_p in (5e-324, 1e-50, 1e-9, 0.5, 1.0):
+            for top_k in (0, 1, 7, 10 ** 30):
+                token = sample(logits, SamplingParams(temperature, top_p, top_k), gen)
+                assert 0 <= token < 300
+                # (at huge temperatures every token is about as likely as the best: no single one is kept)
+                if temperature < 1e-5 or top_k == 1 or (top_p < 1e-9 and temperature <= 1):
+                    assert token == best, (temperature, top_p, top_k)
+    assert SamplingParams(temperature=-0.0).greedy and SamplingParams(temperature=1e-50).greedy
+
+
+def test_a_sequence_whose_sampling_fails_fails_alone():
+    """Logits the sampler refuses (nan, as a broken checkpoint may give) end that sequence with an error;
+    the sequence beside it gets the tokens it gets alone."""
+    engine = Engine("tiny-llama", config=SMALL, max_seqs=2)
+    params = SamplingParams(temperature=1.0, seed=3)
+    alone = engine.generate([4, 5, 6], 6, params)
+    poisoned, healthy = Sequence([1, 2, 3], 6, params), Sequence([4, 5, 6], 6, params)
+
+    def run(step):
+        greedy, logits = run_step(engine, step)
+        for row, blocks in enumerate(step.block_tables):
+            if blocks == poisoned.blocks:
+                logits[row] = float("nan")
+        return greedy, logits
+
+    batcher = Batcher(engine, run=run)
+    batcher.submit(poisoned)
+    batcher.submit(healthy)
+    while batcher.busy:
+        batcher.step()
+    assert poisoned.finish_reason == "error" and "probability tensor" in poisoned.error and not poisoned.output
+    assert healthy.finish_reason == "length" and healthy.output == alone
+    assert len(engine.kv.free) == engine.kv.num_blocks
+
+
 @pytest.mark.parametrize("kw, message", [({"temperature": -0.1}, "temperature"), ({"top_p": 0}, "top_p"),
-                                         ({"top_k": -1}, "top_k")])
+                                         ({"top_k": -1}, "top_k"), ({"temperature": float("nan")}, "temperature"),
+                                         ({"temperature": float("inf")}, "temperature"),
+                                         ({"top_p": float("nan")}, "top_p")])
 def test_bad_sampling_parameters(kw, message):
     with pytest.raises(DistmkError, match=message):
         SamplingParams(**kw)

@@ -1,4 +1,5 @@
-"""distmk.serve for real: torchrun starts 2 CPU ranks (gloo), and the tests talk HTTP to rank 0."""
+"""distmk.serve for real: torchrun starts 2 CPU ranks (gloo), or one process serves alone, and the tests talk
+HTTP to rank 0. (Fuzzing it: test_serve_fuzz.py.)"""
 import asyncio
 import json
 import os
@@ -6,89 +7,22 @@ import random
 import re
 import signal
 import socket
-import subprocess
 import sys
 import time
 
 import httpx
 import pytest
 
-from conftest import REPO, torchrun
+from conftest import MODEL, PROMPT, SERVE_ON_CPU, Server, hf_greedy, rank_pids, serve_alone, torchrun
 
-MODEL = "tiny-llama"
-ENGINE = ["--model", MODEL, "--backend", "reference", "--device", "cpu", "--log-level", "warning"]
+ENGINE = ["--model", MODEL, *SERVE_ON_CPU]
 MAX_SEQS, MAX_QUEUE = 8, 32                  # the main server: 8 running, 32 queued, then 429
 CONTEXT = 1024                               # tiny-llama's
-
-
-class Server:
-    """A server process (torchrun or a plain python) in a process group of its own, logging to a file."""
-
-    def __init__(self, tmp_path, name, argv, env=None):
-        self.log_path = tmp_path / f"{name}.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                     start_new_session=True)
-        self.url = None
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout=90.0) -> "Server":
-        """Until the startup line names the URL and /health answers 200."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{self.output()}"
-            found = re.search(r"(http://127\.0\.0\.1:\d+)/v1", self.output())
-            if found:
-                try:
-                    if httpx.get(found.group(1) + "/health", timeout=5).status_code == 200:
-                        self.url = found.group(1)
-                        return self
-                except httpx.TransportError:
-                    pass
-            time.sleep(0.2)
-        raise AssertionError(f"server not healthy within {timeout} s:\n{self.output()}")
-
-    def wait_exit(self, timeout: float) -> int:
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        """torchrun starts each rank in a session of its own, so its ranks are killed one by one."""
-        if self.proc.poll() is None:
-            ranks = rank_pids(self.proc.pid).values()
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            for pid in ranks:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            self.proc.wait()
-        self.log.close()
 
 
 def serve_torchrun(tmp_path, name, *extra) -> Server:
     return Server(tmp_path, name, [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                    "--nproc-per-node=2", "-m", "distmk.serve", *ENGINE, "--port", "0", *extra])
-
-
-def rank_pids(launcher_pid: int) -> dict[int, int]:
-    """{rank: pid} of torchrun's worker processes, from their environment."""
-    ranks = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != launcher_pid:
-                continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if b"RANK" in env:
-            ranks[int(env[b"RANK"])] = int(pid)
-    return ranks
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +114,26 @@ def test_chat_streamed_and_whole_agree(server):
     assert complete(server, chatml, 10)[:2] == whole[:2]
 
 
+def test_developer_role_and_names_in_chat(server):
+    """OpenAI's developer role is the template's system role; a message's name is accepted (ChatML has no
+    place for it)."""
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    named = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": "ada"}]
+    assert complete(server, named, 8, chat=True) == complete(server, plain, 8, chat=True)
+
+
+def test_json_bodies_need_a_json_content_type(server):
+    body = json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": 2}).encode()
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": content_type})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", r.text
+        assert content_type in r.json()["error"]["message"]
+    for content_type in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json", None):
+        headers = {"content-type": content_type} if content_type else {}
+        r = httpx.post(server.url + "/v1/completions", content=body, headers=headers, timeout=30)
+        assert r.status_code == 200, (content_type, r.text)
+
+
 def test_stop_string_cuts_the_text(server):
     prompt = "The quick brown fox"
     text, tokens, _ = complete(server, prompt, 40, ignore_eos=True)
@@ -197,6 +151,18 @@ def test_seeded_sampling_is_reproducible(server):
     runs = [post(server, "/v1/completions", {**body, "seed": s}).json()["choices"][0]["token_ids"]
             for s in (1, 1, 2)]
     assert runs[0] == runs[1] != runs[2]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_tiny_temperature_and_top_p_act_as_greedy(server, chat):
+    """Temperatures and top_p down to the smallest double (which overflowed float32 and killed the engine)."""
+    prompt = [{"role": "user", "content": "Hi"}] if chat else [1, 2, 3]
+    greedy = complete(server, prompt, 6, chat=chat)
+    for params in ({"temperature": 1e-50}, {"temperature": 1.0, "top_p": 1e-50},
+                   {"temperature": 5e-324, "top_p": 5e-324}):
+        for stream in (False, True):
+            assert complete(server, prompt, 6, stream=stream, chat=chat, **params) == greedy, params
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 
 def test_32_concurrent_clients_get_what_they_would_get_alone(server):
@@ -238,69 +204,6 @@ def test_32_concurrent_clients_get_what_they_would_get_alone(server):
     assert metric(server, "distmk_kv_cache_used_blocks") == 0
 
 
-def malformed_requests(seed: int, count: int):
-    """(method, path, body bytes) of requests that are each wrong in a way the server must refuse."""
-    rng = random.Random(seed)
-    wrong = {   # field: values that are invalid for it (wrong type, out of range, unsupported)
-        "model": [1, None, [], "no-such-model"],
-        "prompt": [5, {"a": 1}, [1.5], [[1], [2]], ["a", "b"], True, [], "", [1, 512], [-1], list(range(1, 1100)),
-                   "x" * 1100],
-        "max_tokens": ["10", 1.5, True, -1, 0, 10 ** 9, 1024],
-        "temperature": ["hot", -0.1, 3, None, [0]],
-        "top_p": [0, 1.5, "x"],
-        "top_k": [-2, 1.5, "5"],
-        "seed": ["1", 2 ** 70, 1.5],
-        "stop": [5, [1], ["a"] * 5, [""], {"s": 1}],
-        "stream": ["yes", 1],
-        "n": [2, 0, "1"],
-        "stream_options": ["x", {"foo": True}],
-        "logprobs": [3], "echo": [True], "presence_penalty": [1], "frequency_penalty": [-0.5],
-        "logit_bias": [{"5": 1}], "best_of": [2], "suffix": ["end"],
-        "tools": [[]], "response_format": [{"type": "json_object"}], "frobnicate": [1],
-    }
-    wrong_chat = {"messages": ["hi", [], [{"role": "bot", "content": "x"}], [{"role": "user"}],
-                               [{"role": "user", "content": 5}], [{"content": "x"}],
-                               [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-                               [{"role": "user", "content": "x", "name": "bob"}],
-                               [{"role": "user", "content": "x" * 1100}]],
-                  "max_completion_tokens": [0, "2"], "logprobs": [True]}
-    for _ in range(count):
-        chat = rng.random() < 0.4
-        path = "/v1/chat/completions" if chat else "/v1/completions"
-        body = {"model": MODEL, "max_tokens": 4, "temperature": 0}
-        body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
-        kind = rng.randrange(10)
-        if kind == 0:                                 # not JSON: cut short, or not even text
-            text = json.dumps(body).encode()
-            yield "POST", path, text[:rng.randrange(len(text) - 1)] if rng.random() < 0.7 else rng.randbytes(20)
-        elif kind == 1:                               # JSON, but not an object
-            yield "POST", path, json.dumps(rng.choice([[], 1, "s", None, True, [body]])).encode()
-        elif kind == 2:                               # a required field left out
-            del body[rng.choice(["model", "messages" if chat else "prompt"])]
-            yield "POST", path, json.dumps(body).encode()
-        elif kind == 3:                               # wrong method or no such route
-            yield rng.choice([("GET", path, b""), ("POST", "/v1/nothing", json.dumps(body).encode()),
-                              ("DELETE", "/v1/models", b"")])
-        else:                                         # one to three fields set to something invalid
-            table = {**{k: v for k, v in wrong.items() if k != "prompt"}, **wrong_chat} if chat else wrong
-            for field in rng.sample(sorted(table), rng.randrange(1, 4)):
-                body[field] = rng.choice(table[field])
-            yield "POST", path, json.dumps(body).encode()
-
-
-def test_fuzzed_malformed_requests_get_4xx_and_the_server_stays_up(server):
-    requests = list(malformed_requests(seed=5, count=240))
-    with httpx.Client(base_url=server.url, timeout=30) as http:
-        for method, path, body in requests:
-            r = http.request(method, path, content=body, headers={"content-type": "application/json"})
-            assert 400 <= r.status_code < 500, (method, path, body[:300], r.status_code, r.text[:300])
-            error = r.json()["error"]
-            assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
-            assert set(error) == {"message", "type", "param", "code"}
-        assert http.get("/health").status_code == 200
-    assert complete(server, [1, 2, 3], 3)[2] == "length"
-
-
 @pytest.mark.parametrize("body, status, says", [
     (b"{not json", 400, "not valid JSON"),
     ({"prompt": "hi"}, 400, "missing required parameter 'model'"),
@@ -312,6 +215,10 @@ def test_fuzzed_malformed_requests_get_4xx_and_the_server_stays_up(server):
     ({"model": MODEL, "prompt": "hi", "temperature": "0.5"}, 400, "'temperature': Input should be a valid number"),
     ({"model": MODEL, "prompt": "hi", "tools": []}, 400, "unsupported parameter 'tools'"),
     ({"model": MODEL, "prompt": [1, 9999]}, 400, "outside the vocabulary"),
+    ({"model": MODEL, "prompt": "hi", "stop": "x" * 1_000_000}, 400,
+     "'stop': takes strings of at most 1024 characters, got one of 1000000"),
+    ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+     "'stream_options': is only allowed when stream is true"),
 ])
 def test_errors_say_what_is_wrong(server, body, status, says):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -436,8 +343,7 @@ def test_a_rank_that_dies_is_noticed(tmp_path):
 
 
 def test_single_process_server(tmp_path):
-    srv = Server(tmp_path, "single", [sys.executable, "-m", "distmk.serve", *ENGINE, "--port", "0",
-                                      "--served-model-name", "tiny"])
+    srv = serve_alone(tmp_path, "single", "--served-model-name", "tiny")
     try:
         srv.wait_ready()
         r = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
@@ -446,5 +352,86 @@ def test_single_process_server(tmp_path):
         srv.proc.send_signal(signal.SIGINT)
         assert srv.wait_exit(timeout=30) == 0, srv.output()
         assert "rank 0: stopped" in srv.output()
+    finally:
+        srv.kill()
+
+
+def test_api_key_guards_every_route_but_health(tmp_path):
+    """--api-key, and DISTMK_API_KEY with --metrics-public: without the key, with another or in another
+    scheme, a 401 in OpenAI's shape (streaming requests too); with it, the answer; /health needs none."""
+    key = "sk-distmk-" + "7" * 24
+    servers = {"flag": serve_alone(tmp_path, "key_flag", "--api-key", key),
+               "env": serve_alone(tmp_path, "key_env", "--metrics-public", env={"DISTMK_API_KEY": key})}
+    routes = [("GET", "/v1/models", None), ("GET", "/metrics", None),
+              ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+              ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}),
+              ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                "max_tokens": 2, "stream": True})]
+    refused = [({}, "this server needs an API key"), ({"Authorization": "Bearer sk-other"}, "incorrect API key"),
+               ({"Authorization": f"Basic {key}"}, "this server needs an API key")]
+    try:
+        for name, srv in servers.items():
+            srv.wait_ready()
+            assert "API key required" in srv.output()
+            with httpx.Client(base_url=srv.url, timeout=60) as http:
+                assert http.get("/health").json() == {"status": "ok"}
+                for method, route, body in routes:
+                    public = route == "/metrics" and name == "env"
+                    for headers, says in refused:
+                        r = http.request(method, route, json=body, headers=headers)
+                        if public:
+                            assert r.status_code == 200
+                            continue
+                        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (route, r.text)
+                        error = r.json()["error"]
+                        assert error["message"].startswith(says) and error["code"] == "invalid_api_key"
+                        assert set(error) == {"message", "type", "param", "code"}
+                    r = http.request(method, route, json=body, headers={"Authorization": f"Bearer {key}"})
+                    assert r.status_code == 200, (route, r.text)
+                    if body and body.get("stream"):
+                        assert r.headers["content-type"].startswith("text/event-stream")
+                        assert r.text.rstrip().endswith("data: [DONE]")
+    finally:
+        for srv in servers.values():
+            srv.kill()
+
+
+def test_generation_config_eos_and_sampling_defaults(tmp_path, generation_config_checkpoint):
+    """A checkpoint's generation_config.json: its eos ids end a reply where transformers' greedy output
+    reaches one, and its temperature, top_p and top_k are what a request that leaves them out gets."""
+    path, gen = generation_config_checkpoint
+    srv = serve_alone(tmp_path, "gen", "--served-model-name", MODEL, model=path)
+    try:
+        srv.wait_ready()
+        _, tokens, finish = complete(srv, PROMPT, 32)
+        assert finish == "stop" and tokens[-1] in gen["eos_token_id"]
+        assert tokens == hf_greedy("tiny-llama")[0][:len(tokens)] and len(tokens) < 32
+
+        def sampled(**params):
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "seed": 7, "ignore_eos": True,
+                    "return_token_ids": True, **params}
+            r = post(srv, "/v1/completions", body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        checkpoints = sampled(temperature=gen["temperature"], top_p=gen["top_p"], top_k=gen["top_k"])
+        assert sampled() == checkpoints != sampled(temperature=1, top_p=1, top_k=-1)
+        assert sampled(temperature=None, top_p=None) == checkpoints          # null: the default too
+    finally:
+        srv.kill()
+
+
+def test_a_vocabulary_under_256_ids_serves_token_ids(tmp_path, small_vocab_checkpoint):
+    path, expected = small_vocab_checkpoint
+    srv = serve_alone(tmp_path, "small_vocab", "--served-model-name", MODEL, model=path)
+    try:
+        srv.wait_ready()
+        assert complete(srv, PROMPT, 32)[1] == expected
+        for route, body, param in (("/v1/completions", {"prompt": "hi"}, "prompt"),
+                                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+                                    "messages")):
+            r = post(srv, route, {"model": MODEL, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert r.json()["error"]["message"].startswith("text needs a tokenizer")
     finally:
         srv.kill()

@@ -4,7 +4,7 @@ import torch
 
 from distmk.reference.comm import run_simulated_ranks
 from distmk.runtime.engine import Engine
-from conftest import PROMPT, SMALL, TINY, hf_greedy
+from conftest import PROMPT, SMALL, TINY, hf_generate, hf_greedy
 
 
 def generate_tp(name, tp, config=SMALL, new_tokens=32, **kw):
@@ -47,3 +47,21 @@ def test_qkv_heads_cut_into_column_slices_match(name, parts):
         tokens, logits = generate_tp(name, tp, config=dataclasses.replace(SMALL, qkv_parts=parts))[0]
         assert tokens == ref_tokens
         assert (logits - ref_logits).abs().max() / ref_logits.abs().max() < 1e-4
+
+
+def test_prompt_ids_equal_to_the_pad_id_are_attended():
+    """Token id 0 (the reference's pad_token_id) inside the prompt is a token like any other."""
+    prompt = (0, 1, 0, 2, 0)
+    assert Engine("tiny-llama", config=SMALL).generate(list(prompt), 8) == hf_greedy("tiny-llama", prompt, 8)[0]
+
+
+def test_eos_ids_of_generation_config_stop_as_transformers_stops(generation_config_checkpoint):
+    """eos_token_id given only in generation_config.json, as a list: transformers stops on it, so does distmk."""
+    from transformers import AutoModelForCausalLM
+    path, gen = generation_config_checkpoint
+    reference = hf_generate(AutoModelForCausalLM.from_pretrained(path), PROMPT, 32)[0, len(PROMPT):].tolist()
+    assert len(reference) < 32 and reference[-1] in gen["eos_token_id"]
+    engine = Engine(path, config=SMALL)
+    assert engine.spec.eos_token_id == tuple(gen["eos_token_id"])
+    assert engine.spec.generation_defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    assert engine.generate(PROMPT, 32) == reference

@@ -4,6 +4,7 @@ import collections
 import sys
 import time
 
+from distmk.cli import COUNT, NON_NEGATIVE
 from distmk.errors import DistmkError
 from distmk.graph.lowering import GraphConfig, compile_step
 from distmk.graph.table import TYPE
@@ -38,16 +39,16 @@ def summary(table, spec, plan) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m distmk.graph", description=__doc__)
     p.add_argument("--model", required=True, help="preset name or Hugging Face checkpoint directory")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--workers", type=int, default=132, help="worker queues (SMs on the GPU)")
-    p.add_argument("--kv-splits", type=int, default=0, help="0 = one attention split per worker, at most 16")
-    p.add_argument("--tile-rows", type=int, default=0, help="0 = about one tile per worker")
-    p.add_argument("--qkv-parts", type=int, default=0,
+    p.add_argument("--tp", type=COUNT, default=1)
+    p.add_argument("--rank", type=NON_NEGATIVE, default=0)
+    p.add_argument("--batch", type=COUNT, default=1)
+    p.add_argument("--workers", type=COUNT, default=132, help="worker queues (SMs on the GPU)")
+    p.add_argument("--kv-splits", type=NON_NEGATIVE, default=0, help="0 = one attention split per worker, at most 16")
+    p.add_argument("--tile-rows", type=NON_NEGATIVE, default=0, help="0 = about one tile per worker")
+    p.add_argument("--qkv-parts", type=NON_NEGATIVE, default=0,
                    help="QKV tiles per head (column slices of it); 0 = about one tile per worker")
-    p.add_argument("--lm-tile-rows", type=int, default=0, help="0 = about one tile per worker")
-    p.add_argument("--context", type=int, default=512, help="context length the cost model assumes")
+    p.add_argument("--lm-tile-rows", type=NON_NEGATIVE, default=0, help="0 = about one tile per worker")
+    p.add_argument("--context", type=COUNT, default=512, help="context length the cost model assumes")
     args = p.parse_args(argv)
     try:
         t0 = time.perf_counter()

@@ -5,6 +5,7 @@ here and nowhere else: the rest of distmk reads flags off the spec.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -40,6 +41,8 @@ class ModelSpec:
     sliding_window: int | None = None
     eos_token_id: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # the sampling defaults a checkpoint ships (generation_config.json): temperature, top_p, top_k (0 = none)
+    generation_defaults: dict = field(default_factory=dict)
 
     @property
     def family(self) -> str:
@@ -163,8 +166,7 @@ def spec_from_hf_config(cfg: dict, source: str = "config.json") -> ModelSpec:
         rope = {}
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
         raise ModelError(f"{source}: partial_rotary_factor != 1 is not supported")
-    eos = cfg.get("eos_token_id")
-    eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    eos = _token_ids(cfg.get("eos_token_id"), f"{source}: eos_token_id")
     if family != "qwen2" and cfg.get("attention_bias"):
         raise ModelError(f"{source}: attention_bias=true is not supported for {arch}")
     if cfg.get("mlp_bias"):
@@ -197,3 +199,30 @@ def spec_from_hf_config(cfg: dict, source: str = "config.json") -> ModelSpec:
         raise ModelError(f"{source}: num_attention_heads {spec.num_heads} is not a multiple of "
                          f"num_key_value_heads {spec.num_kv_heads}")
     return spec
+
+
+def with_generation_config(spec: ModelSpec, gen: dict, source: str = "generation_config.json") -> ModelSpec:
+    """The spec with what generation_config.json adds, as transformers and vLLM read it: its eos_token_id
+    (an id or a list) ends generation too, and its temperature, top_p and top_k become the defaults."""
+    eos = spec.eos_token_id + tuple(t for t in _token_ids(gen.get("eos_token_id"), f"{source}: eos_token_id")
+                                    if t not in spec.eos_token_id)
+    defaults = {}
+    checks = {"temperature": (lambda v: v >= 0, "a finite number >= 0"),
+              "top_p": (lambda v: 0 < v <= 1, "a finite number > 0 and <= 1"),
+              "top_k": (lambda v: isinstance(v, int) and v >= -1, "an integer >= -1 (0 or -1: no limit)")}
+    for key, (ok, wanted) in checks.items():
+        value = gen.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+            raise ModelError(f"{source}: {key} must be {wanted}, got {value!r}")
+        defaults[key] = max(value, 0) if key == "top_k" else float(value)
+    return dataclasses.replace(spec, eos_token_id=eos, generation_defaults=defaults)
+
+
+def _token_ids(value, what: str) -> tuple[int, ...]:
+    """A config's token id field: an id, a list of ids, or nothing."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ModelError(f"{what} must be a token id or a list of them, got {value!r}")
+    return tuple(ids)

@@ -14,7 +14,7 @@ import torch
 
 from distmk.errors import ModelError
 from distmk.models.presets import preset
-from distmk.models.spec import ModelSpec, spec_from_hf_config
+from distmk.models.spec import ModelSpec, spec_from_hf_config, with_generation_config
 
 
 class CheckpointWeights:
@@ -100,18 +100,28 @@ class RandomWeights:
 
 
 def open_model(model: str, seed: int = 0, device: str | torch.device = "cpu"):
-    """Resolve a checkpoint directory or preset name to (spec, weight source, tokenizer dir or None)."""
+    """Resolve a checkpoint directory or preset name to (spec, weight source, tokenizer dir or None). A
+    checkpoint's spec includes what its generation_config.json, if any, says."""
     if os.path.isdir(model):
         cfg_path = os.path.join(model, "config.json")
         if not os.path.exists(cfg_path):
             raise ModelError(f"{model}: no config.json (expected a Hugging Face checkpoint directory)")
-        try:
-            with open(cfg_path) as f:
-                cfg = json.load(f)
-        except ValueError as e:
-            raise ModelError(f"{cfg_path}: invalid JSON ({e})") from None
-        spec = spec_from_hf_config(cfg, source=cfg_path)
+        spec = spec_from_hf_config(_json_object(cfg_path), source=cfg_path)
+        gen_path = os.path.join(model, "generation_config.json")
+        if os.path.exists(gen_path):
+            spec = with_generation_config(spec, _json_object(gen_path), source=gen_path)
         has_tokenizer = any(os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer.model"))
         return spec, CheckpointWeights(model, spec), (model if has_tokenizer else None)
     spec = preset(model)
     return spec, RandomWeights(spec, seed=seed, device=device), None
+
+
+def _json_object(path: str) -> dict:
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except ValueError as e:
+        raise ModelError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ModelError(f"{path}: must hold a JSON object, not {type(obj).__name__} {json.dumps(obj)[:60]}")
+    return obj

@@ -31,7 +31,8 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     fed: int = 0                      # tokens of prompt + output already written to the KV cache
     blocks: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "length", "stop" or "cancelled"
+    finish_reason: str | None = None  # "length", "stop", "cancelled" or "error"
+    error: str | None = None          # why it failed, with finish_reason "error"
     generator: torch.Generator | None = None
     keep_logits: bool = False         # record the [vocab] logits each new token was chosen from
     logits: list[torch.Tensor] = field(default_factory=list)
@@ -145,9 +146,10 @@ class Batcher:
         return batch, StepInputs([seq.tokens[i] for seq, i in batch], [i for _, i in batch],
                                  [seq.blocks for seq, _ in batch], needs_logits)
 
-    def step(self) -> list[tuple[Sequence, int]]:
+    def step(self) -> list[tuple[Sequence, int | None]]:
         """One engine step; returns the (sequence, new token) pairs it produced. Finished sequences have
-        finish_reason set and are out of the batch."""
+        finish_reason set and are out of the batch. A sequence whose token cannot be sampled fails alone:
+        its pair has no token, its finish_reason is "error" and its error says why."""
         planned = self.plan()
         if planned is None:
             return []
@@ -157,7 +159,13 @@ class Batcher:
         for row, (seq, i) in enumerate(batch):
             if i != len(seq.tokens) - 1:                   # a prompt row that is not the prompt's last
                 continue
-            token = greedy[row] if seq.params.greedy else sample(logits[row], seq.params, seq.generator)
+            try:
+                token = greedy[row] if seq.params.greedy else sample(logits[row], seq.params, seq.generator)
+            except Exception as e:  # noqa: BLE001 - whatever it was, it concerns this sequence only
+                seq.error = f"sampling failed: {e}"
+                self._finish(seq, "error")
+                produced.append((seq, None))
+                continue
             seq.output.append(token)
             if seq.keep_logits:
                 seq.logits.append(logits[row])

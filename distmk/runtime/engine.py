@@ -41,7 +41,9 @@ class Engine:
         if self.comm.world != tp:
             raise DistmkError(f"tp={tp} but the communicator has {self.comm.world} ranks")
         self.spec, source, self.tokenizer_dir = open_model(model, seed=seed, device=device)
-        max_context = max_context or min(2048, self.spec.max_position_embeddings)
+        max_context = min(2048, self.spec.max_position_embeddings) if max_context is None else max_context
+        if max_context < 1:
+            raise DistmkError(f"max_context must be >= 1, got {max_context}")
         if max_context > self.spec.max_position_embeddings:
             raise DistmkError(f"max_context {max_context} exceeds the model's max_position_embeddings "
                               f"{self.spec.max_position_embeddings}")
@@ -105,4 +107,6 @@ class Engine:
                 batcher.step()
         finally:
             batcher.cancel(seq)                      # an error mid-way still returns the KV blocks
+        if seq.error:
+            raise DistmkError(seq.error)
         return (seq.output, torch.stack(seq.logits)) if return_logits else seq.output

@@ -1,5 +1,6 @@
 """Tokenizers: the checkpoint's own (transformers), or for presets a byte-level fallback where each UTF-8
-byte is one token id (0..255), so text prompts work on random-weight models too.
+byte is one token id (0..255), so text prompts work on random-weight models too. A model with fewer than
+256 ids has no text without a tokenizer of its own: it takes token ids only.
 
 Chat messages become a prompt through the checkpoint's chat template. Without one (every preset, and
 checkpoints whose tokenizer has no template) they are rendered as ChatML text:
@@ -22,10 +23,13 @@ def render_chatml(messages: list[dict]) -> str:
 
 class ByteTokenizer:
     def __init__(self, vocab_size: int):
-        if vocab_size < 256:
-            raise DistmkError(f"byte-level tokenizer needs a vocabulary of >= 256 ids, model has {vocab_size}")
+        self.vocab_size = vocab_size
 
     def encode(self, text: str) -> list[int]:
+        if self.vocab_size < 256:
+            raise DistmkError(f"text needs a tokenizer: the byte-level one needs a vocabulary of >= 256 ids and "
+                              f"this model has {self.vocab_size}, with no tokenizer of its own; give token ids instead "
+                              "(--prompt-ids; in the API a prompt that is a list of ids)")
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:

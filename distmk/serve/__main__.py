@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import os
 import signal
 import socket
@@ -19,7 +20,7 @@ import threading
 
 from tqdm import tqdm
 
-from distmk.cli import add_engine_args, build_engine, open_comm, select_device
+from distmk.cli import COUNT, NON_NEGATIVE, SEED, add_engine_args, build_engine, int_in, open_comm, select_device
 from distmk.dist import detect_launch
 from distmk.errors import DistmkError
 from distmk.runtime.batcher import StepInputs
@@ -36,24 +37,33 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p, "--max-batch", "rows (tokens) per engine step: one per running sequence, the rest "
                                       "prompt chunks; compiled once at start")
-    p.add_argument("--max-seqs", type=int, default=None,
+    p.add_argument("--max-seqs", type=COUNT, default=None,
                    help="sequences generating at once (default and at most: --max-batch); each has KV-cache "
                         "room for --max-context tokens")
-    p.add_argument("--max-queue", type=int, default=256,
+    p.add_argument("--max-queue", type=NON_NEGATIVE, default=256,
                    help="requests waiting for a place in the batch; beyond: 429")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0: any free port (the startup line says which)")
-    p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
+    p.add_argument("--port", type=int_in(0, 65535), default=8000,
+                   help="0: any free port (the startup line says which)")
+    p.add_argument("--seed", type=SEED, default=0, help="seed of a preset's random weights")
+    p.add_argument("--api-key", type=_nonempty, default=os.environ.get("DISTMK_API_KEY") or None,
+                   help="every route but /health needs 'Authorization: Bearer KEY' (default: $DISTMK_API_KEY, "
+                        "which keeps the key out of the process list)")
+    p.add_argument("--metrics-public", action="store_true", help="with --api-key: /metrics without the key")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs every request)")
     args = p.parse_args(argv)
     args.max_seqs = args.batch if args.max_seqs is None else args.max_seqs
-    if not 1 <= args.max_seqs <= args.batch:
-        p.error(f"--max-seqs must be in 1..--max-batch ({args.batch}), got {args.max_seqs}")
-    if args.max_queue < 0:
-        p.error(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_seqs > args.batch:
+        p.error(f"argument --max-seqs: must be at most --max-batch ({args.batch}), got {args.max_seqs}")
     return args
+
+
+def _nonempty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def main(argv=None) -> int:
@@ -115,7 +125,7 @@ def listen(host: str, port: int) -> socket.socket:
 def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
     import uvicorn
 
-    from distmk.serve.app import Served, create_app
+    from distmk.serve.app import H11WithJSONErrors, Served, create_app
     from distmk.serve.metrics import Metrics
     from distmk.serve.scheduler import Scheduler
 
@@ -132,7 +142,9 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
     scheduler = Scheduler(engine, leader, Metrics(engine.kv.num_blocks), args.max_seqs)
     name = args.served_model_name or args.model
     served = Served(name, load_tokenizer(engine.tokenizer_dir, engine.spec.vocab_size), scheduler,
-                    scheduler.metrics, engine.max_context, capacity=args.max_seqs + args.max_queue)
+                    scheduler.metrics, engine.max_context, capacity=args.max_seqs + args.max_queue,
+                    sampling_defaults=engine.spec.generation_defaults, api_key=args.api_key,
+                    metrics_public=args.metrics_public)
     loop = None           # the event loop, once running
 
     class Server(uvicorn.Server):
@@ -142,7 +154,7 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
             super().handle_exit(sig, frame)
             loop.call_soon_threadsafe(loop.call_later, GRACEFUL_S, served.abort_all, "the server is shutting down")
 
-    server = Server(uvicorn.Config(create_app(served), log_level=args.log_level,
+    server = Server(uvicorn.Config(create_app(served), http=H11WithJSONErrors, log_level=args.log_level,
                                    timeout_graceful_shutdown=GRACEFUL_S + 2))
 
     def request_exit(*_):
@@ -162,8 +174,11 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
         print(f"distmk.serve: {name} | tp {launch.world}, {args.backend} backend on {args.device}, "
               f"{str(engine.dtype).removeprefix('torch.')} | {engine.config.batch} rows per step, "
-              f"{args.max_seqs} sequences at once, context {engine.max_context}, queue {args.max_queue} | {url}",
-              file=sys.stderr, flush=True)
+              f"{args.max_seqs} sequences at once, context {engine.max_context}, queue {args.max_queue} | {url}"
+              f"{' | API key required' if args.api_key else ''}", file=sys.stderr, flush=True)
+        if not args.api_key and not ipaddress.ip_address(host).is_loopback:
+            print(f"distmk.serve: warning: serving {host} without --api-key: anyone who reaches the port can use "
+                  "the server", file=sys.stderr, flush=True)
         try:
             await server.serve(sockets=[sock])
         finally:       # while the event loop is open, so that the last step's tokens can still be handed over

@@ -10,23 +10,28 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
+import h11
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from distmk.errors import DistmkError
 from distmk.runtime.batcher import Sequence
-from distmk.runtime.sampling import SamplingParams
+from distmk.runtime.sampling import resolve_sampling
 from distmk.runtime.tokenizer import IncrementalDecoder
 from distmk.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_body
 
 MAX_BODY_BYTES = 8 << 20
+BEARER_CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
 
 @dataclass
@@ -38,6 +43,9 @@ class Served:
     metrics: object
     max_context: int
     capacity: int                        # requests running or queued at once; beyond: 429
+    api_key: str | None = None           # when set, clients send it as "Authorization: Bearer <key>"
+    metrics_public: bool = False         # /metrics without the key
+    sampling_defaults: dict = field(default_factory=dict)     # the checkpoint's (ModelSpec.generation_defaults)
     live: set = field(default_factory=set)      # their Generations
     created: int = field(default_factory=lambda: int(time.time()))
     # tokenizing and rendering chat templates off the event loop (a long prompt takes a while), one call at
@@ -53,7 +61,8 @@ class Served:
             raise APIError(503, f"the engine is down: {self.scheduler.failure or 'stopping'}", type="server_error")
         if len(self.live) >= self.capacity:
             raise APIError(429, f"the server is at capacity ({len(self.live)} requests running or queued); "
-                                "retry later", type="rate_limit_error", code="rate_limit_exceeded")
+                                "retry later", type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"})
 
     def abort_all(self, message: str) -> None:
         """End every request still running with an error (at shutdown, once they had their grace time)."""
@@ -62,26 +71,62 @@ class Served:
 
 
 class StopStrings:
-    """Cuts text at the first stop string, holding back a tail that may be the start of one."""
+    """Cuts text at the first stop string to appear, holding back a tail that may be the start of one.
+
+    Each stop string keeps its Knuth-Morris-Pratt state (how long a start of it the text ends with), so
+    each character of the text is looked at once per stop string: linear in the text, however long the
+    stop strings are. Of stop strings completed by the same character, the longest wins."""
 
     def __init__(self, stops: list[str]):
         self.stops, self.pending = stops, ""
+        self.fallback = [_kmp_fallback(s) for s in stops]
+        self.matched = [0] * len(stops)
 
     def feed(self, text: str, final: bool) -> tuple[str, bool]:
         """(text that is safe to send, whether a stop string was reached)."""
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[:min(hits)], ""
-            return out, True
-        hold = 0 if final else max((k for s in self.stops for k in range(1, len(s))
-                                    if self.pending.endswith(s[:k])), default=0)
-        out, self.pending = self.pending[:len(self.pending) - hold], self.pending[len(self.pending) - hold:]
+        for end, char in enumerate(text, 1):
+            completed = 0
+            for i, stop in enumerate(self.stops):
+                k = self.matched[i]
+                while k and stop[k] != char:
+                    k = self.fallback[i][k - 1]
+                if stop[k] == char:
+                    k += 1
+                if k == len(stop):
+                    completed = max(completed, k)
+                self.matched[i] = k
+            if completed:
+                seen = self.pending + text[:end]          # the stop string lies in what is not sent yet
+                self.pending = ""
+                return seen[:len(seen) - completed], True
+        seen = self.pending + text
+        hold = 0 if final else max(self.matched, default=0)
+        out, self.pending = seen[:len(seen) - hold], seen[len(seen) - hold:]
         return out, False
 
 
+def _kmp_fallback(s: str) -> list[int]:
+    """fallback[k - 1]: the longest proper prefix of s[:k] that is also a suffix of it."""
+    fallback, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fallback[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fallback[i] = k
+    return fallback
+
+
 class Aborted(Exception):
-    """The request cannot finish: the engine failed, or the server is shutting down."""
+    """The request cannot finish: the engine failed or the server is shutting down (503), or something
+    went wrong with this request alone (500)."""
+
+    def __init__(self, message: str, status: int = 503):
+        super().__init__(message)
+        self.status = status
+
+    def as_api_error(self) -> "APIError":
+        return APIError(self.status, str(self), type="server_error")
 
 
 @dataclass
@@ -118,9 +163,9 @@ class Generation:
         if not self.closed:
             self.queue.put_nowait((token, finish_reason))
 
-    def on_failure(self, message: str) -> None:
+    def on_failure(self, message: str, status: int = 503) -> None:
         if not self.closed:
-            self.queue.put_nowait(Aborted(message))
+            self.queue.put_nowait(Aborted(message, status))
 
     async def pieces(self):
         metrics = self.served.metrics
@@ -138,8 +183,12 @@ class Generation:
             self.last_token_at = now
             metrics.generation_tokens.inc()
             self.tokens.append(token)
-            text = self.decoder.push(token) + (self.decoder.flush() if finish_reason else "")
-            text, stopped = self.stop.feed(text, final=finish_reason is not None)
+            try:
+                text = self.decoder.push(token) + (self.decoder.flush() if finish_reason else "")
+                text, stopped = self.stop.feed(text, final=finish_reason is not None)
+            except Exception as e:  # noqa: BLE001 - decoding or stop strings failed for this request only
+                self.finish_reason = "error"
+                raise Aborted(f"decoding the output failed: {type(e).__name__}: {e}", status=500) from None
             if stopped and finish_reason is None:
                 self.served.scheduler.cancel(self.seq)         # frees its KV blocks before the next step
             self.finish_reason = "stop" if stopped else finish_reason
@@ -176,7 +225,21 @@ class GenerationStream(StreamingResponse):
 
 
 def create_app(served: Served) -> FastAPI:
-    app = FastAPI(title="distmk", docs_url=None, redoc_url=None, openapi_url=None)
+    async def authorize(request: Request) -> None:
+        """With an API key, every route but /health (and /metrics when public) needs it as a bearer token,
+        compared in constant time."""
+        path = request.url.path
+        if served.api_key is None or path == "/health" or (path == "/metrics" and served.metrics_public):
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise APIError(401, "this server needs an API key: send it in an Authorization header as "
+                                "'Authorization: Bearer <key>'", code="invalid_api_key", headers=BEARER_CHALLENGE)
+        if not secrets.compare_digest(given.strip().encode(), served.api_key.encode()):
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key", headers=BEARER_CHALLENGE)
+
+    app = FastAPI(title="distmk", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(authorize)])
     metrics = served.metrics
 
     def count(request: Request, status: int) -> None:
@@ -186,8 +249,7 @@ def create_app(served: Served) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         count(request, e.status)
-        headers = {"Retry-After": "1"} if e.status == 429 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
@@ -218,6 +280,7 @@ def create_app(served: Served) -> FastAPI:
     async def accept(request: Request, schema):
         """The parsed request and when it arrived, once its model is known and there is room for it."""
         arrived = time.monotonic()
+        check_json_content(request)
         req = parse_body(schema, await read_body(request))
         check_model(req.model)
         served.check_admission()
@@ -228,7 +291,10 @@ def create_app(served: Served) -> FastAPI:
         req, arrived = await accept(request, CompletionRequest)
         prompt = req.prompt
         if isinstance(prompt, str):
-            prompt = await served.tokenize(served.tokenizer.encode, prompt)
+            try:
+                prompt = await served.tokenize(served.tokenizer.encode, prompt)
+            except DistmkError as e:                 # this model takes token ids only
+                raise APIError(400, str(e), param="prompt") from None
         return await respond(request, req, prompt, "prompt", req.max_tokens, [], arrived, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -236,7 +302,9 @@ def create_app(served: Served) -> FastAPI:
         req, arrived = await accept(request, ChatRequest)
         try:
             prompt, format_stops = await served.tokenize(served.tokenizer.render_chat,
-                                                         [m.model_dump() for m in req.messages])
+                                                         [m.for_template() for m in req.messages])
+        except DistmkError as e:                     # this model takes token ids only
+            raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # noqa: BLE001 - a chat template refuses a conversation by raising
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens
@@ -257,7 +325,9 @@ def create_app(served: Served) -> FastAPI:
             raise APIError(400, f"max_tokens {max_tokens} is more than the context has room for: {room} tokens "
                                 f"after the prompt's {len(prompt)} (context {served.max_context})",
                            param="max_tokens", code="context_length_exceeded")
-        params = SamplingParams(req.temperature, req.top_p, max(req.top_k, 0), req.seed)
+        top_k = None if req.top_k is None else max(req.top_k, 0)          # -1, as vLLM has it: no limit
+        params = resolve_sampling(req.temperature, req.top_p, top_k, req.seed, defaults=served.sampling_defaults,
+                                  greedy_default=False)
         seq = Sequence(prompt, max_tokens or room, params, stop_on_eos=not req.ignore_eos)
         try:
             served.scheduler.check(seq)
@@ -279,15 +349,43 @@ def create_app(served: Served) -> FastAPI:
     return app
 
 
+def check_json_content(request: Request) -> None:
+    """A body whose Content-Type is not JSON gets 415 (as OpenAI answers); a body with none is read as JSON."""
+    content_type = request.headers.get("content-type")
+    if content_type is None:
+        return
+    media_type = content_type.partition(";")[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise APIError(415, f"the request body must be JSON (Content-Type: application/json), got Content-Type "
+                            f"{content_type[:100]!r}", code="unsupported_media_type")
+
+
 async def read_body(request: Request) -> bytes:
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
         raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    except ClientDisconnect:            # nobody to answer; 499 (nginx's "client closed request") for the metrics
+        raise APIError(499, "the client closed the connection before the end of the request body") from None
     return bytes(body)
+
+
+class H11WithJSONErrors(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, answering a request it cannot parse (a bad request line or header, a
+    broken chunked body, a bad Content-Length) in OpenAI's error shape rather than in plain text."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps(APIError(400, "the request is not valid HTTP/1.1").body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
 
 async def _client_gone(request: Request) -> None:
@@ -319,7 +417,7 @@ class Reply:
         try:
             text = collect.result()
         except Aborted as e:
-            raise APIError(503, str(e), type="server_error") from None
+            raise e.as_api_error() from None
         choice = {"index": 0, "logprobs": None, "finish_reason": generation.finish_reason}
         choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
         if self.req.return_token_ids:
@@ -350,7 +448,7 @@ class Reply:
                 first = False
                 yield _event({**self.head, "object": obj, "choices": [choice]})
         except Aborted as e:
-            yield _event(APIError(503, str(e), type="server_error").body())
+            yield _event(e.as_api_error().body())
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
             yield _event({**self.head, "object": obj, "choices": [], "usage": self.usage(generation)})
         yield "data: [DONE]\n\n"

@@ -11,18 +11,20 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 1024          # per stop string: a longer one is refused rather than matched
 
 
 class APIError(Exception):
-    """An error response: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+    """An error response: {"error": {"message", "type", "param", "code"}} with an HTTP status (and headers)."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -59,6 +61,9 @@ def _stop_strings(v: Any) -> list[str]:
         raise ValueError("must be a string or a list of strings")
     if len(stops) > MAX_STOP_STRINGS or not all(stops):
         raise ValueError(f"takes at most {MAX_STOP_STRINGS} non-empty strings")
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(f"takes strings of at most {MAX_STOP_CHARS} characters, got one of {longest}")
     return stops
 
 
@@ -81,13 +86,14 @@ class StreamOptions(_Strict):
 
 class _Sampling(_Strict):
     model: str
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1, description="-1 or 0: no limit")
+    # left out or null: the checkpoint's default (generation_config.json), else OpenAI's (temperature 1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0: no limit")
     seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)
     stop: Annotated[list[str], PlainValidator(_stop_strings)] = []
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = None     # only with stream: true, as OpenAI has it
     n: Annotated[int, _neutral(1)] = 1              # one choice per request
     user: str | None = None                        # the caller's id for the operator's logs: unused here
     ignore_eos: bool = False
@@ -95,6 +101,13 @@ class _Sampling(_Strict):
     presence_penalty: Annotated[float, _neutral(0)] = 0.0
     frequency_penalty: Annotated[float, _neutral(0)] = 0.0
     logit_bias: Annotated[dict[str, float] | None, _neutral(None)] = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, v, info):
+        if v is not None and info.data.get("stream") is not True:
+            raise ValueError("is only allowed when stream is true")
+        return v
 
 
 class CompletionRequest(_Sampling):
@@ -107,8 +120,15 @@ class CompletionRequest(_Sampling):
 
 
 class Message(_Strict):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["developer", "system", "user", "assistant"]
     content: Annotated[str, PlainValidator(_text_content)]
+    name: str | None = None              # the participant's name, for chat templates that show it
+
+    def for_template(self) -> dict:
+        """The message as chat templates take it: OpenAI's developer role is the system role of the
+        templates (and of ChatML)."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        return message if self.name is None else {**message, "name": self.name}
 
 
 class ChatRequest(_Sampling):

@@ -18,11 +18,12 @@ HEARTBEAT_S = 5.0
 
 
 class Listener(Protocol):
-    """Called on the event loop: each new token of the sequence, or a failure (a message for the client)."""
+    """Called on the event loop: each new token of the sequence, or a failure (a message for the client and
+    its HTTP status: 503 when the engine is down, 500 when only this sequence failed)."""
 
     def on_token(self, token: int, finish_reason: str | None) -> None: ...
 
-    def on_failure(self, message: str) -> None: ...
+    def on_failure(self, message: str, status: int = 503) -> None: ...
 
 
 class Scheduler:
@@ -117,7 +118,7 @@ class Scheduler:
                 produced = self.batcher.step()
             self.metrics.batcher_state(self.batcher)
             if produced:
-                deliveries = [(self.listeners[seq.id], token, seq.finish_reason) for seq, token in produced]
+                deliveries = [(self.listeners[seq.id], token, seq.finish_reason, seq.error) for seq, token in produced]
                 for seq, _ in produced:
                     if seq.finish_reason is not None:
                         del self.listeners[seq.id]
@@ -129,8 +130,12 @@ class Scheduler:
 
 
 def _deliver(deliveries) -> None:
-    for listener, token, finish_reason in deliveries:
-        listener.on_token(token, finish_reason)
+    """(listener, token, finish_reason, error) as they were after the step (the next may already run)."""
+    for listener, token, finish_reason, error in deliveries:
+        if token is None:                     # this sequence failed (the others go on)
+            listener.on_failure(error, status=500)
+        else:
+            listener.on_token(token, finish_reason)
 
 
 def _fail_all(listeners, message: str) -> None:
