@@ -38,6 +38,25 @@ def _acquire(ptr):
 
 
 @gluon.jit
+def _rings(w_desc, x_desc, BN: gl.constexpr, NBUF: gl.constexpr, XD: gl.constexpr):
+    """The weight ring (NBUF slots of BN rows) and the input ring (XD slices) in shared memory, with their
+    mbarriers: ready/empty per weight slot, ready per input slice."""
+    BK: gl.constexpr = w_desc.block_type.shape[1]
+    ring = gl.allocate_shared_memory(w_desc.dtype, [NBUF, BN, BK], w_desc.layout)
+    xring = gl.allocate_shared_memory(x_desc.dtype, [XD] + x_desc.block_type.shape, x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    xready = gl.allocate_shared_memory(gl.int64, [XD, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NBUF):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(XD):
+        mbarrier.init(xready.index(i), count=1)
+    fence_async_shared()
+    return ring, ready, empty, xring, xready
+
+
+@gluon.jit
 def _produce(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c):
     """The slots of `rows` weight rows from row0: BN rows a slot (in boxes of the descriptor's rows), BK columns
     at a time, each copied as soon as the consumer frees its slot; returns the slots used so far."""
@@ -145,17 +164,7 @@ def _stream_consumer(x_desc, y, counters, ring, ready, empty, xring, xready, lay
 def ring_stream(w_desc, x_desc, y, counters, layers, ROWS: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
                 NBUF: gl.constexpr, XD: gl.constexpr, NPROG: gl.constexpr, MODE: gl.constexpr,
                 num_warps: gl.constexpr):
-    ring = gl.allocate_shared_memory(w_desc.dtype, [NBUF] + w_desc.block_type.shape, w_desc.layout)
-    xring = gl.allocate_shared_memory(x_desc.dtype, [XD] + x_desc.block_type.shape, x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    xready = gl.allocate_shared_memory(gl.int64, [XD, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NBUF):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(XD):
-        mbarrier.init(xready.index(i), count=1)
-    fence_async_shared()
+    ring, ready, empty, xring, xready = _rings(w_desc, x_desc, w_desc.block_type.shape[0], NBUF, XD)
     gl.warp_specialize([
         (_stream_consumer, (x_desc, y, counters, ring, ready, empty, xring, xready, layers, ROWS, N, K, NPROG, MODE,
                             num_warps)),
@@ -365,18 +374,7 @@ def ring_matmuls(tasks, queue, queue_ptr, event_need, counters, rows_ptr, wqkv_d
     """The matmul tasks of a task table (qkv, o_proj, gate_up, down; their epilogues aside: each writes its
     plain product, out = x @ W^T in float32) with the weight ring: benchmarks/stream.py runs the step's own
     tables through it, beside the megakernel."""
-    BK: gl.constexpr = wqkv_desc.block_type.shape[1]
-    ring = gl.allocate_shared_memory(wqkv_desc.dtype, [NBUF, BN, BK], wqkv_desc.layout)
-    xring = gl.allocate_shared_memory(xh_desc.dtype, [XD] + xh_desc.block_type.shape, xh_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    xready = gl.allocate_shared_memory(gl.int64, [XD, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NBUF):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(XD):
-        mbarrier.init(xready.index(i), count=1)
-    fence_async_shared()
+    ring, ready, empty, xring, xready = _rings(wqkv_desc, xh_desc, BN, NBUF, XD)
     gl.warp_specialize([
         (_matmul_consumer, (tasks, queue, queue_ptr, event_need, counters, rows_ptr, xh_desc, xa_desc, xi_desc, out_qkv,
                             out_o, out_gu, out_down, ring, ready, empty, xring, xready, H, D, HQ, HKV, INTER,
