@@ -118,6 +118,7 @@ def _consume(x_desc, x_row, out, OUT_STRIDE: gl.constexpr, col0, rows, n, K: gl.
             if it == KT - 1:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                 mbarrier.arrive(empty.index(s), count=1)
+                # slot rows past the tile's (a short last box) hold an earlier tile's weights: never stored
                 mask = (rn < rows - j)[:, None] & (rb < n)[None, :]
                 gl.store(out + rb[None, :] * OUT_STRIDE + (col0 + j + rn)[:, None],
                          (acc * SCALE).to(out.dtype.element_ty), mask=mask)
