@@ -30,6 +30,7 @@ import triton
 
 from baselines import measure_hbm_read_bandwidth
 from decode import emit, git_commit
+from distmk.cli import COUNT, NON_NEGATIVE
 
 MATMULS = ("qkv", "o_proj", "gate_up", "down")     # a layer's phases, in step order
 
@@ -37,19 +38,16 @@ MATMULS = ("qkv", "o_proj", "gate_up", "down")     # a layer's phases, in step o
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3-8b", help="preset name or Hugging Face checkpoint directory")
-    p.add_argument("--batch", type=int, default=1, help="rows per step")
-    p.add_argument("--layers", type=int, default=0, help="layers whose matmul tasks run (0: all)")
-    p.add_argument("--iters", type=int, default=50, help="timed launches per measurement")
+    p.add_argument("--batch", type=COUNT, default=1, help="rows per step")
+    p.add_argument("--layers", type=NON_NEGATIVE, default=0, help="layers whose matmul tasks run (0: all)")
+    p.add_argument("--iters", type=COUNT, default=50, help="timed launches per measurement")
     p.add_argument("--options", default='{"prefetch_kb": 0}',
                    help='megakernel options as JSON (given options skip autotuning), e.g. {"num_stages": 5}')
     p.add_argument("--no-ring", action="store_true", help="skip both weight-ring measurements (3. and 4.)")
     p.add_argument("--no-probe", action="store_true", help="skip the stacked-layer probe (4.)")
     p.add_argument("--json", action="store_true", help="print the JSON on one line (default: indented)")
     p.add_argument("--out", help="also write the JSON to this file")
-    args = p.parse_args(argv)
-    if min(args.batch, args.iters) < 1 or args.layers < 0:
-        p.error("--batch and --iters must be >= 1, --layers >= 0")
-    return args
+    return p.parse_args(argv)
 
 
 def matmul_table(table, layers: int, phases: bool):
@@ -179,9 +177,9 @@ def ring_matmuls_runner(engine, b_pad: int = 16, block_k: int = 256, stages: int
     return run, outs, expected
 
 
-def run_ring_matmuls(engine, ceiling: float, iters: int, layers: int, log) -> dict:
-    """The step's matmul tables (free and phases) through the weight ring; first a one-layer table checked
-    against torch."""
+def run_ring_matmuls(engine, tables: dict, ceiling: float, iters: int, layers: int, log) -> dict:
+    """The step's matmul tables (by mode: free, phases) through the weight ring; first a one-layer table
+    checked against torch."""
     run, outs, expected = ring_matmuls_runner(engine)
     run(matmul_table(engine.table, 1, phases=False))()
     torch.cuda.synchronize()
@@ -189,8 +187,7 @@ def run_ring_matmuls(engine, ceiling: float, iters: int, layers: int, log) -> di
     errors = {k: float(((outs[k][:n] - v).abs().max() / v.abs().max())) for k, v in expected().items()}
     log(f"ring matmuls, one layer against torch: relative max error {errors}")
     result = {"relative_error": errors}
-    for mode in ("free", "phases"):
-        table = matmul_table(engine.table, layers, phases=mode == "phases")
+    for mode, table in tables.items():
         ms = triton.testing.do_bench(run(table), warmup=5, rep=max(20, iters), return_mode="median")
         total = int(weight_bytes(table, engine).sum())
         result[mode] = {"ms": ms, "bytes": total, "gbps": total / ms / 1e6, "of_read": total / ms / 1e-3 / ceiling}
@@ -267,8 +264,8 @@ def main(argv=None) -> int:
     layers = args.layers or engine.spec.num_layers
     workers = engine.table.num_workers
     result.update(layers=layers, workers=workers, options={k: v for k, v in engine.executor.options.items()})
-    for mode in ("free", "phases"):
-        table = matmul_table(engine.table, layers, phases=mode == "phases")
+    tables = {mode: matmul_table(engine.table, layers, phases=mode == "phases") for mode in ("free", "phases")}
+    for mode, table in tables.items():
         figures = run_megakernel(engine, table, args.iters, workers)
         figures["of_read"] = figures["gbps"] * 1e9 / ceiling
         result[f"megakernel_{mode}"] = figures
@@ -278,7 +275,7 @@ def main(argv=None) -> int:
             log(f"  {kind:8s} {f['tasks']:5d} tiles of {f['tile_bytes'] / 1e6:.2f} MB in {f['tile_us']:.1f} us: "
                 f"{f['gbps_per_worker']:.1f} GB/s per worker, {f['gbps_all_workers']:.0f} GB/s on all")
     if not args.no_ring:
-        result["ring_matmuls"] = run_ring_matmuls(engine, ceiling, args.iters, layers, log)
+        result["ring_matmuls"] = run_ring_matmuls(engine, tables, ceiling, args.iters, layers, log)
     del engine
     torch.cuda.empty_cache()
     if not (args.no_ring or args.no_probe):
