@@ -22,6 +22,17 @@ def test_megakernel_compiles_for_sm90(name, dtype, batch):
     assert "megakernel" in compiled.asm["ptx"]
 
 
+@pytest.mark.parametrize("name, batch", [("tiny-qwen2", 16), ("llama-3-8b", 1), ("qwen3-8b", 8)])
+def test_ring_megakernel_compiles_for_sm90(name, batch):
+    """The Gluon megakernel (kernels/ring_megakernel.py) builds on the Triton CI installs: qkv bias, plain
+    RoPE, q/k-norm through qk_finish."""
+    engine = Engine(name, backend="triton", device="meta", dtype=torch.bfloat16, max_context=1024,
+                    config=GraphConfig(batch=batch, workers=132), kernel_options={"kernel": "ring"})
+    compiled = engine.executor.compile_ahead(arch=90)
+    assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
+    assert "wgmma" in compiled.asm["ptx"] and "cp.async.bulk.tensor" in compiled.asm["ptx"]
+
+
 def test_tensor_parallel_megakernel_compiles_for_sm90():
     """tp=2: exchange pushes into peers' symmetric buffers and events signalled on every rank."""
     from distmk.reference.comm import run_simulated_ranks
@@ -124,3 +135,18 @@ def test_weight_ring_compiles_for_sm90():
         assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
         ptx = compiled.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx
+
+
+@pytest.mark.parametrize("dtype, batch, reason", [(torch.float32, 1, "bf16 only"), (torch.bfloat16, 32, "up to 16")])
+def test_ring_megakernel_refuses_a_step_it_cannot_run(dtype, batch, reason):
+    from distmk.errors import DistmkError
+    with pytest.raises(DistmkError, match=reason):
+        Engine("tiny-llama", backend="triton", device="meta", dtype=dtype, max_context=64,
+               config=GraphConfig(batch=batch, workers=132), kernel_options={"kernel": "ring"})
+
+
+def test_auto_kernel_is_tl_off_hopper():
+    """Off a Hopper GPU (here: the meta device) the automatic choice is the tl megakernel."""
+    engine = Engine("tiny-llama", backend="triton", device="meta", dtype=torch.bfloat16, max_context=64,
+                    config=GraphConfig(batch=1, workers=132))
+    assert engine.executor.kernel_name == "tl"

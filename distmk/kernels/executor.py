@@ -17,6 +17,7 @@ from distmk.graph.lowering import num_lm_tiles
 from distmk.graph.table import SIGNAL, TYPE, WAIT
 from distmk.kernels.layout import stack_layers
 from distmk.kernels.megakernel import ERROR_FIELDS, TRACE_FIELDS, compile_ahead, load_megakernel
+from distmk.kernels.ring_megakernel import load_ring_megakernel, ring_arguments, ring_unsupported
 from distmk.tasks import TASK_KINDS
 from distmk.tasks.workspace import allocate_workspace
 
@@ -58,11 +59,32 @@ def choose_transport(requested: str, comm) -> str:
     return requested
 
 
+KERNELS = ("auto", "ring", "tl")
+
+
+def choose_kernel(requested: str, device, interpret: bool, unsupported: str | None) -> str:
+    """Which megakernel runs the table: the weight ring (ring_megakernel.py: Gluon, wgmma, TMA) on a Hopper GPU
+    where it supports the step, else the tl one (any CUDA GPU, Triton's interpreter, tp > 1). `unsupported`:
+    why the ring cannot run this step, or None. Asking for "ring" where it cannot run is an error; on the meta
+    device it compiles ahead of time."""
+    if requested not in KERNELS:
+        raise DistmkError(f"unknown kernel {requested!r}: use auto, ring or tl")
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    if requested == "ring":
+        if interpret or not (hopper or device.type == "meta"):
+            raise DistmkError("the ring megakernel needs a Hopper GPU (sm_90) and runs no interpreter")
+        if unsupported:
+            raise DistmkError(f"the ring megakernel cannot run this step: {unsupported}")
+        return "ring"
+    return "ring" if requested == "auto" and hopper and not interpret and unsupported is None else "tl"
+
+
 class TritonExecutor:
     def __init__(self, table, spec, weights, kv_cache, comm, dtype, *, timeout_s: float = 5.0,
                  num_warps: int = 4, num_stages: int = 4, block_n: int = 32, block_k: int | None = None,
                  mlp_block_n: int = 64, lm_block_n: int = 128, prefetch_kb: int = 256, trace: bool = False,
-                 cuda_graph: bool = True, transport: str = "auto"):
+                 cuda_graph: bool = True, transport: str = "auto", kernel: str = "auto", ring_block_k: int = 0,
+                 ring_slots: int = 0, ring_inputs: int = 4):
         missing = sorted({TASK_KINDS[t].name for t in table.tasks[:, TYPE].tolist() if TASK_KINDS[t].gpu is None})
         if missing:
             raise DistmkError(f"task types {missing} have no GPU implementation")
@@ -83,7 +105,8 @@ class TritonExecutor:
         self.table, self.spec, self.plan, self.rank = table, spec, plan, comm.rank
         self.options = dict(timeout_s=timeout_s, num_warps=num_warps, num_stages=num_stages, block_n=block_n,
                             block_k=block_k, mlp_block_n=mlp_block_n, lm_block_n=lm_block_n,
-                            prefetch_kb=prefetch_kb, trace=trace, cuda_graph=cuda_graph, transport=transport)
+                            prefetch_kb=prefetch_kb, trace=trace, cuda_graph=cuda_graph, transport=transport,
+                            kernel=kernel, ring_block_k=ring_block_k, ring_slots=ring_slots, ring_inputs=ring_inputs)
         self.dev_table = table.to(device)
         self.buf = allocate_workspace(spec, plan, config, dtype, device)
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
@@ -138,7 +161,15 @@ class TritonExecutor:
             DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
             TRANSPORT=TRANSPORTS.index(self.transport), SIGNAL_ADD=signal_add, EXCHANGE_SLOTS=EXCHANGE_SLOTS,
             TRACE=trace, INTERPRET=self.interpret)
-        self.kernel = load_megakernel(TASK_KINDS)
+        self.kernel_name = choose_kernel(kernel, device, self.interpret,
+                                         ring_unsupported(spec, plan, config, dtype, comm.world))
+        if self.kernel_name == "ring":
+            self.args = ring_arguments(self.args, self.buf, xn, stack_layers(weights), config.batch, ring_block_k,
+                                       ring_slots, ring_inputs)
+            self.launch_options = {}
+            self.kernel = load_ring_megakernel(TASK_KINDS)
+        else:
+            self.kernel = load_megakernel(TASK_KINDS)
         if comm.world > 1:
             # Exchanges address events by id and buffers by shape: every rank must run the same table. The
             # gather also keeps every rank from pushing into a peer's buffers before the peer zeroed them.

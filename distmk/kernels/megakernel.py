@@ -100,9 +100,10 @@ def megakernel(tasks, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, 
 '''
 
 
-def _dispatch(kinds, attr: str, indent: str, imports: list) -> str:
-    """`if kind == id: fn(params...)` for every task type that has the device function `attr`."""
-    known = set(RUNTIME) | set(BUFFERS) | set(CONSTANTS) | {"INTERPRET"}
+def _dispatch(kinds, attr: str, indent: str, imports: list, known=None, results=lambda params: "") -> str:
+    """`if kind == id: fn(params...)` for every task type that has the device function `attr`; its parameters
+    must be in `known` (default: this kernel's vocabulary), `results(params)` is what the call assigns."""
+    known = known or set(RUNTIME) | set(BUFFERS) | set(CONSTANTS) | {"INTERPRET"}
     branches = []
     for type_id, kind in enumerate(kinds):
         fn = getattr(kind, attr)
@@ -111,12 +112,12 @@ def _dispatch(kinds, attr: str, indent: str, imports: list) -> str:
         params = list(inspect.signature(fn.fn).parameters)
         unknown = [p for p in params if p not in known]
         if unknown:
-            raise DistmkError(f"task {kind.name}: {attr} parameters {unknown} are not in the megakernel's "
-                              f"vocabulary (distmk/kernels/megakernel.py)")
+            raise DistmkError(f"task {kind.name}: {attr} parameters {unknown} are not in the vocabulary of the "
+                              f"kernel that calls it (distmk/kernels/megakernel.py, ring_megakernel.py)")
         imports.append(f"from {fn.fn.__module__} import {fn.__name__}")
         keyword = "if" if not branches else "elif"
         branches.append(f"{indent}{keyword} kind == {type_id}:  # {kind.name}\n"
-                        f"{indent}    {fn.__name__}({', '.join(params)})")
+                        f"{indent}    {results(params)}{fn.__name__}({', '.join(params)})")
     return "\n".join(branches) or f"{indent}pass"
 
 
@@ -139,32 +140,39 @@ def load_megakernel(kinds):
     module hashed differently from the first, so of the candidates that autotuning had compiled through one
     import each, the next process found only the first in Triton's disk cache (the warm start compiled the
     chosen one again: 6-7 s)."""
-    source = generate_source(kinds)
+    return load_generated(generate_source(kinds), "megakernel")
+
+
+def load_generated(source: str, name: str):
+    """The kernel `name` of the generated module `source`, written next to Triton's cache and imported once
+    per process."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     if digest in _LOADED:
         return _LOADED[digest]
     cache = os.environ.get("DISTMK_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "distmk")
     os.makedirs(cache, exist_ok=True)
-    path = os.path.join(cache, f"megakernel_{digest}.py")
+    path = os.path.join(cache, f"{name}_{digest}.py")
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             f.write(source)
         os.replace(tmp, path)
-    spec = importlib.util.spec_from_file_location(f"distmk_megakernel_{digest}", path)
+    spec = importlib.util.spec_from_file_location(f"distmk_{name}_{digest}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    _LOADED[digest] = module.megakernel
-    return module.megakernel
+    _LOADED[digest] = getattr(module, name)
+    return _LOADED[digest]
 
 
 def compile_ahead(kernel, args: dict, options: dict, arch: int = 90):
-    """Compile `kernel` for CUDA compute capability `arch` from the arguments it would be launched with,
-    on any machine (Triton ships ptxas): catches compile errors without a GPU."""
+    """Compile `kernel` (@triton.jit or @gluon.jit) for CUDA compute capability `arch` from the arguments it would
+    be launched with, on any machine (Triton ships ptxas): catches compile errors without a GPU."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     type_names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
                   torch.int64: "i64"}
     signature, constexprs, attrs = {}, {}, {}
@@ -173,10 +181,16 @@ def compile_ahead(kernel, args: dict, options: dict, arch: int = 90):
         if param.is_constexpr:
             signature[name] = "constexpr"
             constexprs[(i,)] = value
+        elif isinstance(value, TensorDescriptor):
+            block = ", ".join(str(b) for b in value.block_shape)
+            signature[name] = f"tensordesc<{type_names[value.base.dtype]}[{block}],{value.layout!r}>"
         elif torch.is_tensor(value):
             signature[name] = "*" + type_names[value.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]     # as the launcher specialises aligned tensors
         else:
             signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
+    source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    if isinstance(kernel, GluonJITFunction):
+        options = {**options, "num_warps": args["num_warps"]}
+    return triton.compile(source(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                           options=options)

@@ -38,7 +38,7 @@ def _acquire(ptr):
 
 
 @gluon.jit
-def _rings(w_desc, x_desc, BN: gl.constexpr, NBUF: gl.constexpr, XD: gl.constexpr):
+def make_rings(w_desc, x_desc, BN: gl.constexpr, NBUF: gl.constexpr, XD: gl.constexpr):
     """The weight ring (NBUF slots of BN rows) and the input ring (XD slices) in shared memory, with their
     mbarriers: ready/empty per weight slot, ready per input slice."""
     BK: gl.constexpr = w_desc.block_type.shape[1]
@@ -57,72 +57,92 @@ def _rings(w_desc, x_desc, BN: gl.constexpr, NBUF: gl.constexpr, XD: gl.constexp
 
 
 @gluon.jit
-def _produce(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c):
-    """The slots of `rows` weight rows from row0: BN rows a slot (in boxes of the descriptor's rows), BK columns
-    at a time, each copied as soon as the consumer frees its slot; returns the slots used so far."""
+def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c):
+    """Producer: the ring slots of one block of `rows` (<= BN) weight rows from row0, BK columns at a time, in
+    boxes of the descriptor's rows, each copied as soon as the consumer frees its slot; returns the slots
+    filled so far. A slot's rows past the block keep an earlier block's weights: consumers never store them."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
     BOX: gl.constexpr = desc.block_type.shape[0]
     BK: gl.constexpr = desc.block_type.shape[1]
-    for j in range(0, rows, BN):
-        boxes = (gl.minimum(rows - j, BN) + BOX - 1) // BOX
-        for k in range(0, K, BK):
-            s = c % NBUF
-            slot = ring.index(s)
-            mbarrier.wait(empty.index(s), ((c // NBUF) & 1) ^ 1)      # slots start free (phase 1 done)
-            for nb in gl.static_range(1, BN // BOX + 1):                  # expect takes a constant byte count
-                mbarrier.expect(ready.index(s), nb * desc.block_type.nbytes, pred=boxes == nb)
-            for b in gl.static_range(BN // BOX):
-                tma_load(desc, [row0 + j + b * BOX, k], ready.index(s), slot.slice(b * BOX, BOX), pred=b < boxes)
-            c += 1
+    boxes = (gl.minimum(rows, BN) + BOX - 1) // BOX
+    for k in range(0, K, BK):
+        s = c % NBUF
+        slot = ring.index(s)
+        mbarrier.wait(empty.index(s), ((c // NBUF) & 1) ^ 1)          # slots start free (phase 1 done)
+        for nb in gl.static_range(1, BN // BOX + 1):                      # expect takes a constant byte count
+            mbarrier.expect(ready.index(s), nb * desc.block_type.nbytes, pred=boxes == nb)
+        for b in gl.static_range(BN // BOX):
+            tma_load(desc, [row0 + b * BOX, k], ready.index(s), slot.slice(b * BOX, BOX), pred=b < boxes)
+        c += 1
     return c
 
 
 @gluon.jit
-def _consume(x_desc, x_row, out, OUT_STRIDE: gl.constexpr, col0, rows, n, K: gl.constexpr, SCALE: gl.constexpr,
-             ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr):
-    """out[:n, col0:col0 + rows] = SCALE * x[x_row:x_row + n] @ W^T over the ring's next slots (as _produce filled
-    them): one wgmma per slot, one in flight while the next is waited for; the input slices come by TMA, XD - 1
-    ahead, issued here because they may depend on the event just waited for. Returns the slots and input
-    slices used so far."""
+def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr):
+    """Consumer: acc[BN, B_PAD] = W_block @ x[x_row:x_row + B_PAD, :K]^T in float32 over the ring's next K / BK
+    slots (as load_block filled them): one wgmma a slot, one in flight while the next slot is waited for. The
+    input slices come by TMA, XD - 1 ahead, issued here because they may depend on the event just waited for.
+    Returns the accumulator and the slots and input slices used so far."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
     XD: gl.constexpr = xring.type.shape[0]
     B_PAD: gl.constexpr = xring.type.shape[1]
     BK: gl.constexpr = xring.type.shape[2]
     KT: gl.constexpr = K // BK
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, B_PAD, 16])
-    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
-    rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(0, acc_layout))
+    for p in gl.static_range(XD - 1):
+        slot = (cx + p) % XD
+        mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=p < KT)
+        tma_load(x_desc, [x_row, (p % KT) * BK], xready.index(slot), xring.index(slot), pred=p < KT)
+    acc = gl.zeros([BN, B_PAD], gl.float32, layout=acc_layout(BN, B_PAD, num_warps))
+    for it in range(KT):
+        xs = (cx + it) % XD
+        mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1)
+        s = c % NBUF
+        mbarrier.wait(ready.index(s), (c // NBUF) & 1)
+        acc = warpgroup_mma(ring.index(s), xring.index(xs).permute((1, 0)), acc, use_acc=it > 0, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+        # the previous wgmma is done: its weight slot goes back to the producer, its input slot is refilled
+        mbarrier.arrive(empty.index((c + NBUF - 1) % NBUF), count=1, pred=it > 0)
+        ahead = it + XD - 1
+        slot = (cx + ahead) % XD
+        mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=ahead < KT)
+        tma_load(x_desc, [x_row, (ahead % KT) * BK], xready.index(slot), xring.index(slot), pred=ahead < KT)
+        c += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    mbarrier.arrive(empty.index((c + NBUF - 1) % NBUF), count=1)
+    return acc, c, cx + KT
+
+
+@gluon.constexpr_function
+def acc_layout(BN, B_PAD, num_warps):
+    """The wgmma accumulator's register layout: weight rows along M, the padded batch along N."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, B_PAD, 16])
+
+
+@gluon.jit
+def load_rows(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c):
+    """Producer: the slots of `rows` weight rows from row0, block after block."""
+    BN: gl.constexpr = ring.type.shape[1]
     for j in range(0, rows, BN):
-        for p in gl.static_range(XD - 1):
-            slot = (cx + p) % XD
-            mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=p < KT)
-            tma_load(x_desc, [x_row, (p % KT) * BK], xready.index(slot), xring.index(slot), pred=p < KT)
-        acc = gl.zeros([BN, B_PAD], gl.float32, layout=acc_layout)
-        for it in range(KT):
-            xs = (cx + it) % XD
-            mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1)
-            s = c % NBUF
-            mbarrier.wait(ready.index(s), (c // NBUF) & 1)
-            acc = warpgroup_mma(ring.index(s), xring.index(xs).permute((1, 0)), acc, use_acc=it > 0, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-            # the previous wgmma is done: its weight slot goes back to the producer, its input slot is refilled
-            mbarrier.arrive(empty.index((c + NBUF - 1) % NBUF), count=1, pred=it > 0)
-            ahead = it + XD - 1
-            slot = (cx + ahead) % XD
-            mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=ahead < KT)
-            tma_load(x_desc, [x_row, (ahead % KT) * BK], xready.index(slot), xring.index(slot), pred=ahead < KT)
-            c += 1
-            if it == KT - 1:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-                mbarrier.arrive(empty.index(s), count=1)
-                # slot rows past the tile's (a short last box) hold an earlier tile's weights: never stored
-                mask = (rn < rows - j)[:, None] & (rb < n)[None, :]
-                gl.store(out + rb[None, :] * OUT_STRIDE + (col0 + j + rn)[:, None],
-                         (acc * SCALE).to(out.dtype.element_ty), mask=mask)
-        cx += KT
+        c = load_block(desc, row0 + j, rows - j, K, ring, ready, empty, c)
+    return c
+
+
+@gluon.jit
+def _consume(x_desc, x_row, out, OUT_STRIDE: gl.constexpr, col0, rows, n, K: gl.constexpr, SCALE: gl.constexpr,
+             ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr):
+    """out[:n, col0:col0 + rows] = SCALE * x[x_row:x_row + n] @ W^T over the slots _produce filled."""
+    BN: gl.constexpr = ring.type.shape[1]
+    B_PAD: gl.constexpr = xring.type.shape[1]
+    layout: gl.constexpr = acc_layout(BN, B_PAD, num_warps)
+    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
+    rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(0, layout))
+    for j in range(0, rows, BN):
+        acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, num_warps)
+        mask = (rn < rows - j)[:, None] & (rb < n)[None, :]
+        gl.store(out + rb[None, :] * OUT_STRIDE + (col0 + j + rn)[:, None], (acc * SCALE).to(out.dtype.element_ty),
+                 mask=mask)
     return c, cx
 
 
@@ -132,7 +152,7 @@ def _stream_producer(w_desc, ring, ready, empty, layers, ROWS: gl.constexpr, N: 
     row0 = gl.program_id(0) * ROWS
     c = 0
     for layer in range(layers):
-        c = _produce(w_desc, layer * N + row0, ROWS, K, ring, ready, empty, c)
+        c = load_rows(w_desc, layer * N + row0, ROWS, K, ring, ready, empty, c)
 
 
 @gluon.jit
@@ -165,7 +185,7 @@ def _stream_consumer(x_desc, y, counters, ring, ready, empty, xring, xready, lay
 def ring_stream(w_desc, x_desc, y, counters, layers, ROWS: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
                 NBUF: gl.constexpr, XD: gl.constexpr, NPROG: gl.constexpr, MODE: gl.constexpr,
                 num_warps: gl.constexpr):
-    ring, ready, empty, xring, xready = _rings(w_desc, x_desc, w_desc.block_type.shape[0], NBUF, XD)
+    ring, ready, empty, xring, xready = make_rings(w_desc, x_desc, w_desc.block_type.shape[0], NBUF, XD)
     gl.warp_specialize([
         (_stream_consumer, (x_desc, y, counters, ring, ready, empty, xring, xready, layers, ROWS, N, K, NPROG, MODE,
                             num_warps)),
@@ -307,15 +327,15 @@ def _matmul_producer(tasks, queue, queue_ptr, wqkv_desc, wo_desc, wg_desc, wu_de
             which, w_row, rows, col = _segment(kind, layer, a0, a1, seg, H, D, HQ, HKV, INTER, QKV_PARTS, QKV_ID,
                                                OPROJ_ID, GATEUP_ID, DOWN_ID)
             if which == SEG_QKV:
-                c = _produce(wqkv_desc, w_row, rows, H, ring, ready, empty, c)
+                c = load_rows(wqkv_desc, w_row, rows, H, ring, ready, empty, c)
             elif which == SEG_O:
-                c = _produce(wo_desc, w_row, rows, HQ * D, ring, ready, empty, c)
+                c = load_rows(wo_desc, w_row, rows, HQ * D, ring, ready, empty, c)
             elif which == SEG_GATE:
-                c = _produce(wg_desc, w_row, rows, H, ring, ready, empty, c)
+                c = load_rows(wg_desc, w_row, rows, H, ring, ready, empty, c)
             elif which == SEG_UP:
-                c = _produce(wu_desc, w_row, rows, H, ring, ready, empty, c)
+                c = load_rows(wu_desc, w_row, rows, H, ring, ready, empty, c)
             elif which == SEG_DOWN:
-                c = _produce(wd_desc, w_row, rows, INTER, ring, ready, empty, c)
+                c = load_rows(wd_desc, w_row, rows, INTER, ring, ready, empty, c)
 
 
 @gluon.jit
@@ -375,7 +395,7 @@ def ring_matmuls(tasks, queue, queue_ptr, event_need, counters, rows_ptr, wqkv_d
     """The matmul tasks of a task table (qkv, o_proj, gate_up, down; their epilogues aside: each writes its
     plain product, out = x @ W^T in float32) with the weight ring: benchmarks/stream.py runs the step's own
     tables through it, beside the megakernel."""
-    ring, ready, empty, xring, xready = _rings(wqkv_desc, xh_desc, BN, NBUF, XD)
+    ring, ready, empty, xring, xready = make_rings(wqkv_desc, xh_desc, BN, NBUF, XD)
     gl.warp_specialize([
         (_matmul_consumer, (tasks, queue, queue_ptr, event_need, counters, rows_ptr, xh_desc, xa_desc, xi_desc, out_qkv,
                             out_o, out_gu, out_down, ring, ready, empty, xring, xready, H, D, HQ, HKV, INTER,
@@ -409,3 +429,99 @@ def compile_ring_matmuls(shape: dict, block_k: int = 256, stages: int = 4, x_sta
     names = list(ring_matmuls.arg_names)
     source = GluonASTSource(ring_matmuls, signature, {(names.index(c),): v for c, v in constants.items()}, {})
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+
+
+# ---- Device helpers of the Gluon megakernel (kernels/ring_megakernel.py) and its tasks' `ring` functions -----
+@gluon.constexpr_function
+def rows_layout(num_warps):
+    """The register layout of the tasks' elementwise work: a warp across 128 contiguous columns (16-byte
+    accesses), the warps down the rows."""
+    return gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def now_ns():
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def sm_id():
+    return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def fence_async_global():
+    """Orders this thread's global memory accesses before later TMA (async proxy) ones: what other workers
+    stored and this one acquired, or what this worker stored itself, reaches the TMA reads of it."""
+    gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def wait_event(counter_ptr, target, abort_ptr, timeout_ns):
+    """primitives.wait_event in Gluon: spin until *counter_ptr reaches target, at most timeout_ns or until a
+    worker aborted the step; returns the last value seen minus target (negative: gave up)."""
+    value = _acquire64(counter_ptr)
+    deadline = now_ns() + timeout_ns
+    aborted = _acquire64(abort_ptr)
+    while (value - target < 0) & (aborted == 0) & (now_ns() < deadline):
+        value = _acquire64(counter_ptr)
+        aborted = _acquire64(abort_ptr)
+    cta_barrier()
+    if value - target < 0:          # one CTA, one verdict (see primitives.wait_event)
+        value = _acquire64(counter_ptr)
+    fence_async_global()
+    return value - target
+
+
+@gluon.jit
+def signal_event(counter_ptr):
+    fence_async_global()
+    cta_barrier()           # every thread's stores of this task precede the release
+    gl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@gluon.constexpr_function
+def next_power_of_2(n):
+    return 1 << (int(n) - 1).bit_length()
+
+
+@gluon.jit
+def rms_norm_rows(x, n, norm_w, out, H: gl.constexpr, EPS: gl.constexpr, num_warps: gl.constexpr):
+    """primitives.rms_norm_rows in Gluon: out[:n, :H] = RMSNorm(x[:n]) * norm_w, rounded once, into the worker's
+    scratch rows that the tile's input slices are then copied from by TMA. A row at a time, the whole row in one
+    load: no padded rows and one L2 round trip per row, where a [B_PAD, block] loop paid one per block."""
+    HP: gl.constexpr = next_power_of_2(H)
+    rh = gl.arange(0, HP, layout=gl.BlockedLayout([4], [32], [num_warps], [0]))
+    w = gl.load(norm_w + rh, mask=rh < H, other=0.0).to(gl.float32)
+    for b in range(n):
+        v = gl.load(x + b * H + rh, mask=rh < H, other=0.0)
+        rstd = gl.rsqrt(gl.sum(v * v, axis=0) / H + EPS)
+        gl.store(out + b * H + rh, (v * rstd * w).to(out.dtype.element_ty), mask=rh < H)
+    fence_async_global()
+    cta_barrier()
+
+
+@gluon.jit
+def block_index(ring, xring, num_warps: gl.constexpr):
+    """Row and batch indices of a matmul block's accumulator (mma_block's layout; the ring's padded batch)."""
+    BN: gl.constexpr = ring.type.shape[1]
+    B_PAD: gl.constexpr = xring.type.shape[1]
+    layout: gl.constexpr = acc_layout(BN, B_PAD, num_warps)
+    return (gl.arange(0, BN, layout=gl.SliceLayout(1, layout)), gl.arange(0, B_PAD, layout=gl.SliceLayout(0, layout)))
+
+
+@gluon.jit
+def add_residual_rows(x_desc, x_row, K: gl.constexpr, row0, rows, n, x, H: gl.constexpr, ring, ready, empty, xring,
+                      xready, c, cx, num_warps: gl.constexpr):
+    """x[:n, row0:row0 + rows] += x_in @ W[row0:row0 + rows]^T over the slots load_rows filled: the row-parallel
+    o_proj and down tiles at tp=1."""
+    BN: gl.constexpr = ring.type.shape[1]
+    rn, rb = block_index(ring, xring, num_warps)
+    for j in range(0, rows, BN):
+        acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, num_warps)
+        offs = rb[None, :] * H + (row0 + j + rn)[:, None]
+        mask = (rn < rows - j)[:, None] & (rb < n)[None, :]
+        residual = gl.load(x + offs, mask=mask, other=0.0)
+        gl.store(x + offs, (residual + acc).to(x.dtype.element_ty), mask=mask)
+    return c, cx

@@ -4,6 +4,8 @@ logits would."""
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from distmk.tasks.base import TaskKind
 
@@ -21,11 +23,25 @@ def argmax_gpu(n, best, best_id, next_token, B_PAD: tl.constexpr, WORLD: tl.cons
     tl.store(next_token + rb, token, mask=rb < n)
 
 
+@gluon.jit
+def argmax_ring(n, best, best_id, next_token, B_PAD: gl.constexpr, WORLD: gl.constexpr, num_warps: gl.constexpr):
+    rb = gl.arange(0, B_PAD, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+    top = gl.load(best + rb, mask=rb < n, other=float("-inf"))
+    token = gl.load(best_id + rb, mask=rb < n, other=0)
+    for src in gl.static_range(1, WORLD):
+        value = gl.load(best + src * B_PAD + rb, mask=rb < n, other=float("-inf"))
+        better = value > top                             # strict: the lower rank keeps a tie
+        token = gl.where(better, gl.load(best_id + src * B_PAD + rb, mask=rb < n, other=0), token)
+        top = gl.where(better, value, top)
+    gl.store(next_token + rb, token, mask=rb < n)
+
+
 class Argmax(TaskKind):
     name = "argmax"
     args = ()
     communicates = True
     gpu = argmax_gpu
+    ring = argmax_ring
 
     def cost(self, shape, layer, a):
         return shape.batch * 12 * shape.plan.tp

@@ -3,9 +3,12 @@ published to every rank (vocab-parallel lm_head), signalling the exchange's even
 best and best_id are symmetric [WORLD, B_PAD] on every rank; transports as in ar_push."""
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from distmk.comm.nvshmem_device import fence, putmem_block, putmem_signal_block
 from distmk.kernels.primitives import signal_all_ranks
+from distmk.kernels.ring import rows_layout
 from distmk.tasks.base import TaskKind
 
 
@@ -43,12 +46,30 @@ def argmax_push_gpu(n, rank, signal, tile_max, tile_arg, best, best_id, best_pee
         tl.atomic_add(counters + signal, 1, sem="release", scope="sys")
 
 
+@gluon.jit
+def argmax_push_ring(n, rank, tile_max, tile_arg, best, best_id, B_PAD: gl.constexpr, LM_TILES: gl.constexpr,
+                     LM_TILES_PAD: gl.constexpr, num_warps: gl.constexpr):
+    """The tp=1 case (the ring megakernel runs only there): this rank's best, kept where argmax reads it."""
+    layout: gl.constexpr = rows_layout(num_warps)
+    rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(1, layout))
+    rt = gl.arange(0, LM_TILES_PAD, layout=gl.SliceLayout(0, layout))
+    mask = (rb < n)[:, None] & (rt < LM_TILES)[None, :]
+    maxes = gl.load(tile_max + rb[:, None] * LM_TILES + rt[None, :], mask=mask, other=float("-inf"))
+    top = gl.max(maxes, axis=1)
+    # tiles in vocabulary order: the lowest tile that reaches the maximum holds the lowest id
+    best_tile = gl.min(gl.where(maxes == top[:, None], rt[None, :], LM_TILES_PAD), axis=1)
+    token = gl.load(tile_arg + rb * LM_TILES + best_tile, mask=(rb < n) & (best_tile < LM_TILES), other=0)
+    gl.store(best + rank * B_PAD + rb, top, mask=rb < n)
+    gl.store(best_id + rank * B_PAD + rb, token, mask=rb < n)
+
+
 class ArgmaxPush(TaskKind):
     name = "argmax_push"
     args = ()
     communicates = True
     signals_all_ranks = True
     gpu = argmax_push_gpu
+    ring = argmax_push_ring
 
     def cost(self, shape, layer, a):
         return shape.batch * 12 * (shape.plan.vocab // 64 + shape.plan.tp)

@@ -7,7 +7,10 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
+from distmk.kernels.ring import next_power_of_2
 from distmk.tasks.base import TaskKind
 
 
@@ -70,10 +73,77 @@ def attention_gpu(layer, a0, a1, a2, n, q, k_cache, v_cache, positions, block_ta
         tl.store(attn_l + part * G + rg, l_i, mask=heads)
 
 
+@gluon.constexpr_function
+def attention_layout(D, num_warps):
+    """[heads, keys, D] of the ring megakernel's attention: lanes along D (4 columns each), the rest of a warp
+    and the warps along the keys."""
+    lanes_d = max(1, min(32, D // 4))
+    return gl.BlockedLayout([1, 1, 4], [1, 32 // lanes_d, lanes_d], [1, num_warps, 1], [2, 1, 0])
+
+
+@gluon.jit
+def attention_ring(layer, a0, a1, a2, n, q, k_cache, v_cache, positions, block_table, attn_o, attn_m, attn_l,
+                   D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr,
+                   MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr, S: gl.constexpr, WINDOW: gl.constexpr,
+                   SCALE: gl.constexpr, BLOCK_T: gl.constexpr, num_warps: gl.constexpr):
+    """attention_gpu with the products as broadcast sums in float32 (no tl.dot outside wgmma in Gluon), so the
+    query heads are padded to a power of two, not to the 16 rows of an mma."""
+    G_PAD: gl.constexpr = next_power_of_2(G)
+    b = a0
+    kvh = a1
+    split = a2
+    if b < n:
+        hi = gl.load(positions + b) + 1
+        lo = hi * 0
+        if WINDOW > 0:
+            lo = gl.maximum(lo, hi - WINDOW)
+        chunk = (hi - lo + S - 1) // S
+        start = gl.minimum(hi, lo + split * chunk)
+        stop = gl.minimum(hi, lo + (split + 1) * chunk)
+        l3: gl.constexpr = attention_layout(D, num_warps)
+        lq: gl.constexpr = gl.SliceLayout(1, l3)           # [heads, D]: queries, the output
+        lk: gl.constexpr = gl.SliceLayout(0, l3)           # [keys, D]
+        ls: gl.constexpr = gl.SliceLayout(2, l3)           # [heads, keys]: scores
+        rg = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, lq))
+        rd = gl.arange(0, D, layout=gl.SliceLayout(0, lq))
+        rt = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, lk))
+        rdk = gl.arange(0, D, layout=gl.SliceLayout(0, lk))
+        rts = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, ls))
+        rgs = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, ls))
+        heads = rg < G
+        qt = gl.load(q + ((b * HQ + kvh * G + rg) * D)[:, None] + rd[None, :], mask=heads[:, None],
+                     other=0.0).to(gl.float32)
+        m_i = gl.full([G_PAD], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ls))
+        l_i = gl.zeros([G_PAD], gl.float32, layout=gl.SliceLayout(1, ls))
+        acc = gl.zeros([G_PAD, D], gl.float32, layout=lq)
+        cache_layer = layer.to(gl.int64) * NBLK
+        for t0 in range(start, stop, BLOCK_T):
+            t = t0 + rt
+            valid = t < stop
+            block = gl.load(block_table + b * MAXB + t // BS, mask=valid, other=0).to(gl.int64)
+            base = (((cache_layer + block) * BS + t % BS) * HKV + kvh) * D
+            kt = gl.load(k_cache + base[:, None] + rdk[None, :], mask=valid[:, None], other=0.0).to(gl.float32)
+            vt = gl.load(v_cache + base[:, None] + rdk[None, :], mask=valid[:, None], other=0.0).to(gl.float32)
+            scores = gl.sum(qt[:, None, :] * kt[None, :, :], axis=2) * SCALE
+            scores = gl.where((t0 + rts < stop)[None, :], scores, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+            alpha = gl.exp(m_i - m_new)
+            p = gl.exp(scores - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            scale = gl.convert_layout(alpha, gl.SliceLayout(1, lq))
+            acc = acc * scale[:, None] + gl.sum(p[:, :, None] * vt[None, :, :], axis=1)
+            m_i = m_new
+        part = (b * HKV + kvh) * S + split
+        gl.store(attn_o + (part * G + rg)[:, None] * D + rd[None, :], acc, mask=heads[:, None])
+        gl.store(attn_m + part * G + rgs, m_i, mask=rgs < G)
+        gl.store(attn_l + part * G + rgs, l_i, mask=rgs < G)
+
+
 class Attention(TaskKind):
     name = "attention"
     args = ("row", "kv_head", "split")
     gpu = attention_gpu
+    ring = attention_ring
 
     def cost(self, shape, layer, a):
         d, g = shape.spec.head_dim, shape.plan.group

@@ -3,7 +3,10 @@ query heads: out = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M), M = max_s m_s.
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
+from distmk.kernels.ring import next_power_of_2, rows_layout
 from distmk.tasks.base import TaskKind
 
 
@@ -32,10 +35,38 @@ def attn_reduce_gpu(a0, a1, n, attn_o, attn_m, attn_l, attn, D: tl.constexpr, HQ
         tl.store(dst, out.to(attn.dtype.element_ty), mask=heads[:, None])
 
 
+@gluon.jit
+def attn_reduce_ring(a0, a1, n, attn_o, attn_m, attn_l, attn, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
+                     G: gl.constexpr, S: gl.constexpr, num_warps: gl.constexpr):
+    G_PAD: gl.constexpr = next_power_of_2(G)
+    b = a0
+    kvh = a1
+    if b < n:
+        layout: gl.constexpr = rows_layout(num_warps)
+        rg = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, layout))
+        rd = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+        heads = rg < G
+        first = (b * HKV + kvh) * S
+        mx = gl.full([G_PAD], float("-inf"), gl.float32, layout=gl.SliceLayout(1, layout))
+        for s in gl.static_range(S):
+            mx = gl.maximum(mx, gl.load(attn_m + (first + s) * G + rg, mask=heads, other=0.0))
+        num = gl.zeros([G_PAD, D], gl.float32, layout=layout)
+        den = gl.zeros([G_PAD], gl.float32, layout=gl.SliceLayout(1, layout))
+        for s in gl.static_range(S):
+            scale = gl.exp(gl.load(attn_m + (first + s) * G + rg, mask=heads, other=0.0) - mx)
+            o = gl.load(attn_o + ((first + s) * G + rg)[:, None] * D + rd[None, :], mask=heads[:, None], other=0.0)
+            num += o * scale[:, None]
+            den += gl.load(attn_l + (first + s) * G + rg, mask=heads, other=1.0) * scale
+        out = num / den[:, None]
+        dst = attn + b * HQ * D + (kvh * G + rg)[:, None] * D + rd[None, :]
+        gl.store(dst, out.to(attn.dtype.element_ty), mask=heads[:, None])
+
+
 class AttnReduce(TaskKind):
     name = "attn_reduce"
     args = ("row", "kv_head")
     gpu = attn_reduce_gpu
+    ring = attn_reduce_ring
 
     def cost(self, shape, layer, a):
         g, d = shape.plan.group, shape.spec.head_dim

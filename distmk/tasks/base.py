@@ -27,6 +27,8 @@ class TaskKind:
     signals_all_ranks = False    # signals its event on every rank itself (need = tp), through the transport
     gpu = None                   # the @triton.jit device function the megakernel dispatches to
     gpu_prefetch = None          # optional: starts pulling the task's weights into L2 before it waits
+    ring = None                  # the @gluon.jit device function of the weight-ring megakernel (ring_megakernel.py)
+    ring_weights = None          # its producer half, for a task that reads weights: the ring slots it fills
 
     def cost(self, shape: "StepShape", layer: int, a: tuple[int, ...]) -> int:
         """Bytes this task reads and writes, weights included."""

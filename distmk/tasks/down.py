@@ -2,7 +2,10 @@
 (tp=1) or this rank's partial sum (tp>1, combined by an allreduce task)."""
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
+from distmk.kernels import ring as rg
 from distmk.kernels.primitives import prefetch_l2
 from distmk.tasks.base import TaskKind, row_parallel_gpu, row_parallel_tile
 
@@ -20,11 +23,25 @@ def down_prefetch(layer, a0, a1, w_down, H: tl.constexpr, INTER: tl.constexpr, P
     prefetch_l2(w_down + layer.to(tl.int64) * H * INTER + a0 * INTER, a1 * INTER, PREFETCH, INTERPRET)
 
 
+@gluon.jit
+def down_weights(layer, a0, a1, w_down_desc, ring, ready, empty, c, H: gl.constexpr, INTER: gl.constexpr):
+    return rg.load_rows(w_down_desc, layer * H + a0, a1, INTER, ring, ready, empty, c)
+
+
+@gluon.jit
+def down_ring(a0, a1, n, x, h_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr, INTER: gl.constexpr,
+              num_warps: gl.constexpr):
+    """The tp=1 tile (ADD_RESIDUAL: the ring megakernel runs only there)."""
+    return rg.add_residual_rows(h_desc, 0, INTER, a0, a1, n, x, H, ring, ready, empty, xring, xready, c, cx, num_warps)
+
+
 class Down(TaskKind):
     name = "down"
     args = ("row0", "nrows", "mode")
     gpu = down_gpu
     gpu_prefetch = down_prefetch
+    ring = down_ring
+    ring_weights = down_weights
 
     def cost(self, shape, layer, a):
         return shape.matmul_bytes(a[1], shape.plan.inter)

@@ -1,6 +1,8 @@
 """Embedding lookup for one batch row: x[b] = E[token[b]]."""
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from distmk.tasks.base import TaskKind
 
@@ -15,10 +17,22 @@ def embed_gpu(a0, n, tokens, embed, x, H: tl.constexpr, BLOCK_H: tl.constexpr):
             tl.store(x + a0 * H + offs, row.to(x.dtype.element_ty), mask=offs < H)
 
 
+@gluon.jit
+def embed_ring(a0, n, tokens, embed, x, H: gl.constexpr, BLOCK_H: gl.constexpr, num_warps: gl.constexpr):
+    if a0 < n:
+        token = gl.load(tokens + a0).to(gl.int64)
+        offs0 = gl.arange(0, BLOCK_H, layout=gl.BlockedLayout([4], [32], [num_warps], [0]))
+        for h0 in range(0, H, BLOCK_H):
+            offs = h0 + offs0
+            row = gl.load(embed + token * H + offs, mask=offs < H)
+            gl.store(x + a0 * H + offs, row.to(x.dtype.element_ty), mask=offs < H)
+
+
 class Embed(TaskKind):
     name = "embed"
     args = ("row",)
     gpu = embed_gpu
+    ring = embed_ring
 
     def cost(self, shape, layer, a):
         return 2 * shape.spec.hidden_size * shape.act_bytes

@@ -4,7 +4,10 @@ RMSNorm of the residual stream (computed by each tile). Column-parallel: no comm
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
+from distmk.kernels import ring as rg
 from distmk.kernels.primitives import matmul_pair, prefetch_l2, rms_norm_rows
 from distmk.tasks.base import TaskKind, normed_stream
 
@@ -35,11 +38,39 @@ def gate_up_prefetch(layer, a0, a1, w_gate, w_up, H: tl.constexpr, INTER: tl.con
     prefetch_l2(w_up + offset, a1 * H, PREFETCH // 2, INTERPRET)
 
 
+@gluon.jit
+def gate_up_weights(layer, a0, a1, w_gate_desc, w_up_desc, ring, ready, empty, c, H: gl.constexpr,
+                    INTER: gl.constexpr):
+    BN: gl.constexpr = ring.type.shape[1]
+    for j in range(0, a1, BN):       # a block of gate rows, then the same rows of up
+        c = rg.load_block(w_gate_desc, layer * INTER + a0 + j, a1 - j, H, ring, ready, empty, c)
+        c = rg.load_block(w_up_desc, layer * INTER + a0 + j, a1 - j, H, ring, ready, empty, c)
+    return c
+
+
+@gluon.jit
+def gate_up_ring(layer, a0, a1, n, worker, x, xn, norms, h, xn_desc, ring, ready, empty, xring, xready, c, cx,
+                 H: gl.constexpr, INTER: gl.constexpr, B_PAD: gl.constexpr, EPS: gl.constexpr,
+                 num_warps: gl.constexpr):
+    BN: gl.constexpr = ring.type.shape[1]
+    rg.rms_norm_rows(x, n, norms + (2 * layer + 1) * H, xn + worker * B_PAD * H, H, EPS, num_warps)
+    rn, rb = rg.block_index(ring, xring, num_warps)
+    for j in range(0, a1, BN):
+        gate, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, num_warps)
+        up, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, num_warps)
+        mask = (rn < a1 - j)[:, None] & (rb < n)[None, :]
+        value = gate / (1.0 + gl.exp(-gate)) * up
+        gl.store(h + rb[None, :] * INTER + (a0 + j + rn)[:, None], value.to(h.dtype.element_ty), mask=mask)
+    return c, cx
+
+
 class GateUp(TaskKind):
     name = "gate_up"
     args = ("row0", "nrows")
     gpu = gate_up_gpu
     gpu_prefetch = gate_up_prefetch
+    ring = gate_up_ring
+    ring_weights = gate_up_weights
 
     def cost(self, shape, layer, a):
         return 2 * shape.matmul_bytes(a[1], shape.spec.hidden_size)

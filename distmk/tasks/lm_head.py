@@ -5,7 +5,10 @@ import math
 
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
+from distmk.kernels import ring as rg
 from distmk.kernels.primitives import matmul_block, prefetch_l2, rms_norm_rows
 from distmk.tasks.base import TaskKind, normed_stream
 
@@ -41,11 +44,44 @@ def lm_head_prefetch(a0, a1, lm_head, H: tl.constexpr, PREFETCH: tl.constexpr, I
     prefetch_l2(lm_head + a0.to(tl.int64) * H, a1 * H, PREFETCH, INTERPRET)
 
 
+@gluon.jit
+def lm_head_weights(a0, a1, lm_head_desc, ring, ready, empty, c, H: gl.constexpr):
+    return rg.load_rows(lm_head_desc, a0, a1, H, ring, ready, empty, c)
+
+
+@gluon.jit
+def lm_head_ring(layer, a0, a1, a2, n, worker, x, xn, norms, logits, tile_max, tile_arg, vocab0, vocab_valid,
+                 xn_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr, VOCAB_L: gl.constexpr,
+                 LM_TILES: gl.constexpr, B_PAD: gl.constexpr, EPS: gl.constexpr, num_warps: gl.constexpr):
+    BN: gl.constexpr = ring.type.shape[1]
+    rn, rb = rg.block_index(ring, xring, num_warps)
+    best = gl.full(rb.type.shape, float("-inf"), gl.float32, layout=rb.type.layout)
+    best_id = gl.full(rb.type.shape, -1, gl.int64, layout=rb.type.layout)
+    rg.rms_norm_rows(x, n, norms + 2 * layer * H, xn + worker * B_PAD * H, H, EPS, num_warps)
+    for j in range(0, a1, BN):
+        row0 = a0 + j
+        acc, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, num_warps)
+        rows = rn < a1 - j
+        gl.store(logits + rb[None, :] * VOCAB_L + (row0 + rn)[:, None], acc, mask=rows[:, None] & (rb < n)[None, :])
+        scores = gl.where((rows & (row0 + rn < vocab_valid))[:, None], acc, float("-inf"))
+        block_max = gl.max(scores, axis=0)
+        # the first row that reaches the maximum (a row of -inf scores keeps best_id)
+        block_arg = gl.min(gl.where(scores == block_max[None, :], rn[:, None], BN), axis=0)
+        better = block_max > best                   # strict: an earlier block keeps a tie
+        best_id = gl.where(better, (block_arg + row0 + vocab0).to(gl.int64), best_id)
+        best = gl.where(better, block_max, best)
+    gl.store(tile_max + rb * LM_TILES + a2, best, mask=rb < n)
+    gl.store(tile_arg + rb * LM_TILES + a2, best_id, mask=rb < n)
+    return c, cx
+
+
 class LMHead(TaskKind):
     name = "lm_head"
     args = ("row0", "nrows", "tile")
     gpu = lm_head_gpu
     gpu_prefetch = lm_head_prefetch
+    ring = lm_head_ring
+    ring_weights = lm_head_weights
 
     def cost(self, shape, layer, a):
         return shape.matmul_bytes(a[1], shape.spec.hidden_size)

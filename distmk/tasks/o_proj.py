@@ -2,7 +2,10 @@
 stream (tp=1) or this rank's partial sum (tp>1, combined by an allreduce task)."""
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
+from distmk.kernels import ring as rg
 from distmk.kernels.primitives import prefetch_l2
 from distmk.tasks.base import TaskKind, row_parallel_gpu, row_parallel_tile
 
@@ -20,11 +23,26 @@ def o_proj_prefetch(layer, a0, a1, wo, H: tl.constexpr, HQ: tl.constexpr, D: tl.
     prefetch_l2(wo + layer.to(tl.int64) * H * HQ * D + a0 * HQ * D, a1 * HQ * D, PREFETCH, INTERPRET)
 
 
+@gluon.jit
+def o_proj_weights(layer, a0, a1, wo_desc, ring, ready, empty, c, H: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr):
+    return rg.load_rows(wo_desc, layer * H + a0, a1, HQ * D, ring, ready, empty, c)
+
+
+@gluon.jit
+def o_proj_ring(a0, a1, n, x, attn_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr,
+                HQ: gl.constexpr, D: gl.constexpr, num_warps: gl.constexpr):
+    """The tp=1 tile (ADD_RESIDUAL: the ring megakernel runs only there)."""
+    return rg.add_residual_rows(attn_desc, 0, HQ * D, a0, a1, n, x, H, ring, ready, empty, xring, xready, c, cx,
+                                num_warps)
+
+
 class OProj(TaskKind):
     name = "o_proj"
     args = ("row0", "nrows", "mode")
     gpu = o_proj_gpu
     gpu_prefetch = o_proj_prefetch
+    ring = o_proj_ring
+    ring_weights = o_proj_weights
 
     def cost(self, shape, layer, a):
         return shape.matmul_bytes(a[1], shape.plan.num_heads * shape.spec.head_dim)

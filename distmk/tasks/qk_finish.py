@@ -3,9 +3,12 @@ whole head, so the slices leave it unnormalised in qk_raw and this task normalis
 stores it to q or the k cache, exactly as a one-slice QKV tile would have (tasks/qkv.py)."""
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
+from distmk.kernels.ring import rows_layout
 from distmk.tasks.base import TaskKind
-from distmk.tasks.qkv import norm_rope_store, norm_rope_store_reference
+from distmk.tasks.qkv import norm_rope_store, norm_rope_store_reference, norm_rope_store_ring
 
 
 @triton.jit
@@ -24,10 +27,28 @@ def qk_finish_gpu(layer, a0, n, qk_raw, qk_norm, inv_freq, positions, block_tabl
                     D, HQ, HKV, B_PAD, MAXB, BS, NBLK, EPS, QK_NORM)
 
 
+@gluon.jit
+def qk_finish_ring(layer, a0, n, qk_raw, qk_norm, inv_freq, positions, block_table, q, k_cache, D: gl.constexpr,
+                   HQ: gl.constexpr, HKV: gl.constexpr, B_PAD: gl.constexpr, HALF_PAD: gl.constexpr,
+                   MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr, EPS: gl.constexpr,
+                   QK_NORM: gl.constexpr, num_warps: gl.constexpr):
+    HALF: gl.constexpr = D // 2
+    layout: gl.constexpr = rows_layout(num_warps)
+    rd = gl.arange(0, HALF_PAD, layout=gl.SliceLayout(1, layout))      # the ring's [columns, rows] orientation
+    rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(0, layout))
+    mask = (rd < HALF)[:, None] & (rb < n)[None, :]
+    src = qk_raw + (rb[None, :] * (HQ + HKV) + a0) * D + rd[:, None]
+    lo = gl.load(src, mask=mask, other=0.0)
+    hi = gl.load(src + HALF, mask=mask, other=0.0)
+    norm_rope_store_ring(lo, hi, layer, a0, 0, HALF, rd, rb, n, qk_norm, inv_freq, positions, block_table, q, k_cache,
+                         D, HQ, HKV, MAXB, BS, NBLK, EPS, QK_NORM)
+
+
 class QKFinish(TaskKind):
     name = "qk_finish"
     args = ("head_slot",)        # 0..hq-1: query heads, then hkv key heads (local)
     gpu = qk_finish_gpu
+    ring = qk_finish_ring
 
     def cost(self, shape, layer, a):
         return shape.batch * shape.spec.head_dim * (4 + shape.act_bytes)

@@ -7,7 +7,10 @@ qk_raw, and a qk_finish task (tasks/qk_finish.py) normalises, rotates and stores
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
+from distmk.kernels import ring as rg
 from distmk.kernels.primitives import matmul_pair, prefetch_l2, rms_norm_rows
 from distmk.tasks.base import TaskKind, normed_stream, rms_norm, rope
 
@@ -107,6 +110,95 @@ def qkv_prefetch(layer, a0, a1, wqkv, H: tl.constexpr, D: tl.constexpr, HQ: tl.c
     prefetch_l2(lo + D // 2 * H, a0 * 0 + PART * H, 2 * PREFETCH, INTERPRET)
 
 
+@gluon.jit
+def store_kv_ring(cache, layer, head, col0, cols, lo, hi, rd, rb, pos, n, block_table, D: gl.constexpr,
+                  HKV: gl.constexpr, MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr):
+    """store_kv for the ring's [columns, rows] accumulators (rd, rb: their indices)."""
+    rows = rb < n
+    block = gl.load(block_table + rb * MAXB + pos // BS, mask=rows, other=0).to(gl.int64)
+    base = (((layer.to(gl.int64) * NBLK + block) * BS + pos % BS) * HKV + head) * D + col0
+    mask = (rd < cols)[:, None] & rows[None, :]
+    act: gl.constexpr = cache.dtype.element_ty
+    gl.store(cache + base[None, :] + rd[:, None], lo.to(act), mask=mask)
+    gl.store(cache + base[None, :] + D // 2 + rd[:, None], hi.to(act), mask=mask)
+
+
+@gluon.jit
+def norm_rope_store_ring(lo, hi, layer, slot, col0, cols, rd, rb, n, qk_norm, inv_freq, positions, block_table, q,
+                         k_cache, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, MAXB: gl.constexpr,
+                         BS: gl.constexpr, NBLK: gl.constexpr, EPS: gl.constexpr, QK_NORM: gl.constexpr):
+    """norm_rope_store for [columns, rows] halves; columns past `cols` may hold anything (masked here)."""
+    HALF: gl.constexpr = D // 2
+    pos = gl.load(positions + rb, mask=rb < n, other=0)
+    dmask = rd < cols
+    is_k = slot >= HQ
+    if QK_NORM:
+        lo = gl.where(dmask[:, None], lo, 0.0)
+        hi = gl.where(dmask[:, None], hi, 0.0)
+        rstd = gl.rsqrt((gl.sum(lo * lo, axis=0) + gl.sum(hi * hi, axis=0)) / D + EPS)
+        weight = qk_norm + (2 * layer + is_k.to(gl.int32)) * D      # [layers, 2, D]: q_norm, k_norm
+        lo = lo * rstd[None, :] * gl.load(weight + rd, mask=dmask, other=0.0).to(gl.float32)[:, None]
+        hi = hi * rstd[None, :] * gl.load(weight + HALF + rd, mask=dmask, other=0.0).to(gl.float32)[:, None]
+    angle = pos[None, :].to(gl.float32) * gl.load(inv_freq + col0 + rd, mask=dmask, other=0.0)[:, None]
+    cos = gl.cos(angle)
+    sin = gl.sin(angle)
+    rotated_lo = lo * cos - hi * sin
+    hi = hi * cos + lo * sin
+    lo = rotated_lo
+    if is_k:
+        store_kv_ring(k_cache, layer, slot - HQ, col0, cols, lo, hi, rd, rb, pos, n, block_table, D, HKV, MAXB, BS,
+                      NBLK)
+    else:
+        dst = q + (rb[None, :] * HQ + slot) * D + col0 + rd[:, None]
+        mask = dmask[:, None] & (rb < n)[None, :]
+        gl.store(dst, lo.to(q.dtype.element_ty), mask=mask)
+        gl.store(dst + HALF, hi.to(q.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def qkv_weights(layer, a0, a1, wqkv_desc, ring, ready, empty, c, H: gl.constexpr, D: gl.constexpr,
+                HQ: gl.constexpr, HKV: gl.constexpr, QKV_PARTS: gl.constexpr):
+    PART: gl.constexpr = D // 2 // QKV_PARTS
+    row = layer * (HQ + 2 * HKV) * D + a0 * D + a1 * PART
+    c = rg.load_block(wqkv_desc, row, PART, H, ring, ready, empty, c)
+    return rg.load_block(wqkv_desc, row + D // 2, PART, H, ring, ready, empty, c)
+
+
+@gluon.jit
+def qkv_ring(layer, a0, a1, n, worker, x, xn, norms, bqkv, qk_norm, inv_freq, positions, block_table, q, qk_raw,
+             k_cache, v_cache, xn_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr, D: gl.constexpr,
+             HQ: gl.constexpr, HKV: gl.constexpr, B_PAD: gl.constexpr, QKV_PARTS: gl.constexpr, MAXB: gl.constexpr,
+             BS: gl.constexpr, NBLK: gl.constexpr, EPS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
+             num_warps: gl.constexpr):
+    """qkv_gpu on the weight ring: the two halves of the slice are two blocks of the ring."""
+    HALF: gl.constexpr = D // 2
+    PART: gl.constexpr = HALF // QKV_PARTS
+    slot = a0
+    col0 = a1 * PART
+    rg.rms_norm_rows(x, n, norms + 2 * layer * H, xn + worker * B_PAD * H, H, EPS, num_warps)
+    lo, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, num_warps)
+    hi, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, num_warps)
+    rd, rb = rg.block_index(ring, xring, num_warps)
+    dmask = rd < PART
+    if HAS_BIAS:
+        bias = bqkv + layer * (HQ + 2 * HKV) * D + slot * D + col0
+        lo += gl.load(bias + rd, mask=dmask, other=0.0).to(gl.float32)[:, None]
+        hi += gl.load(bias + HALF + rd, mask=dmask, other=0.0).to(gl.float32)[:, None]
+    if slot >= HQ + HKV:
+        pos = gl.load(positions + rb, mask=rb < n, other=0)
+        store_kv_ring(v_cache, layer, slot - HQ - HKV, col0, PART, lo, hi, rd, rb, pos, n, block_table, D, HKV, MAXB,
+                      BS, NBLK)
+    elif QK_NORM and QKV_PARTS > 1:                               # the whole head is qk_finish's
+        dst = qk_raw + (rb[None, :] * (HQ + HKV) + slot) * D + col0 + rd[:, None]
+        mask = dmask[:, None] & (rb < n)[None, :]
+        gl.store(dst, lo, mask=mask)
+        gl.store(dst + HALF, hi, mask=mask)
+    else:
+        norm_rope_store_ring(lo, hi, layer, slot, col0, PART, rd, rb, n, qk_norm, inv_freq, positions, block_table, q,
+                             k_cache, D, HQ, HKV, MAXB, BS, NBLK, EPS, QK_NORM)
+    return c, cx
+
+
 class QKV(TaskKind):
     name = "qkv"
     # head_slot 0..hq-1: query heads, then hkv key heads, then hkv value heads (local); part of parts: the
@@ -114,6 +206,8 @@ class QKV(TaskKind):
     args = ("head_slot", "part", "parts")
     gpu = qkv_gpu
     gpu_prefetch = qkv_prefetch
+    ring = qkv_ring
+    ring_weights = qkv_weights
 
     def cost(self, shape, layer, a):
         return shape.matmul_bytes(shape.spec.head_dim // a[2], shape.spec.hidden_size)
