@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--skip-hf", action="store_true", help="skip transformers' eager generate")
     p.add_argument("--compile-baseline", action="store_true", help="also time the torch.compile'd CUDA graph")
     p.add_argument("--qkv-parts", type=NON_NEGATIVE, default=0, help="QKV tiles per head (0: the automatic choice)")
+    p.add_argument("--kernel", choices=["auto", "ring", "tl"], default="auto",
+                   help="the megakernel: the weight ring (Hopper, bf16, tp=1), the tl one, or the best that runs")
     p.add_argument("--backend", choices=["triton", "reference"], default="triton",
                    help="distmk's executor: the megakernel, or the reference executor (the one CPU runs have)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -75,7 +77,8 @@ def time_distmk(args, device, log) -> dict:
     try:
         from distmk.kernels.bench import distmk_step_ms
         return distmk_step_ms(args.model, args.batch, args.context, args.iters, backend=args.backend, device=device,
-                              breakdown=args.backend == "triton", graph={"qkv_parts": args.qkv_parts})
+                              breakdown=args.backend == "triton", graph={"qkv_parts": args.qkv_parts},
+                              **({} if args.kernel == "auto" else {"kernel": args.kernel}))
     except Exception as e:
         log(traceback.format_exc())
         return {"step_ms": None, "distmk_error": f"{type(e).__name__}: {e}"}

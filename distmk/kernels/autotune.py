@@ -12,11 +12,13 @@ import time
 import torch
 
 CANDIDATES = [
-    {},                                   # the defaults (num_stages=4, prefetch_kb=256)
-    {"prefetch_kb": 0},
+    {},                                   # the defaults: the ring megakernel where it runs, else tl's num_stages=4,
+    {"prefetch_kb": 0},                   # prefetch_kb=256 (these four vary the tl megakernel only)
     {"num_stages": 3},
     {"mlp_block_n": 32, "lm_block_n": 64},
     {"prefetch_kb": 768},                 # more of each tile in L2 while its worker waits at a phase boundary
+    {"ring_slots": 6, "ring_inputs": 2},  # a deeper weight ring, fewer input slices
+    {"kernel": "tl"},                     # where the ring runs: the tl megakernel, in case it is faster here
 ]
 
 

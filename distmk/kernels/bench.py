@@ -106,6 +106,7 @@ def distmk_step_ms(model: str, batch: int, context: int, iters: int = 200, backe
                   "qkv_parts": engine.config.qkv_parts, "setup_s": round(setup_s, 2)}
         if backend == "triton":
             result["options"] = {k: v for k, v in ex.options.items() if k not in ("trace", "cuda_graph")}
+            result["kernel"] = ex.kernel_name
             if breakdown:
                 timings = traced_step(engine)
                 waits = trace.wait_summary(engine.table, timings)
