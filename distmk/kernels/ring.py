@@ -275,6 +275,14 @@ def _acquire64(ptr):
 
 
 @gluon.jit
+def task_row(tasks, t):
+    """Task t's row of the table (graph/table.py COLUMNS): type, layer, a0..a3, wait, signal."""
+    row = tasks + t * 8
+    return (gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4), gl.load(row + 5),
+            gl.load(row + 6), gl.load(row + 7))
+
+
+@gluon.jit
 def _segment(kind, layer, a0, a1, seg: gl.constexpr, H: gl.constexpr, D: gl.constexpr, HQ: gl.constexpr,
              HKV: gl.constexpr, INTER: gl.constexpr, QKV_PARTS: gl.constexpr, QKV_ID: gl.constexpr,
              OPROJ_ID: gl.constexpr, GATEUP_ID: gl.constexpr, DOWN_ID: gl.constexpr):
@@ -318,11 +326,7 @@ def _matmul_producer(tasks, queue, queue_ptr, wqkv_desc, wo_desc, wg_desc, wu_de
     worker = gl.program_id(0)
     c = 0
     for i in range(gl.load(queue_ptr + worker), gl.load(queue_ptr + worker + 1)):
-        row = tasks + gl.load(queue + i) * 8
-        kind = gl.load(row)
-        layer = gl.load(row + 1)
-        a0 = gl.load(row + 2)
-        a1 = gl.load(row + 3)
+        kind, layer, a0, a1, a2, a3, wait, signal = task_row(tasks, gl.load(queue + i))
         for seg in gl.static_range(2):
             which, w_row, rows, col = _segment(kind, layer, a0, a1, seg, H, D, HQ, HKV, INTER, QKV_PARTS, QKV_ID,
                                                OPROJ_ID, GATEUP_ID, DOWN_ID)
@@ -351,13 +355,7 @@ def _matmul_consumer(tasks, queue, queue_ptr, event_need, counters, rows_ptr, xh
     c = 0
     cx = 0
     for i in range(gl.load(queue_ptr + worker), gl.load(queue_ptr + worker + 1)):
-        row = tasks + gl.load(queue + i) * 8
-        kind = gl.load(row)
-        layer = gl.load(row + 1)
-        a0 = gl.load(row + 2)
-        a1 = gl.load(row + 3)
-        wait = gl.load(row + 6)
-        signal = gl.load(row + 7)
+        kind, layer, a0, a1, a2, a3, wait, signal = task_row(tasks, gl.load(queue + i))
         if wait >= 0:
             target = gl.load(event_need + wait).to(gl.int64)
             seen = _acquire64(counters + wait)

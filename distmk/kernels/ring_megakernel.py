@@ -34,7 +34,7 @@ _TEMPLATE = '''\\
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from distmk.kernels.ring import make_rings, now_ns, signal_event, sm_id, wait_event
+from distmk.kernels.ring import make_rings, now_ns, signal_event, sm_id, task_row, wait_event
 {imports}
 
 
@@ -43,13 +43,7 @@ def _weights(tasks, queue, queue_ptr, {descs}, ring, ready, empty, {constants}):
     worker = gl.program_id(0)
     c = 0
     for i in range(gl.load(queue_ptr + worker), gl.load(queue_ptr + worker + 1)):
-        row = tasks + gl.load(queue + i) * 8
-        kind = gl.load(row)
-        layer = gl.load(row + 1)
-        a0 = gl.load(row + 2)
-        a1 = gl.load(row + 3)
-        a2 = gl.load(row + 4)
-        a3 = gl.load(row + 5)
+        kind, layer, a0, a1, a2, a3, wait, signal = task_row(tasks, gl.load(queue + i))
 {weights}
 
 
@@ -65,15 +59,7 @@ def _tasks(tasks, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, trac
     cx = 0
     for i in range(gl.load(queue_ptr + worker), gl.load(queue_ptr + worker + 1)):
         t = gl.load(queue + i)
-        row = tasks + t * 8
-        kind = gl.load(row)
-        layer = gl.load(row + 1)
-        a0 = gl.load(row + 2)
-        a1 = gl.load(row + 3)
-        a2 = gl.load(row + 4)
-        a3 = gl.load(row + 5)
-        wait = gl.load(row + 6)
-        signal = gl.load(row + 7)
+        kind, layer, a0, a1, a2, a3, wait, signal = task_row(tasks, t)
         if TRACE:
             gl.store(trace + t * 4, now_ns())
         if (wait >= 0) & (ok == 1):
