@@ -6,7 +6,6 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from distmk.kernels.ring import rows_layout
 from distmk.tasks.base import TaskKind
 from distmk.tasks.qkv import norm_rope_store, norm_rope_store_reference, norm_rope_store_ring
 
@@ -33,7 +32,9 @@ def qk_finish_ring(layer, a0, n, qk_raw, qk_norm, inv_freq, positions, block_tab
                    MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr, EPS: gl.constexpr,
                    QK_NORM: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = D // 2
-    layout: gl.constexpr = rows_layout(num_warps)
+    # lanes down the head's columns, no replicas: rows_layout's 128 columns across a warp held this [64, 16] tile
+    # eightfold, and ptxas spilled 1 KB of the whole kernel's registers for it
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, num_warps], [0, 1])
     rd = gl.arange(0, HALF_PAD, layout=gl.SliceLayout(1, layout))      # the ring's [columns, rows] orientation
     rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(0, layout))
     mask = (rd < HALF)[:, None] & (rb < n)[None, :]
