@@ -75,7 +75,7 @@ def test_ring_megakernel_matches_tl_megakernel(name, batch):
     (ring_tokens, ring_logits), (tl_tokens, tl_logits) = outs
     # the two differ in rounding only (the ring's attention products are exact float32, the tl one's tf32)
     assert ((ring_logits - tl_logits).norm() / tl_logits.norm()).item() < 2e-2
-    assert sum(a == b for a, b in zip(ring_tokens, tl_tokens)) >= batch - max(1, batch // 8), (ring_tokens, tl_tokens)
+    assert sum(a == b for a, b in zip(ring_tokens, tl_tokens)) >= batch - batch // 8, (ring_tokens, tl_tokens)
 
 
 def test_graph_replay_equals_plain_launches():

@@ -145,6 +145,14 @@ def test_ring_megakernel_refuses_a_step_it_cannot_run(dtype, batch, reason):
                config=GraphConfig(batch=batch, workers=132), kernel_options={"kernel": "ring"})
 
 
+def test_ring_megakernel_refuses_rings_that_would_hang_or_overflow():
+    from distmk.errors import DistmkError
+    for options in ({"ring_slots": 1}, {"ring_inputs": 1}, {"ring_slots": 7, "ring_inputs": 4}):
+        with pytest.raises(DistmkError, match="at least 2 each"):
+            Engine("llama-3-8b", backend="triton", device="meta", dtype=torch.bfloat16, max_context=64,
+                   config=GraphConfig(batch=1, workers=132), kernel_options={"kernel": "ring", **options})
+
+
 def test_auto_kernel_is_tl_off_hopper():
     """Off a Hopper GPU (here: the meta device) the automatic choice is the tl megakernel."""
     engine = Engine("tiny-llama", backend="triton", device="meta", dtype=torch.bfloat16, max_context=64,

@@ -17,7 +17,7 @@ CANDIDATES = [
     {"num_stages": 3},
     {"mlp_block_n": 32, "lm_block_n": 64},
     {"prefetch_kb": 768},                 # more of each tile in L2 while its worker waits at a phase boundary
-    {"ring_slots": 6, "ring_inputs": 2},  # a deeper weight ring, fewer input slices
+    {"ring_slots": 6, "ring_inputs": 2},  # the ring: six weight slots, two input slices (default: 5 and 4)
     {"kernel": "tl"},                     # where the ring runs: the tl megakernel, in case it is faster here
 ]
 

@@ -162,7 +162,8 @@ class TritonExecutor:
             TRANSPORT=TRANSPORTS.index(self.transport), SIGNAL_ADD=signal_add, EXCHANGE_SLOTS=EXCHANGE_SLOTS,
             TRACE=trace, INTERPRET=self.interpret)
         self.kernel_name = choose_kernel(kernel, device, self.interpret,
-                                         ring_unsupported(spec, plan, config, dtype, comm.world))
+                                         ring_unsupported(spec, plan, config, dtype, comm.world,
+                                                          {TASK_KINDS[t] for t in table.tasks[:, TYPE].tolist()}))
         if self.kernel_name == "ring":
             self.args = ring_arguments(self.args, self.buf, xn, stack_layers(weights), config.batch, ring_block_k,
                                        ring_slots, ring_inputs)

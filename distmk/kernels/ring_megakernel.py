@@ -120,8 +120,9 @@ def load_ring_megakernel(kinds):
 
 RING_ROWS = 64          # weight rows of a ring slot: the wgmma M
 RING_B_PAD = 16         # the most rows of a step: the wgmma N, the batch padded to 8 or 16
-# shared memory for the two rings: Hopper's 227 KB less what the tasks' reductions and layout conversions take
-RING_BYTES = 180 * 1024
+# shared memory for the two rings: by default 180 KB, at most 208 KB (Hopper's 227 KB less what the tasks'
+# reductions and layout conversions take: 12-36 KB measured)
+RING_BYTES, RING_BYTES_LIMIT = 180 * 1024, 208 * 1024
 
 
 def ring_block_k(hidden: int, attn_width: int, inter: int) -> int:
@@ -129,9 +130,13 @@ def ring_block_k(hidden: int, attn_width: int, inter: int) -> int:
     return next((bk for bk in (256, 128, 64) if all(k % bk == 0 for k in (hidden, attn_width, inter))), 0)
 
 
-def ring_unsupported(spec, plan, config, dtype, world: int) -> str | None:
-    """Why the ring megakernel cannot run this step (None: it can), for an error or the tl kernel instead."""
+def ring_unsupported(spec, plan, config, dtype, world: int, kinds) -> str | None:
+    """Why the ring megakernel cannot run this step's task `kinds` (None: it can), for an error or the tl
+    kernel instead."""
     import torch
+    missing = sorted({kind.name for kind in kinds if kind.ring is None})
+    if missing:
+        return f"task types {missing} have no ring device function"
     if world > 1:
         return "it runs one rank only (the exchanges of tp > 1 are the tl megakernel's)"
     if dtype != torch.bfloat16:
@@ -159,6 +164,12 @@ def ring_arguments(args: dict, buf: dict, xn, stacked: dict, batch: int, block_k
         raise DistmkError(f"ring_block_k={block_k} must divide every matmul's K (the widest that does: {widest})")
     b_pad = 8 if batch <= 8 else RING_B_PAD
     slots = slots or (RING_BYTES - input_slots * b_pad * block_k * 2) // (RING_ROWS * block_k * 2)
+    ring_bytes = (slots * RING_ROWS + input_slots * b_pad) * block_k * 2
+    # one slot of either would wait for itself (the consumer frees a slot only after using the next one)
+    if slots < 2 or input_slots < 2 or ring_bytes > RING_BYTES_LIMIT:
+        raise DistmkError(f"ring_slots={slots} and ring_inputs={input_slots} (of {block_k} columns) must be at "
+                          f"least 2 each and take at most {RING_BYTES_LIMIT // 1024} KB (they take "
+                          f"{ring_bytes // 1024} KB)")
     w_layout, x_layout = matmul_layouts(block_k, b_pad)
 
     def weights(t):
