@@ -80,13 +80,7 @@ def megakernel(tasks, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, 
                 ok = 0
                 first = tl.atomic_cas(error, tl.full((), 0, tl.int64), tl.full((), 1, tl.int64)) == 0
                 if first:   # the first worker to give up reports
-                    tl.store(error + 1, rank.to(tl.int64))
-                    tl.store(error + 2, worker.to(tl.int64))
-                    tl.store(error + 3, t.to(tl.int64))
-                    tl.store(error + 4, wait.to(tl.int64))
-                    tl.store(error + 5, (target + short).to(tl.int64))
-                    tl.store(error + 6, target.to(tl.int64))
-                    tl.store(error + 7, epoch.to(tl.int64))
+{error_report}
         if ok == 1:
             if TRACE:
                 tl.store(trace + t * 4 + 1, now_ns())
@@ -121,6 +115,18 @@ def _dispatch(kinds, attr: str, indent: str, imports: list, known=None, results=
     return "\n".join(branches) or f"{indent}pass"
 
 
+# what a worker that gives up records in ERROR_FIELDS (after `failed`), as kernel expressions
+_ERROR_VALUES = {"rank": "rank", "worker": "worker", "task": "t", "event": "wait", "seen": "(target + short)",
+                 "target": "target", "epoch": "epoch"}
+
+
+def error_report(lang: str, indent: str) -> str:
+    """The stores of the error record, for a kernel in `lang` (tl or gl): both megakernels write it, the
+    executor reads it by ERROR_FIELDS."""
+    return "\n".join(f"{indent}{lang}.store(error + {i}, {_ERROR_VALUES[field]}.to({lang}.int64))"
+                     for i, field in enumerate(ERROR_FIELDS) if i > 0)
+
+
 def generate_source(kinds) -> str:
     imports = []
     dispatch = _dispatch(kinds, "gpu", " " * 12, imports)
@@ -128,7 +134,8 @@ def generate_source(kinds) -> str:
     broadcast = " | ".join(f"(kind == {i})" for i, k in enumerate(kinds) if k.signals_all_ranks) or "(kind < 0)"
     return _TEMPLATE.format(imports="\n".join(imports), buffers=", ".join(BUFFERS),
                             constants=", ".join(f"{c}: tl.constexpr" for c in CONSTANTS),
-                            dispatch=dispatch, prefetch=prefetch, broadcast=broadcast)
+                            dispatch=dispatch, prefetch=prefetch, broadcast=broadcast,
+                            error_report=error_report("tl", " " * 20))
 
 
 _LOADED = {}      # source digest -> kernel, one per process
@@ -189,8 +196,8 @@ def compile_ahead(kernel, args: dict, options: dict, arch: int = 90):
             attrs[(i,)] = [["tt.divisibility", 16]]     # as the launcher specialises aligned tensors
         else:
             signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
-    source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    source = ASTSource
     if isinstance(kernel, GluonJITFunction):
-        options = {**options, "num_warps": args["num_warps"]}
+        source, options = GluonASTSource, {**options, "num_warps": args["num_warps"]}
     return triton.compile(source(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                           options=options)

@@ -18,7 +18,7 @@ launch ends; the step's results are discarded by the executor.
 from __future__ import annotations
 
 from distmk.errors import DistmkError
-from distmk.kernels.megakernel import BUFFERS, CONSTANTS, RUNTIME, _dispatch, load_generated
+from distmk.kernels.megakernel import BUFFERS, CONSTANTS, RUNTIME, _dispatch, error_report, load_generated
 
 # TMA descriptors: the weights the ring streams and the tiles' inputs (xn: each worker's normed rows)
 DESCRIPTORS = ("wqkv_desc", "wo_desc", "w_gate_desc", "w_up_desc", "w_down_desc", "lm_head_desc", "xn_desc",
@@ -68,13 +68,7 @@ def _tasks(tasks, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, trac
             if short < 0:
                 ok = 0
                 if gl.atomic_add(error, 1) == 0:   # the first worker to give up reports
-                    gl.store(error + 1, rank.to(gl.int64))
-                    gl.store(error + 2, worker.to(gl.int64))
-                    gl.store(error + 3, t.to(gl.int64))
-                    gl.store(error + 4, wait.to(gl.int64))
-                    gl.store(error + 5, (target + short).to(gl.int64))
-                    gl.store(error + 6, target.to(gl.int64))
-                    gl.store(error + 7, epoch.to(gl.int64))
+{error_report}
         if TRACE:
             gl.store(trace + t * 4 + 1, now_ns())
 {dispatch}
@@ -110,6 +104,7 @@ def generate_source(kinds) -> str:
     return _TEMPLATE.format(imports="\n".join(imports), buffers=", ".join(BUFFERS), descs=", ".join(DESCRIPTORS),
                             constants=", ".join(f"{c}: gl.constexpr" for c in CONSTANTS),
                             constant_names=", ".join(CONSTANTS), dispatch=dispatch, weights=weights,
+                            error_report=error_report("gl", " " * 20),
                             registers=PRODUCER_REGISTERS)
 
 
