@@ -79,10 +79,13 @@ def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c):
 
 
 @gluon.jit
-def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr):
+def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready, c, cx, primed, chained,
+              num_warps: gl.constexpr):
     """Consumer: acc[BN, B_PAD] = W_block @ x[x_row:x_row + B_PAD, :K]^T in float32 over the ring's next K / BK
     slots (as load_block filled them): one wgmma a slot, one in flight while the next slot is waited for. The
     input slices come by TMA, XD - 1 ahead, issued here because they may depend on the event just waited for.
+    Blocks of one task read the same input: a `chained` block goes on issuing the next block's first slices
+    (from its own last ones), so the next, `primed`, block starts without a round trip for its input.
     Returns the accumulator and the slots and input slices used so far."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
@@ -92,8 +95,9 @@ def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready,
     KT: gl.constexpr = K // BK
     for p in gl.static_range(XD - 1):
         slot = (cx + p) % XD
-        mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=p < KT)
-        tma_load(x_desc, [x_row, (p % KT) * BK], xready.index(slot), xring.index(slot), pred=p < KT)
+        first = (p < KT) & (primed == 0)
+        mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=first)
+        tma_load(x_desc, [x_row, (p % KT) * BK], xready.index(slot), xring.index(slot), pred=first)
     acc = gl.zeros([BN, B_PAD], gl.float32, layout=acc_layout(BN, B_PAD, num_warps))
     for it in range(KT):
         xs = (cx + it) % XD
@@ -106,8 +110,9 @@ def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready,
         mbarrier.arrive(empty.index((c + NBUF - 1) % NBUF), count=1, pred=it > 0)
         ahead = it + XD - 1
         slot = (cx + ahead) % XD
-        mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=ahead < KT)
-        tma_load(x_desc, [x_row, (ahead % KT) * BK], xready.index(slot), xring.index(slot), pred=ahead < KT)
+        more = (ahead < KT) | ((chained != 0) & (ahead - KT < KT))
+        mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=more)
+        tma_load(x_desc, [x_row, (ahead % KT) * BK], xready.index(slot), xring.index(slot), pred=more)
         c += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     mbarrier.arrive(empty.index((c + NBUF - 1) % NBUF), count=1)
@@ -139,7 +144,8 @@ def _consume(x_desc, x_row, out, OUT_STRIDE: gl.constexpr, col0, rows, n, K: gl.
     rn = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
     rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(0, layout))
     for j in range(0, rows, BN):
-        acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, num_warps)
+        acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, j > 0, j + BN < rows,
+                               num_warps)
         mask = (rn < rows - j)[:, None] & (rb < n)[None, :]
         gl.store(out + rb[None, :] * OUT_STRIDE + (col0 + j + rn)[:, None], (acc * SCALE).to(out.dtype.element_ty),
                  mask=mask)
@@ -513,13 +519,14 @@ def block_index(ring, xring, num_warps: gl.constexpr):
 def add_residual_rows(x_desc, x_row, K: gl.constexpr, row0, rows, n, x, H: gl.constexpr, ring, ready, empty, xring,
                       xready, c, cx, num_warps: gl.constexpr):
     """x[:n, row0:row0 + rows] += x_in @ W[row0:row0 + rows]^T over the slots load_rows filled: the row-parallel
-    o_proj and down tiles at tp=1."""
+    o_proj and down tiles at tp=1. The residual is loaded before the products, so its round trip overlaps them."""
     BN: gl.constexpr = ring.type.shape[1]
     rn, rb = block_index(ring, xring, num_warps)
     for j in range(0, rows, BN):
-        acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, num_warps)
         offs = rb[None, :] * H + (row0 + j + rn)[:, None]
         mask = (rn < rows - j)[:, None] & (rb < n)[None, :]
         residual = gl.load(x + offs, mask=mask, other=0.0)
+        acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, j > 0, j + BN < rows,
+                               num_warps)
         gl.store(x + offs, (residual + acc).to(x.dtype.element_ty), mask=mask)
     return c, cx

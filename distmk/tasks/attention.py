@@ -73,22 +73,49 @@ def attention_gpu(layer, a0, a1, a2, n, q, k_cache, v_cache, positions, block_ta
         tl.store(attn_l + part * G + rg, l_i, mask=heads)
 
 
+KEYS_PER_THREAD = gl.constexpr(4)    # consecutive keys of a key slot, held by each of its threads
+
+
 @gluon.constexpr_function
 def attention_layout(D, num_warps):
-    """[heads, keys, D] of the ring megakernel's attention: lanes along D (4 columns each), the rest of a warp
-    and the warps along the keys."""
-    lanes_d = max(1, min(32, D // 4))
-    return gl.BlockedLayout([1, 1, 4], [1, 32 // lanes_d, lanes_d], [1, num_warps, 1], [2, 1, 0])
+    """[heads, key slots, keys of a slot, D] of the ring megakernel's attention: 16-byte vectors along D across the
+    lanes, the rest of a warp and the warps over the key slots, a slot's keys and all heads in each thread. The
+    reductions over D stay inside a warp and those over a slot's keys inside a thread."""
+    lanes_d = max(1, min(32, D // 8))
+    return gl.BlockedLayout([1, 1, KEYS_PER_THREAD.value, 8], [1, 32 // lanes_d, 1, lanes_d], [1, num_warps, 1, 1],
+                            [3, 2, 1, 0])
+
+
+@gluon.constexpr_function
+def attention_slots(D, num_warps):
+    return 32 // max(1, min(32, D // 8)) * num_warps
+
+
+@gluon.jit
+def _key_blocks(block_table, b, t, stop, MAXB: gl.constexpr, BS: gl.constexpr):
+    return gl.load(block_table + b * MAXB + t // BS, mask=t < stop, other=0)
+
+
+@gluon.jit
+def _key_rows(blocks, t, cache_layer, kvh, HKV: gl.constexpr, D: gl.constexpr, BS: gl.constexpr):
+    """Element offsets [slots, keys, 1] of keys t (in the pages `blocks`) of KV head kvh."""
+    return gl.expand_dims((((cache_layer + blocks.to(gl.int64)) * BS + t % BS) * HKV + kvh) * D, 2)
 
 
 @gluon.jit
 def attention_ring(layer, a0, a1, a2, n, q, k_cache, v_cache, positions, block_table, attn_o, attn_m, attn_l,
                    D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr,
                    MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr, S: gl.constexpr, WINDOW: gl.constexpr,
-                   SCALE: gl.constexpr, BLOCK_T: gl.constexpr, num_warps: gl.constexpr):
-    """attention_gpu with the products as broadcast sums in float32 (no tl.dot outside wgmma in Gluon), so the
-    query heads are padded to a power of two, not to the 16 rows of an mma."""
+                   SCALE: gl.constexpr, num_warps: gl.constexpr):
+    """attention_gpu for the ring megakernel, shaped for latency: every key slot (attention_layout) is a split of
+    its own, with its own running max and sum, so a pass over SLOTS x KEYS_PER_THREAD keys needs no exchange
+    between warps; the slots are combined once at the end. The next pass's keys and values are loaded before this
+    one is computed, and the page numbers one pass further ahead. Products are float32 broadcast sums (Gluon has
+    no tl.dot outside wgmma), so the query heads are padded to a power of two only."""
     G_PAD: gl.constexpr = next_power_of_2(G)
+    SLOTS: gl.constexpr = attention_slots(D, num_warps)
+    R: gl.constexpr = KEYS_PER_THREAD
+    BLOCK: gl.constexpr = SLOTS * R
     b = a0
     kvh = a1
     split = a2
@@ -100,43 +127,62 @@ def attention_ring(layer, a0, a1, a2, n, q, k_cache, v_cache, positions, block_t
         chunk = (hi - lo + S - 1) // S
         start = gl.minimum(hi, lo + split * chunk)
         stop = gl.minimum(hi, lo + (split + 1) * chunk)
-        l3: gl.constexpr = attention_layout(D, num_warps)
-        lq: gl.constexpr = gl.SliceLayout(1, l3)           # [heads, D]: queries, the output
-        lk: gl.constexpr = gl.SliceLayout(0, l3)           # [keys, D]
-        ls: gl.constexpr = gl.SliceLayout(2, l3)           # [heads, keys]: scores
+        l4: gl.constexpr = attention_layout(D, num_warps)
+        ls: gl.constexpr = gl.SliceLayout(3, l4)           # [heads, slots, keys]: scores
+        lm: gl.constexpr = gl.SliceLayout(2, ls)           # [heads, slots]: running max and sum
+        la: gl.constexpr = gl.SliceLayout(2, l4)           # [heads, slots, D]: running output
+        lq: gl.constexpr = gl.SliceLayout(1, la)           # [heads, D]: queries, the output
+        lk: gl.constexpr = gl.SliceLayout(0, l4)           # [slots, keys, D]: keys, values
+        lt: gl.constexpr = gl.SliceLayout(2, lk)           # [slots, keys]: key positions
+        lst: gl.constexpr = gl.SliceLayout(0, ls)
+        tk = (gl.expand_dims(gl.arange(0, SLOTS, layout=gl.SliceLayout(1, lt)), 1) * R
+              + gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(0, lt)), 0))
+        ts = (gl.expand_dims(gl.arange(0, SLOTS, layout=gl.SliceLayout(1, lst)), 1) * R
+              + gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(0, lst)), 0))
+        rdk = gl.expand_dims(gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(0, lk))), 0), 0)
         rg = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, lq))
         rd = gl.arange(0, D, layout=gl.SliceLayout(0, lq))
-        rt = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, lk))
-        rdk = gl.arange(0, D, layout=gl.SliceLayout(0, lk))
-        rts = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, ls))
-        rgs = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, ls))
         heads = rg < G
         qt = gl.load(q + ((b * HQ + kvh * G + rg) * D)[:, None] + rd[None, :], mask=heads[:, None],
                      other=0.0).to(gl.float32)
-        m_i = gl.full([G_PAD], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ls))
-        l_i = gl.zeros([G_PAD], gl.float32, layout=gl.SliceLayout(1, ls))
-        acc = gl.zeros([G_PAD, D], gl.float32, layout=lq)
+        q4 = gl.expand_dims(gl.expand_dims(qt, 1), 2)
         cache_layer = layer.to(gl.int64) * NBLK
-        for t0 in range(start, stop, BLOCK_T):
-            t = t0 + rt
-            valid = t < stop
-            block = gl.load(block_table + b * MAXB + t // BS, mask=valid, other=0).to(gl.int64)
-            base = (((cache_layer + block) * BS + t % BS) * HKV + kvh) * D
-            kt = gl.load(k_cache + base[:, None] + rdk[None, :], mask=valid[:, None], other=0.0).to(gl.float32)
-            vt = gl.load(v_cache + base[:, None] + rdk[None, :], mask=valid[:, None], other=0.0).to(gl.float32)
-            scores = gl.sum(qt[:, None, :] * kt[None, :, :], axis=2) * SCALE
-            scores = gl.where((t0 + rts < stop)[None, :], scores, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+        blocks = _key_blocks(block_table, b, start + tk, stop, MAXB, BS)
+        rows = _key_rows(blocks, start + tk, cache_layer, kvh, HKV, D, BS) + rdk
+        valid = gl.expand_dims(start + tk < stop, 2)
+        kt = gl.load(k_cache + rows, mask=valid, other=0.0)
+        vt = gl.load(v_cache + rows, mask=valid, other=0.0)
+        blocks = _key_blocks(block_table, b, start + BLOCK + tk, stop, MAXB, BS)
+        m_i = gl.full([G_PAD, SLOTS], -1.0e30, gl.float32, layout=lm)   # finite: a slot may see no key in a pass
+        l_i = gl.zeros([G_PAD, SLOTS], gl.float32, layout=lm)
+        acc = gl.zeros([G_PAD, SLOTS, D], gl.float32, layout=la)
+        for t0 in range(start, stop, BLOCK):
+            t = t0 + BLOCK + tk
+            rows = _key_rows(blocks, t, cache_layer, kvh, HKV, D, BS) + rdk
+            valid = gl.expand_dims(t < stop, 2)
+            k_next = gl.load(k_cache + rows, mask=valid, other=0.0)
+            v_next = gl.load(v_cache + rows, mask=valid, other=0.0)
+            blocks = _key_blocks(block_table, b, t + BLOCK, stop, MAXB, BS)
+            scores = gl.sum(q4 * gl.expand_dims(kt.to(gl.float32), 0), axis=3) * SCALE
+            scores = gl.where(gl.expand_dims(t0 + ts < stop, 0), scores, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(scores, axis=2))
             alpha = gl.exp(m_i - m_new)
-            p = gl.exp(scores - m_new[:, None])
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            scale = gl.convert_layout(alpha, gl.SliceLayout(1, lq))
-            acc = acc * scale[:, None] + gl.sum(p[:, :, None] * vt[None, :, :], axis=1)
+            p = gl.exp(scores - gl.expand_dims(m_new, 2))
+            l_i = l_i * alpha + gl.sum(p, axis=2)
+            pv = gl.sum(gl.expand_dims(p, 3) * gl.expand_dims(vt.to(gl.float32), 0), axis=2)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(2, la)), 2) + pv
             m_i = m_new
+            kt = k_next
+            vt = v_next
+        mx = gl.max(m_i, axis=1)
+        weight = gl.exp(m_i - gl.expand_dims(mx, 1))
+        den = gl.sum(l_i * weight, axis=1)
+        out = gl.sum(acc * gl.expand_dims(gl.convert_layout(weight, gl.SliceLayout(2, la)), 2), axis=1)
         part = (b * HKV + kvh) * S + split
-        gl.store(attn_o + (part * G + rg)[:, None] * D + rd[None, :], acc, mask=heads[:, None])
-        gl.store(attn_m + part * G + rgs, m_i, mask=rgs < G)
-        gl.store(attn_l + part * G + rgs, l_i, mask=rgs < G)
+        gl.store(attn_o + (part * G + rg)[:, None] * D + rd[None, :], out, mask=heads[:, None])
+        rgm = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, lm))
+        gl.store(attn_m + part * G + rgm, gl.where(den > 0, mx, float("-inf")), mask=rgm < G)
+        gl.store(attn_l + part * G + rgm, den, mask=rgm < G)
 
 
 class Attention(TaskKind):

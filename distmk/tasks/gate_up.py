@@ -56,8 +56,10 @@ def gate_up_ring(layer, a0, a1, n, worker, x, xn, norms, h, xn_desc, ring, ready
     rg.rms_norm_rows(x, n, norms + (2 * layer + 1) * H, xn + worker * B_PAD * H, H, EPS, num_warps)
     rn, rb = rg.block_index(ring, xring, num_warps)
     for j in range(0, a1, BN):
-        gate, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, num_warps)
-        up, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, num_warps)
+        gate, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, j > 0, True,
+                                   num_warps)
+        up, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, True,
+                                 j + BN < a1, num_warps)
         mask = (rn < a1 - j)[:, None] & (rb < n)[None, :]
         value = gate / (1.0 + gl.exp(-gate)) * up
         gl.store(h + rb[None, :] * INTER + (a0 + j + rn)[:, None], value.to(h.dtype.element_ty), mask=mask)

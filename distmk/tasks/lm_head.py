@@ -60,7 +60,8 @@ def lm_head_ring(layer, a0, a1, a2, n, worker, x, xn, norms, logits, tile_max, t
     rg.rms_norm_rows(x, n, norms + 2 * layer * H, xn + worker * B_PAD * H, H, EPS, num_warps)
     for j in range(0, a1, BN):
         row0 = a0 + j
-        acc, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, num_warps)
+        acc, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, j > 0,
+                                  j + BN < a1, num_warps)
         rows = rn < a1 - j
         gl.store(logits + rb[None, :] * VOCAB_L + (row0 + rn)[:, None], acc, mask=rows[:, None] & (rb < n)[None, :])
         scores = gl.where((rows & (row0 + rn < vocab_valid))[:, None], acc, float("-inf"))

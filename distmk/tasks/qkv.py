@@ -176,8 +176,10 @@ def qkv_ring(layer, a0, a1, n, worker, x, xn, norms, bqkv, qk_norm, inv_freq, po
     slot = a0
     col0 = a1 * PART
     rg.rms_norm_rows(x, n, norms + 2 * layer * H, xn + worker * B_PAD * H, H, EPS, num_warps)
-    lo, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, num_warps)
-    hi, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, num_warps)
+    lo, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, False, True,
+                             num_warps)
+    hi, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, True, False,
+                             num_warps)
     rd, rb = rg.block_index(ring, xring, num_warps)
     dmask = rd < PART
     if HAS_BIAS:
