@@ -94,25 +94,34 @@ def megakernel(tasks, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, 
 '''
 
 
-def _dispatch(kinds, attr: str, indent: str, imports: list, known=None, results=lambda params: "") -> str:
+def _dispatch(kinds, attr: str, indent: str, imports: list, known=None, results=lambda params: "",
+              before=lambda kind, indent: "") -> str:
     """`if kind == id: fn(params...)` for every task type that has the device function `attr`; its parameters
-    must be in `known` (default: this kernel's vocabulary), `results(params)` is what the call assigns."""
-    known = known or set(RUNTIME) | set(BUFFERS) | set(CONSTANTS) | {"INTERPRET"}
+    must be in `known` (default: this kernel's vocabulary), `results(params)` is what the call assigns and
+    `before(kind, indent)` the lines that come first in the branch."""
     branches = []
     for type_id, kind in enumerate(kinds):
-        fn = getattr(kind, attr)
-        if fn is None:
+        if getattr(kind, attr) is None:
             continue
-        params = list(inspect.signature(fn.fn).parameters)
-        unknown = [p for p in params if p not in known]
-        if unknown:
-            raise DistmkError(f"task {kind.name}: {attr} parameters {unknown} are not in the vocabulary of the "
-                              f"kernel that calls it (distmk/kernels/megakernel.py, ring_megakernel.py)")
-        imports.append(f"from {fn.fn.__module__} import {fn.__name__}")
+        params, call = device_call(kind, attr, imports, known)
         keyword = "if" if not branches else "elif"
-        branches.append(f"{indent}{keyword} kind == {type_id}:  # {kind.name}\n"
-                        f"{indent}    {results(params)}{fn.__name__}({', '.join(params)})")
+        branches.append(f"{indent}{keyword} kind == {type_id}:  # {kind.name}\n{before(kind, indent + '    ')}"
+                        f"{indent}    {results(params)}{call}")
     return "\n".join(branches) or f"{indent}pass"
+
+
+def device_call(kind, attr: str, imports: list, known=None) -> tuple[list, str]:
+    """The parameters of task type `kind`'s device function `attr` and the call of it by their names, which must
+    be in `known` (default: this kernel's vocabulary); adds its import to `imports`."""
+    known = known or set(RUNTIME) | set(BUFFERS) | set(CONSTANTS) | {"INTERPRET"}
+    fn = getattr(kind, attr)
+    params = list(inspect.signature(fn.fn).parameters)
+    unknown = [p for p in params if p not in known]
+    if unknown:
+        raise DistmkError(f"task {kind.name}: {attr} parameters {unknown} are not in the vocabulary of the "
+                          f"kernel that calls it (distmk/kernels/megakernel.py, ring_megakernel.py)")
+    imports.append(f"from {fn.fn.__module__} import {fn.__name__}")
+    return params, f"{fn.__name__}({', '.join(params)})"
 
 
 # what a worker that gives up records in ERROR_FIELDS (after `failed`), as kernel expressions

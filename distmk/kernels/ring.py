@@ -281,11 +281,13 @@ def _acquire64(ptr):
 
 
 @gluon.jit
-def task_row(tasks, t):
-    """Task t's row of the table (graph/table.py COLUMNS): type, layer, a0..a3, wait, signal."""
-    row = tasks + t * 8
-    return (gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4), gl.load(row + 5),
-            gl.load(row + 6), gl.load(row + 7))
+def task_row(rows, i, valid):
+    """Row i of a task table (graph/table.py COLUMNS): type, layer, a0..a3, wait, signal; zeros unless valid."""
+    row = rows + i * 8
+    return (gl.load(row, mask=valid, other=0), gl.load(row + 1, mask=valid, other=0),
+            gl.load(row + 2, mask=valid, other=0), gl.load(row + 3, mask=valid, other=0),
+            gl.load(row + 4, mask=valid, other=0), gl.load(row + 5, mask=valid, other=0),
+            gl.load(row + 6, mask=valid, other=0), gl.load(row + 7, mask=valid, other=0))
 
 
 @gluon.jit
@@ -332,7 +334,7 @@ def _matmul_producer(tasks, queue, queue_ptr, wqkv_desc, wo_desc, wg_desc, wu_de
     worker = gl.program_id(0)
     c = 0
     for i in range(gl.load(queue_ptr + worker), gl.load(queue_ptr + worker + 1)):
-        kind, layer, a0, a1, a2, a3, wait, signal = task_row(tasks, gl.load(queue + i))
+        kind, layer, a0, a1, a2, a3, wait, signal = task_row(tasks, gl.load(queue + i), True)
         for seg in gl.static_range(2):
             which, w_row, rows, col = _segment(kind, layer, a0, a1, seg, H, D, HQ, HKV, INTER, QKV_PARTS, QKV_ID,
                                                OPROJ_ID, GATEUP_ID, DOWN_ID)
@@ -361,7 +363,7 @@ def _matmul_consumer(tasks, queue, queue_ptr, event_need, counters, rows_ptr, xh
     c = 0
     cx = 0
     for i in range(gl.load(queue_ptr + worker), gl.load(queue_ptr + worker + 1)):
-        kind, layer, a0, a1, a2, a3, wait, signal = task_row(tasks, gl.load(queue + i))
+        kind, layer, a0, a1, a2, a3, wait, signal = task_row(tasks, gl.load(queue + i), True)
         if wait >= 0:
             target = gl.load(event_need + wait).to(gl.int64)
             seen = _acquire64(counters + wait)

@@ -4,8 +4,10 @@ program per worker queue, in two warp-specialized partitions.
 - `_weights`, one warp, walks the worker's queue and copies the weights of every task that reads any (its
   `ring_weights` device function) by TMA into a shared-memory ring (kernels/ring.py). Weights never depend on
   events, so it never waits on one: while the tasks wait at a phase boundary, the ring fills.
-- `_tasks`, one warpgroup, walks the same queue as the tl megakernel does: waits on each task's event (bounded),
-  runs its `ring` device function (matmuls take their weights from the ring), signals.
+- `_tasks`, one warpgroup, walks the same queue as the tl megakernel does (its rows copied in queue order, the
+  next one loaded a task ahead): waits on each task's event (bounded), runs its `ring` device function (matmuls
+  take their weights from the ring), signals. A task type with a `ring_prepare` function starts the loads that do
+  not depend on its event (attention's cached keys and values) before it waits.
 
 Like megakernel.py, the source is generated from the task registry, so a task type brings its own `ring` and
 `ring_weights` and never touches this file. It runs where Gluon and wgmma do: a Hopper GPU, bf16, one rank
@@ -18,7 +20,8 @@ launch ends; the step's results are discarded by the executor.
 from __future__ import annotations
 
 from distmk.errors import DistmkError
-from distmk.kernels.megakernel import BUFFERS, CONSTANTS, RUNTIME, _dispatch, error_report, load_generated
+from distmk.kernels.megakernel import (BUFFERS, CONSTANTS, RUNTIME, _dispatch, device_call, error_report,
+                                       load_generated)
 
 # TMA descriptors: the weights the ring streams and the tiles' inputs (xn: each worker's normed rows)
 DESCRIPTORS = ("wqkv_desc", "wo_desc", "w_gate_desc", "w_up_desc", "w_down_desc", "lm_head_desc", "xn_desc",
@@ -39,16 +42,29 @@ from distmk.kernels.ring import make_rings, now_ns, signal_event, sm_id, task_ro
 
 
 @gluon.jit
-def _weights(tasks, queue, queue_ptr, {descs}, ring, ready, empty, {constants}):
+def _wait(counters, event_need, error, wait, epoch, ok, timeout, rank, worker, t):
+    """Task t's wait (bounded), unless an earlier one of this worker gave up; returns ok (0: given up)."""
+    if (wait >= 0) & (ok == 1):
+        target = epoch.to(gl.int64) * gl.load(event_need + wait)
+        short = wait_event(counters + wait, target, error, timeout)
+        if short < 0:
+            ok = 0
+            if gl.atomic_add(error, 1) == 0:   # the first worker to give up reports
+{error_report}
+    return ok
+
+
+@gluon.jit
+def _weights(queued, queue_ptr, {descs}, ring, ready, empty, {constants}):
     worker = gl.program_id(0)
     c = 0
     for i in range(gl.load(queue_ptr + worker), gl.load(queue_ptr + worker + 1)):
-        kind, layer, a0, a1, a2, a3, wait, signal = task_row(tasks, gl.load(queue + i))
+        kind, layer, a0, a1, a2, a3, wait, signal = task_row(queued, i, True)
 {weights}
 
 
 @gluon.jit
-def _tasks(tasks, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, trace, rank, timeout, vocab0,
+def _tasks(queued, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, trace, rank, timeout, vocab0,
            vocab_valid, {buffers}, {descs}, ring, ready, empty, xring, xready, {constants}, TRACE: gl.constexpr,
            num_warps: gl.constexpr):
     worker = gl.program_id(0)
@@ -57,20 +73,23 @@ def _tasks(tasks, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, trac
     ok = 1
     c = 0
     cx = 0
-    for i in range(gl.load(queue_ptr + worker), gl.load(queue_ptr + worker + 1)):
-        t = gl.load(queue + i)
-        kind, layer, a0, a1, a2, a3, wait, signal = task_row(tasks, t)
+    first = gl.load(queue_ptr + worker)
+    last = gl.load(queue_ptr + worker + 1)
+    # the next task's row is loaded a task ahead: the table is constant, and a worker that finishes last in a phase
+    # would otherwise start the next one a round trip late
+    t_next = gl.load(queue + first, mask=first < last, other=0)
+    row_next = task_row(queued, first, first < last)
+    for i in range(first, last):
+        t = t_next
+        kind, layer, a0, a1, a2, a3, wait, signal = row_next
+        t_next = gl.load(queue + i + 1, mask=i + 1 < last, other=0)
+        row_next = task_row(queued, i + 1, i + 1 < last)
         if TRACE:
             gl.store(trace + t * 4, now_ns())
-        if (wait >= 0) & (ok == 1):
-            target = epoch.to(gl.int64) * gl.load(event_need + wait)
-            short = wait_event(counters + wait, target, error, timeout)
-            if short < 0:
-                ok = 0
-                if gl.atomic_add(error, 1) == 0:   # the first worker to give up reports
-{error_report}
-        if TRACE:
-            gl.store(trace + t * 4 + 1, now_ns())
+        if {waits_here}:      # a kind with a ring_prepare waits in its own branch, after it
+            ok = _wait(counters, event_need, error, wait, epoch, ok, timeout, rank, worker, t)
+            if TRACE:
+                gl.store(trace + t * 4 + 1, now_ns())
 {dispatch}
         if TRACE:
             gl.store(trace + t * 4 + 2, now_ns())
@@ -80,15 +99,15 @@ def _tasks(tasks, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, trac
 
 
 @gluon.jit(do_not_specialize=["rank", "timeout", "vocab0", "vocab_valid"])
-def ring_megakernel(tasks, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, trace, rank, timeout, vocab0,
+def ring_megakernel(queued, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, trace, rank, timeout, vocab0,
                     vocab_valid, {buffers}, {descs}, {constants}, BN: gl.constexpr, NBUF: gl.constexpr,
                     XD: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     ring, ready, empty, xring, xready = make_rings(wqkv_desc, xn_desc, BN, NBUF, XD)
     gl.warp_specialize([
-        (_tasks, (tasks, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, trace, rank, timeout, vocab0,
+        (_tasks, (queued, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, trace, rank, timeout, vocab0,
                   vocab_valid, {buffers}, {descs}, ring, ready, empty, xring, xready, {constant_names}, TRACE,
                   num_warps)),
-        (_weights, (tasks, queue, queue_ptr, {descs}, ring, ready, empty, {constant_names})),
+        (_weights, (queued, queue_ptr, {descs}, ring, ready, empty, {constant_names})),
     ], [1], [{registers}])
 '''
 
@@ -97,14 +116,27 @@ def _results(params) -> str:
     return "c, cx = " if "cx" in params else "c = " if "c" in params else ""
 
 
+_WAIT = ("ok = _wait(counters, event_need, error, wait, epoch, ok, timeout, rank, worker, t)",
+         "if TRACE:", "    gl.store(trace + t * 4 + 1, now_ns())")
+
+
 def generate_source(kinds) -> str:
     imports = []
-    dispatch = _dispatch(kinds, "ring", " " * 8, imports, TASK_VOCABULARY, _results)
+
+    def prepare_and_wait(kind, indent):
+        """A kind with ring_prepare: its event-free loads, then its wait, in its own branch."""
+        if kind.ring_prepare is None:
+            return ""
+        _, call = device_call(kind, "ring_prepare", imports, TASK_VOCABULARY)
+        return "".join(f"{indent}{line}\n" for line in (f"prepared = {call}", *_WAIT))
+
+    dispatch = _dispatch(kinds, "ring", " " * 8, imports, TASK_VOCABULARY | {"prepared"}, _results, prepare_and_wait)
     weights = _dispatch(kinds, "ring_weights", " " * 8, imports, WEIGHT_VOCABULARY, _results)
+    waits_here = " & ".join(f"(kind != {i})" for i, k in enumerate(kinds) if k.ring_prepare is not None) or "kind >= 0"
     return _TEMPLATE.format(imports="\n".join(imports), buffers=", ".join(BUFFERS), descs=", ".join(DESCRIPTORS),
                             constants=", ".join(f"{c}: gl.constexpr" for c in CONSTANTS),
                             constant_names=", ".join(CONSTANTS), dispatch=dispatch, weights=weights,
-                            error_report=error_report("gl", " " * 20),
+                            waits_here=waits_here, error_report=error_report("gl", " " * 16),
                             registers=PRODUCER_REGISTERS)
 
 
@@ -173,8 +205,9 @@ def ring_arguments(args: dict, buf: dict, xn, stacked: dict, batch: int, block_k
     def inputs(t):
         return TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]), [b_pad, block_k], x_layout)
 
-    ring_args = {k: v for k, v in args.items() if k != "INTERPRET"}
+    ring_args = {k: v for k, v in args.items() if k not in ("INTERPRET", "tasks")}
     ring_args.update(
+        queued=args["tasks"][args["queue"].long()].contiguous(),    # the rows in queue order: one load a row
         wqkv_desc=weights(stacked["wqkv"]), wo_desc=weights(stacked["wo"]), w_gate_desc=weights(stacked["w_gate"]),
         w_up_desc=weights(stacked["w_up"]), w_down_desc=weights(stacked["w_down"]),
         lm_head_desc=weights(stacked["lm_head"]), xn_desc=inputs(xn), attn_desc=inputs(buf["attn"]),

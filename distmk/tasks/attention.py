@@ -103,56 +103,87 @@ def _key_rows(blocks, t, cache_layer, kvh, HKV: gl.constexpr, D: gl.constexpr, B
 
 
 @gluon.jit
-def attention_ring(layer, a0, a1, a2, n, q, k_cache, v_cache, positions, block_table, attn_o, attn_m, attn_l,
-                   D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr,
-                   MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr, S: gl.constexpr, WINDOW: gl.constexpr,
-                   SCALE: gl.constexpr, num_warps: gl.constexpr):
+def attention_prepare(layer, a0, a1, a2, n, k_cache, v_cache, positions, block_table, D: gl.constexpr,
+                      HKV: gl.constexpr, MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr, S: gl.constexpr,
+                      WINDOW: gl.constexpr, num_warps: gl.constexpr):
+    """What attention_ring reads before its event: the split's bounds, its first pass of keys and values and the
+    page numbers of the second. Nothing of it depends on this step's tasks but the keys and values at this
+    step's own positions (at most n per row, the last n before hi), which attention_ring reloads."""
+    SLOTS: gl.constexpr = attention_slots(D, num_warps)
+    BLOCK: gl.constexpr = SLOTS * KEYS_PER_THREAD
+    l4: gl.constexpr = attention_layout(D, num_warps)
+    lk: gl.constexpr = gl.SliceLayout(0, l4)
+    b = a0
+    hi = gl.load(positions + b, mask=b < n, other=-1) + 1          # a row past n: an empty range
+    lo = hi * 0
+    if WINDOW > 0:
+        lo = gl.maximum(lo, hi - WINDOW)
+    chunk = (hi - lo + S - 1) // S
+    start = gl.minimum(hi, lo + a2 * chunk)
+    stop = gl.minimum(hi, lo + (a2 + 1) * chunk)
+    tk = key_offsets(gl.SliceLayout(2, lk), SLOTS, KEYS_PER_THREAD)
+    rows = _key_rows(_key_blocks(block_table, b, start + tk, stop, MAXB, BS), start + tk, layer.to(gl.int64) * NBLK,
+                     a1, HKV, D, BS) + _columns(D, lk)
+    valid = gl.expand_dims(start + tk < stop, 2)
+    kt = gl.load(k_cache + rows, mask=valid, other=0.0)
+    vt = gl.load(v_cache + rows, mask=valid, other=0.0)
+    return hi, start, stop, kt, vt, _key_blocks(block_table, b, start + BLOCK + tk, stop, MAXB, BS)
+
+
+@gluon.jit
+def key_offsets(layout: gl.constexpr, SLOTS: gl.constexpr, R: gl.constexpr):
+    """[slots, keys] key offsets of one pass: slot-major, a slot's keys consecutive."""
+    return (gl.expand_dims(gl.arange(0, SLOTS, layout=gl.SliceLayout(1, layout)), 1) * R
+            + gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(0, layout)), 0))
+
+
+@gluon.jit
+def _columns(D: gl.constexpr, layout: gl.constexpr):
+    """[1, 1, D] column offsets in the [slots, keys, D] layout."""
+    return gl.expand_dims(gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(0, layout))), 0), 0)
+
+
+@gluon.jit
+def attention_ring(layer, a0, a1, a2, n, q, k_cache, v_cache, block_table, attn_o, attn_m, attn_l, prepared,
+                   D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr, MAXB: gl.constexpr,
+                   BS: gl.constexpr, NBLK: gl.constexpr, S: gl.constexpr, SCALE: gl.constexpr,
+                   num_warps: gl.constexpr):
     """attention_gpu for the ring megakernel, shaped for latency: every key slot (attention_layout) is a split of
     its own, with its own running max and sum, so a pass over SLOTS x KEYS_PER_THREAD keys needs no exchange
-    between warps; the slots are combined once at the end. The next pass's keys and values are loaded before this
-    one is computed, and the page numbers one pass further ahead. Products are float32 broadcast sums (Gluon has
-    no tl.dot outside wgmma), so the query heads are padded to a power of two only."""
+    between warps; the slots are combined once at the end. The first pass was loaded before the wait
+    (attention_prepare), each next pass is loaded before the current one is computed, and the page numbers one
+    pass further ahead. Products are float32 broadcast sums (Gluon has no tl.dot outside wgmma), so the query
+    heads are padded to a power of two only."""
     G_PAD: gl.constexpr = next_power_of_2(G)
     SLOTS: gl.constexpr = attention_slots(D, num_warps)
     R: gl.constexpr = KEYS_PER_THREAD
     BLOCK: gl.constexpr = SLOTS * R
+    hi, start, stop, kt, vt, blocks = prepared
     b = a0
     kvh = a1
-    split = a2
     if b < n:
-        hi = gl.load(positions + b) + 1
-        lo = hi * 0
-        if WINDOW > 0:
-            lo = gl.maximum(lo, hi - WINDOW)
-        chunk = (hi - lo + S - 1) // S
-        start = gl.minimum(hi, lo + split * chunk)
-        stop = gl.minimum(hi, lo + (split + 1) * chunk)
         l4: gl.constexpr = attention_layout(D, num_warps)
         ls: gl.constexpr = gl.SliceLayout(3, l4)           # [heads, slots, keys]: scores
         lm: gl.constexpr = gl.SliceLayout(2, ls)           # [heads, slots]: running max and sum
         la: gl.constexpr = gl.SliceLayout(2, l4)           # [heads, slots, D]: running output
         lq: gl.constexpr = gl.SliceLayout(1, la)           # [heads, D]: queries, the output
         lk: gl.constexpr = gl.SliceLayout(0, l4)           # [slots, keys, D]: keys, values
-        lt: gl.constexpr = gl.SliceLayout(2, lk)           # [slots, keys]: key positions
-        lst: gl.constexpr = gl.SliceLayout(0, ls)
-        tk = (gl.expand_dims(gl.arange(0, SLOTS, layout=gl.SliceLayout(1, lt)), 1) * R
-              + gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(0, lt)), 0))
-        ts = (gl.expand_dims(gl.arange(0, SLOTS, layout=gl.SliceLayout(1, lst)), 1) * R
-              + gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(0, lst)), 0))
-        rdk = gl.expand_dims(gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(0, lk))), 0), 0)
+        tk = key_offsets(gl.SliceLayout(2, lk), SLOTS, R)
+        ts = key_offsets(gl.SliceLayout(0, ls), SLOTS, R)
+        rdk = _columns(D, lk)
+        cache_layer = layer.to(gl.int64) * NBLK
+        # this step's own keys and values (its rows' positions) may have landed after the first pass was read
+        fresh = gl.expand_dims((start + tk >= hi - n) & (start + tk < stop), 2)
+        rows = _key_rows(_key_blocks(block_table, b, start + tk, stop, MAXB, BS), start + tk, cache_layer, kvh, HKV, D,
+                         BS) + rdk
+        kt = gl.where(fresh, gl.load(k_cache + rows, mask=fresh, other=0.0, cache_modifier=".cg"), kt)
+        vt = gl.where(fresh, gl.load(v_cache + rows, mask=fresh, other=0.0, cache_modifier=".cg"), vt)
         rg = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, lq))
         rd = gl.arange(0, D, layout=gl.SliceLayout(0, lq))
         heads = rg < G
         qt = gl.load(q + ((b * HQ + kvh * G + rg) * D)[:, None] + rd[None, :], mask=heads[:, None],
                      other=0.0).to(gl.float32)
         q4 = gl.expand_dims(gl.expand_dims(qt, 1), 2)
-        cache_layer = layer.to(gl.int64) * NBLK
-        blocks = _key_blocks(block_table, b, start + tk, stop, MAXB, BS)
-        rows = _key_rows(blocks, start + tk, cache_layer, kvh, HKV, D, BS) + rdk
-        valid = gl.expand_dims(start + tk < stop, 2)
-        kt = gl.load(k_cache + rows, mask=valid, other=0.0)
-        vt = gl.load(v_cache + rows, mask=valid, other=0.0)
-        blocks = _key_blocks(block_table, b, start + BLOCK + tk, stop, MAXB, BS)
         m_i = gl.full([G_PAD, SLOTS], -1.0e30, gl.float32, layout=lm)   # finite: a slot may see no key in a pass
         l_i = gl.zeros([G_PAD, SLOTS], gl.float32, layout=lm)
         acc = gl.zeros([G_PAD, SLOTS, D], gl.float32, layout=la)
@@ -178,7 +209,7 @@ def attention_ring(layer, a0, a1, a2, n, q, k_cache, v_cache, positions, block_t
         weight = gl.exp(m_i - gl.expand_dims(mx, 1))
         den = gl.sum(l_i * weight, axis=1)
         out = gl.sum(acc * gl.expand_dims(gl.convert_layout(weight, gl.SliceLayout(2, la)), 2), axis=1)
-        part = (b * HKV + kvh) * S + split
+        part = (b * HKV + kvh) * S + a2
         gl.store(attn_o + (part * G + rg)[:, None] * D + rd[None, :], out, mask=heads[:, None])
         rgm = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, lm))
         gl.store(attn_m + part * G + rgm, gl.where(den > 0, mx, float("-inf")), mask=rgm < G)
@@ -190,6 +221,7 @@ class Attention(TaskKind):
     args = ("row", "kv_head", "split")
     gpu = attention_gpu
     ring = attention_ring
+    ring_prepare = attention_prepare
 
     def cost(self, shape, layer, a):
         d, g = shape.spec.head_dim, shape.plan.group

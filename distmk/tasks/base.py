@@ -29,6 +29,8 @@ class TaskKind:
     gpu_prefetch = None          # optional: starts pulling the task's weights into L2 before it waits
     ring = None                  # the @gluon.jit device function of the weight-ring megakernel (ring_megakernel.py)
     ring_weights = None          # its producer half, for a task that reads weights: the ring slots it fills
+    ring_prepare = None          # optional: what `ring` reads before its event (loads that do not depend on
+                                 # it), run before the wait; `ring` receives its results as `prepared`
 
     def cost(self, shape: "StepShape", layer: int, a: tuple[int, ...]) -> int:
         """Bytes this task reads and writes, weights included."""
