@@ -31,7 +31,7 @@ def tp_rank() -> tuple[int, int]:
 
 def median_cuda_ms(fn: Callable[[], object], iters: int, warmup: int = 3, isolated: bool = True) -> float:
     """Median GPU time of `fn` in ms between CUDA events. `isolated` synchronises after every call, as
-    distmk.kernels.bench times distmk's step, so launch latency counts the same on both sides; otherwise
+    harness.py times distmk's step, so launch latency counts the same on both sides; otherwise
     calls run back to back and only the GPU's time is counted."""
     for _ in range(warmup):
         fn()
@@ -175,7 +175,7 @@ def cudagraph_step_ms(spec: ModelSpec, source, batch: int, context: int, dtype=t
                       compile: bool = False, iters: int = 200) -> float:
     """Median ms of one decode step of the PyTorch decoder replayed as a single CUDA graph: `batch` rows at
     position `context - 1`, so each attends to `context` keys of a KV cache filled with random values (the
-    step distmk.kernels.bench times). The graph removes launch overhead, which is what a megakernel must
+    step harness.py times). The graph removes launch overhead, which is what a megakernel must
     beat on top of it. With compile=True the step is first torch.compile'd (max-autotune, no CUDA graphs of
     its own), which fuses the small ops.
     (H200, llama-3-8b, batch 1, context 1024, torch 2.11: 7.36 ms, compiled 5.13 ms; tp=2: 6.39, 4.55.)"""

@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/decode.py --model llama-3-8b --batch 1 --context 1024
     python benchmarks/decode.py --model tiny-llama --backend reference --device cpu --context 64 --iters 20
 
-Measured in one process: the GPU's streaming-read bandwidth, distmk's step (distmk.kernels.bench), the
+Measured in one process: the GPU's streaming-read bandwidth, distmk's step (harness.py), the
 per-op PyTorch decoder replayed as a CUDA graph (and torch.compile'd with --compile-baseline), and
 transformers' eager generate. Under torchrun every rank runs tensor parallel over NCCL (transformers alone
 runs on rank 0, on one GPU) and rank 0 prints. Progress goes to stderr, the JSON to stdout.
@@ -75,7 +75,7 @@ def time_distmk(args, device, log) -> dict:
     """distmk's own step timing; if it cannot be imported or fails, the error instead, so that the
     baselines still come out."""
     try:
-        from distmk.kernels.bench import distmk_step_ms
+        from harness import distmk_step_ms
         return distmk_step_ms(args.model, args.batch, args.context, args.iters, backend=args.backend, device=device,
                               breakdown=args.backend == "triton", graph={"qkv_parts": args.qkv_parts},
                               **({} if args.kernel == "auto" else {"kernel": args.kernel}))

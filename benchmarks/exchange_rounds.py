@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from distmk.kernels.primitives import wait_event
+from distmk.device.primitives import wait_event
 from distmk.tasks.allreduce import allreduce_gpu
 from distmk.tasks.ar_push import ar_push_gpu
 from distmk.tasks.base import WRITE_PARTIAL, row_parallel_gpu
@@ -115,7 +115,7 @@ class ExchangeRounds:
         self.error = torch.zeros(1, dtype=torch.int64, device=dev)
         signal_add, self.options = -1, {"num_warps": 4, "num_stages": 1 if interpret else 4}
         if transport == "nvshmem":
-            from distmk.comm.nvshmem_device import extern_libs, signal_constants
+            from distmk.device.nvshmem import extern_libs, signal_constants
             signal_add = signal_constants()["SIGNAL_ADD"]
             self.options["extern_libs"] = extern_libs()
         self.grid = (tiles // tiles_per_program,)
@@ -127,7 +127,7 @@ class ExchangeRounds:
                          PIPELINED=pipelined, TRANSPORT=TRANSPORTS.index(transport), SIGNAL_ADD=signal_add,
                          DOT_PRECISION="ieee" if interpret else "tf32", INTERPRET=interpret)
         if transport == "nvshmem":
-            from distmk.comm.nvshmem_device import compile_for_nvshmem
+            from distmk.device.nvshmem import compile_for_nvshmem
             compile_for_nvshmem(exchange_rounds, self.grid, epoch0=0, rounds=1, **self.args, **self.options)
         comm.gather(self.error)  # every rank zeroed its counters before any rank pushes into them
 

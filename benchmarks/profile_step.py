@@ -20,7 +20,7 @@ def main():
     p.add_argument("--graph", default="{}", help='task-graph options as JSON, e.g. {"qkv_parts": 1}')
     args = p.parse_args()
     from distmk.dist import detect_launch, init_process_group
-    from distmk.kernels.bench import distmk_step_ms
+    from harness import distmk_step_ms
     launch = detect_launch()
     torch.cuda.set_device(launch.local_rank)
     if launch.world > 1:

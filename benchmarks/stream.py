@@ -9,7 +9,7 @@ Measured in one process on one GPU:
    phases as the step has them ("phases": each phase waits for every task of the one before); GB/s
    overall, and per task type from a traced run: a tile's weight bytes over its running time, per worker and
    as if every worker streamed at that rate;
-3. the same two tables through the weight ring (distmk/kernels/ring.py, Gluon: a TMA producer warp fills a
+3. the same two tables through the weight ring (ring_probe.py on distmk/device/ring.py, Gluon: a TMA producer warp fills a
    shared-memory ring from the worker's queue while the consumer waits on events and computes; the
    matmuls' epilogues aside), after a one-layer check against torch;
 4. the ring against its plain-`tl` twin over 32 stacked layer matrices, with and without a full-grid
@@ -132,9 +132,9 @@ def run_megakernel(engine, table, iters: int, workers: int) -> dict:
 
 
 def ring_matmuls_runner(engine, b_pad: int = 16, block_k: int = 256, stages: int = 4, x_stages: int = 4):
-    """A function that runs a matmul table through distmk.kernels.ring.ring_matmuls over the engine's own
+    """A function that runs a matmul table through ring_probe.ring_matmuls over the engine's own
     weights (random inputs), returning its outputs; the launch zeroes the event counters first."""
-    from distmk.kernels import ring
+    import ring_probe as ring
     from distmk.kernels.layout import stack_layers
     from distmk.tasks import TYPE_ID
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -199,7 +199,7 @@ def run_ring_matmuls(engine, tables: dict, ceiling: float, iters: int, layers: i
 def run_ring(device, iters: int, log) -> list[dict]:
     """The weight ring against its tl twin over 32 layers of [SMs * rows, 4096] bf16 (2.2 GB at 64 rows),
     barrier off and on; a few tile shapes each. Each Gluon configuration is checked against torch first."""
-    from distmk.kernels import ring
+    import ring_probe as ring
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     layers, k, b_pad = 32, 4096, 16
     results = []
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         log("no CUDA GPU is visible: stream.py measures GPU kernels")
         return 2
-    from distmk.kernels.bench import decode_engine
+    from harness import decode_engine
     device = torch.device("cuda", torch.cuda.current_device())
     result = {"model": args.model, "batch": args.batch}
     ceiling = measure_hbm_read_bandwidth(device)

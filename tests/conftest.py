@@ -24,6 +24,7 @@ PROMPT = [1, 2, 3, 4, 5, 6, 7]
 # Small tiles so that every row-parallel output and the lm_head are cut into several tiles.
 SMALL = GraphConfig(batch=4, kv_splits=3, tile_rows=32, lm_tile_rows=48, workers=5)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))     # the benchmark harness and probes, as tests import them
 MODEL = "tiny-llama"                         # what the server tests serve
 SERVE_ON_CPU = ["--backend", "reference", "--device", "cpu", "--log-level", "warning"]
 

@@ -1,20 +1,16 @@
 """The decode benchmark's baselines (benchmarks/baselines.py): the per-op PyTorch decoder gives
 transformers' greedy tokens (one rank and tensor parallel over gloo), and the roofline byte count."""
-import os
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import PROMPT, REPO, TINY, hf_greedy
+from conftest import PROMPT, TINY, hf_greedy
 from distmk.models.presets import preset
 from distmk.models.shard import load_shard, plan_shard
 from distmk.models.weights import RandomWeights
 
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-from baselines import build_torch_decoder, decode_step_bytes, hf_eager_ms_per_token  # noqa: E402
+from baselines import build_torch_decoder, decode_step_bytes, hf_eager_ms_per_token
 
 NEW_TOKENS = 16
 

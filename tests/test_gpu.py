@@ -168,7 +168,7 @@ def test_watchdog_reports_the_stuck_task_and_nothing_hangs():
 
 
 def test_trace_records_every_task(tmp_path):
-    from distmk.kernels.bench import decode_engine
+    from harness import decode_engine
     from distmk.kernels.trace import breakdown, write_trace
     engine = decode_engine("tiny-mistral", batch=2, context=64, trace=True)
     timings = engine.executor.timings()

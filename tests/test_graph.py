@@ -11,7 +11,7 @@ from distmk.graph.scheduler import check_deadlock_free
 from distmk.graph.table import A0, A1, LAYER, SIGNAL, TYPE, WAIT
 from distmk.models.presets import PRESETS
 from distmk.models.shard import plan_shard
-from distmk.reference.comm import run_simulated_ranks
+from distmk.comm.cpu import run_simulated_ranks
 from distmk.runtime.engine import Engine
 from distmk.tasks import TASK_KINDS, TYPE_ID
 from conftest import PROMPT, SMALL

@@ -35,7 +35,7 @@ def test_ring_megakernel_compiles_for_sm90(name, batch):
 
 def test_tensor_parallel_megakernel_compiles_for_sm90():
     """tp=2: exchange pushes into peers' symmetric buffers and events signalled on every rank."""
-    from distmk.reference.comm import run_simulated_ranks
+    from distmk.comm.cpu import run_simulated_ranks
 
     def compile_rank(rank, comm):
         engine = Engine("llama-3-8b", tp=2, rank=rank, comm=comm, backend="triton", device="meta",
@@ -62,7 +62,7 @@ def test_nvshmem_transport_links_and_compiles_for_sm90():
     """The put-with-signal transport: Triton's calls into libnvshmem_device.bc link and assemble for sm_90
     (the signal op's value does not matter to the compiler; on a GPU it comes from nvshmem4py)."""
     from distmk.kernels.megakernel import compile_ahead
-    from distmk.reference.comm import run_simulated_ranks
+    from distmk.comm.cpu import run_simulated_ranks
 
     def compile_rank(rank, comm):
         engine = Engine("llama-3-8b", tp=2, rank=rank, comm=comm, backend="triton", device="meta",
@@ -77,11 +77,11 @@ def test_nvshmem_transport_links_and_compiles_for_sm90():
 
 @pytest.mark.skipif(nvshmem_bitcode() is None, reason="needs the nvidia-nvshmem-cu13 wheel's device bitcode")
 def test_every_nvshmem_binding_links_for_sm90():
-    """Each Triton binding of distmk.comm.nvshmem_device names a function libnvshmem_device.bc has, with
+    """Each Triton binding of distmk.device.nvshmem names a function libnvshmem_device.bc has, with
     the argument types it takes (the megakernel calls only some of them)."""
     import triton
     import triton.language as tl
-    from distmk.comm import nvshmem_device as nv
+    from distmk.device import nvshmem as nv
     from distmk.kernels.megakernel import compile_ahead
 
     @triton.jit
@@ -117,10 +117,11 @@ def test_executors_share_one_kernel_object():
 
 
 def test_weight_ring_compiles_for_sm90():
-    """The Gluon weight ring (distmk/kernels/ring.py: TMA producer warp, mbarrier ring, wgmma consumer) builds
-    with the Triton this machine has: Gluon moves between releases, and the GPU image runs another one."""
+    """The Gluon weight ring's probes (benchmarks/ring_probe.py on distmk/device/ring.py: TMA producer warp,
+    mbarrier ring, wgmma consumer) build with the Triton this machine has: Gluon moves between releases, and
+    the GPU image runs another one."""
     pytest.importorskip("triton.experimental.gluon")
-    from distmk.kernels import ring
+    import ring_probe as ring
     from distmk.models.presets import preset
     from distmk.models.shard import plan_shard
     from distmk.tasks import TYPE_ID

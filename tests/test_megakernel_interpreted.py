@@ -47,7 +47,7 @@ import threaded_interpreter
 threaded_interpreter.keep_patched()
 import torch
 from distmk.graph import GraphConfig
-from distmk.reference.comm import run_simulated_ranks
+from distmk.comm.cpu import run_simulated_ranks
 from distmk.runtime.engine import Engine
 config = GraphConfig(batch=4, kv_splits=2, tile_rows=24, lm_tile_rows=48, workers=1)   # all-reduce tiles of 24 rows
 name, tp = sys.argv[1], int(sys.argv[2])
@@ -84,7 +84,7 @@ import threaded_interpreter
 threaded_interpreter.keep_patched()
 import torch
 from exchange_rounds import ExchangeRounds
-from distmk.reference.comm import run_simulated_ranks
+from distmk.comm.cpu import run_simulated_ranks
 H, K, layers, rounds = 128, 64, 3, 7
 
 def rank(r, comm, pipelined):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from distmk.errors import DistmkError
-from distmk.reference.comm import run_simulated_ranks
+from distmk.comm.cpu import run_simulated_ranks
 from distmk.runtime.batcher import Batcher, Sequence, run_step
 from distmk.runtime.engine import Engine
 from distmk.runtime.sampling import SamplingParams, sample

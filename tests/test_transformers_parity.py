@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from distmk.reference.comm import run_simulated_ranks
+from distmk.comm.cpu import run_simulated_ranks
 from distmk.runtime.engine import Engine
 from conftest import PROMPT, SMALL, TINY, hf_generate, hf_greedy
 

@@ -1,4 +1,5 @@
-"""Communicators for GPU ranks (the CPU ones, used by the reference executor, are in distmk.reference.comm)."""
+"""How ranks reach each other: NVSHMEM symmetric memory for the megakernel (nvshmem.py), and the CPU
+communicators of the reference executor and the tests (cpu.py)."""
 
 
 def backend_comm(backend: str, launch):
@@ -7,5 +8,5 @@ def backend_comm(backend: str, launch):
     if backend == "triton":
         from distmk.comm.nvshmem import NvshmemComm
         return NvshmemComm(launch)
-    from distmk.reference.comm import TorchDist
+    from distmk.comm.cpu import TorchDist
     return TorchDist()

@@ -19,7 +19,7 @@ from distmk.kernels.layout import stack_layers
 from distmk.kernels.megakernel import ERROR_FIELDS, TRACE_FIELDS, compile_ahead, load_megakernel
 from distmk.kernels.ring_megakernel import load_ring_megakernel, ring_arguments, ring_unsupported
 from distmk.tasks import TASK_KINDS
-from distmk.tasks.workspace import allocate_workspace
+from distmk.graph.workspace import allocate_workspace
 
 
 class WatchdogTimeout(DistmkError):
@@ -132,7 +132,7 @@ class TritonExecutor:
         self.launch_options = dict(num_warps=num_warps, num_stages=1 if self.interpret else num_stages)
         signal_add = -1                         # only the NVSHMEM transport uses it
         if self.transport == "nvshmem":
-            from distmk.comm.nvshmem_device import extern_libs, signal_constants
+            from distmk.device.nvshmem import extern_libs, signal_constants
             signal_add = signal_constants()["SIGNAL_ADD"]
             self.launch_options["extern_libs"] = extern_libs()
         # 16-32 KB of weights per load step in bf16; float32 (tests) halves K to stay in shared memory
@@ -186,7 +186,7 @@ class TritonExecutor:
             # peers' first exchange waiting past the watchdog, which is final at tp > 1.
             grid = (table.num_workers,)
             if self.transport == "nvshmem":
-                from distmk.comm.nvshmem_device import compile_for_nvshmem
+                from distmk.device.nvshmem import compile_for_nvshmem
                 compile_for_nvshmem(self.kernel, grid, **self.args, **self.launch_options)
             else:
                 self.kernel.warmup(grid=grid, **self.args, **self.launch_options)

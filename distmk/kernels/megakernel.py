@@ -43,7 +43,7 @@ _TEMPLATE = '''\
 import triton
 import triton.language as tl
 
-from distmk.kernels.primitives import now_ns, signal_event, wait_event
+from distmk.device.primitives import now_ns, signal_event, wait_event
 {imports}
 
 

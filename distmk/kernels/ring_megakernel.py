@@ -2,7 +2,7 @@
 program per worker queue, in two warp-specialized partitions.
 
 - `_weights`, one warp, walks the worker's queue and copies the weights of every task that reads any (its
-  `ring_weights` device function) by TMA into a shared-memory ring (kernels/ring.py). Weights never depend on
+  `ring_weights` device function) by TMA into a shared-memory ring (device/ring.py). Weights never depend on
   events, so it never waits on one: while the tasks wait at a phase boundary, the ring fills.
 - `_tasks`, one warpgroup, walks the same queue as the tl megakernel does (its rows copied in queue order, the
   next one loaded a task ahead): waits on each task's event (bounded), runs its `ring` device function (matmuls
@@ -37,7 +37,7 @@ _TEMPLATE = '''\\
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from distmk.kernels.ring import make_rings, now_ns, signal_event, sm_id, task_row, wait_event
+from distmk.device.ring import make_rings, now_ns, signal_event, sm_id, task_row, wait_event
 {imports}
 
 
@@ -184,7 +184,7 @@ def ring_arguments(args: dict, buf: dict, xn, stacked: dict, batch: int, block_k
     inputs) of `block_k` columns (0: 256 where it divides every K), `input_slots` input slices of as many
     columns, `batch` rows padded to 8 or 16."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from distmk.kernels.ring import matmul_layouts
+    from distmk.device.ring import matmul_layouts
     widest = ring_block_k(args["H"], args["HQ"] * args["D"], args["INTER"])
     block_k = block_k or widest
     if widest % block_k:

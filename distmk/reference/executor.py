@@ -14,7 +14,7 @@ import torch
 from distmk.errors import DistmkError, GraphError
 from distmk.graph.table import A0, LAYER, SIGNAL, TYPE, WAIT, TaskTable
 from distmk.tasks import TASK_KINDS
-from distmk.tasks.workspace import allocate_workspace
+from distmk.graph.workspace import allocate_workspace
 
 
 @dataclass

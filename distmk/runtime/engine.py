@@ -13,7 +13,7 @@ from distmk.errors import DistmkError
 from distmk.graph.lowering import GraphConfig, compile_step
 from distmk.models.shard import load_shard, plan_shard
 from distmk.models.weights import open_model
-from distmk.reference.comm import SingleRank
+from distmk.comm.cpu import SingleRank
 from distmk.reference.executor import ReferenceExecutor
 from distmk.runtime.batcher import Batcher, Sequence
 from distmk.runtime.kv_cache import KVCache

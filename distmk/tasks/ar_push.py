@@ -13,8 +13,8 @@ then NVSHMEM put-with-signal copies it to each peer and adds 1 to the peer's cou
 import triton
 import triton.language as tl
 
-from distmk.comm.nvshmem_device import putmem_signal_block
-from distmk.kernels.primitives import signal_all_ranks
+from distmk.device.nvshmem import putmem_signal_block
+from distmk.device.primitives import signal_all_ranks
 from distmk.tasks.base import TaskKind
 
 

@@ -6,9 +6,9 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from distmk.comm.nvshmem_device import fence, putmem_block, putmem_signal_block
-from distmk.kernels.primitives import signal_all_ranks
-from distmk.kernels.ring import rows_layout
+from distmk.device.nvshmem import fence, putmem_block, putmem_signal_block
+from distmk.device.primitives import signal_all_ranks
+from distmk.device.ring import rows_layout
 from distmk.tasks.base import TaskKind
 
 

@@ -10,7 +10,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from distmk.kernels.ring import next_power_of_2
+from distmk.device.ring import next_power_of_2
 from distmk.tasks.base import TaskKind
 
 

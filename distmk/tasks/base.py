@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from distmk.kernels.primitives import matmul_block
+from distmk.device.primitives import matmul_block
 
 # Row-parallel outputs (o_proj, down) are either added to the residual stream by the matmul tile itself
 # (tp=1) or written as a partial sum for an all-reduce task to combine across ranks (tp>1).

@@ -5,8 +5,8 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from distmk.kernels import ring as rg
-from distmk.kernels.primitives import prefetch_l2
+from distmk.device import ring as rg
+from distmk.device.primitives import prefetch_l2
 from distmk.tasks.base import TaskKind, row_parallel_gpu, row_parallel_tile
 
 

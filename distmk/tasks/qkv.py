@@ -10,8 +10,8 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from distmk.kernels import ring as rg
-from distmk.kernels.primitives import matmul_pair, prefetch_l2, rms_norm_rows
+from distmk.device import ring as rg
+from distmk.device.primitives import matmul_pair, prefetch_l2, rms_norm_rows
 from distmk.tasks.base import TaskKind, normed_stream, rms_norm, rope
 
 

@@ -1,0 +1,239 @@
+"""The Gluon (Hopper) pieces of the weight-ring megakernel (kernels/ring_megakernel.py) that the task types'
+`ring` and `ring_weights` functions are written with.
+
+A one-warp producer partition walks the program's weight tiles in the order the consumer will use them and
+copies each by TMA into a shared-memory ring, guarded by mbarriers (`ready`: the copy landed, `empty`: the
+consumer is done with the slot). Weights never depend on events, so the producer runs ahead through every
+wait of the consumer. The consumer (the default partition, one warpgroup) brings its input slices by TMA too,
+a few ahead, and multiplies with wgmma, the weight tile as the A operand (M = tile rows) and the input slice as
+B (N = padded batch). Below them: the event wait and signal, RMSNorm of a worker's rows, index helpers.
+GPU only (Gluon has no interpreter); CI compiles the kernels that use them for sm_90.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+# Gluon moves between releases: the CTA-wide barrier is thread_barrier on Triton 3.6 (the GPU image's), barrier
+# from 3.7 on
+cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+# and the TMA load into shared memory async_copy_global_to_shared on 3.6, async_load from 3.7 on
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gluon.jit
+def make_rings(w_desc, x_desc, BN: gl.constexpr, NBUF: gl.constexpr, XD: gl.constexpr):
+    """The weight ring (NBUF slots of BN rows) and the input ring (XD slices) in shared memory, with their
+    mbarriers: ready/empty per weight slot, ready per input slice."""
+    BK: gl.constexpr = w_desc.block_type.shape[1]
+    ring = gl.allocate_shared_memory(w_desc.dtype, [NBUF, BN, BK], w_desc.layout)
+    xring = gl.allocate_shared_memory(x_desc.dtype, [XD] + x_desc.block_type.shape, x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    xready = gl.allocate_shared_memory(gl.int64, [XD, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NBUF):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(XD):
+        mbarrier.init(xready.index(i), count=1)
+    fence_async_shared()
+    return ring, ready, empty, xring, xready
+
+
+@gluon.jit
+def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c):
+    """Producer: the ring slots of one block of `rows` (<= BN) weight rows from row0, BK columns at a time, in
+    boxes of the descriptor's rows, each copied as soon as the consumer frees its slot; returns the slots
+    filled so far. A slot's rows past the block keep an earlier block's weights: consumers never store them."""
+    NBUF: gl.constexpr = ring.type.shape[0]
+    BN: gl.constexpr = ring.type.shape[1]
+    BOX: gl.constexpr = desc.block_type.shape[0]
+    BK: gl.constexpr = desc.block_type.shape[1]
+    boxes = (gl.minimum(rows, BN) + BOX - 1) // BOX
+    for k in range(0, K, BK):
+        s = c % NBUF
+        slot = ring.index(s)
+        mbarrier.wait(empty.index(s), ((c // NBUF) & 1) ^ 1)          # slots start free (phase 1 done)
+        for nb in gl.static_range(1, BN // BOX + 1):                      # expect takes a constant byte count
+            mbarrier.expect(ready.index(s), nb * desc.block_type.nbytes, pred=boxes == nb)
+        for b in gl.static_range(BN // BOX):
+            tma_load(desc, [row0 + b * BOX, k], ready.index(s), slot.slice(b * BOX, BOX), pred=b < boxes)
+        c += 1
+    return c
+
+
+@gluon.jit
+def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready, c, cx, primed, chained,
+              num_warps: gl.constexpr):
+    """Consumer: acc[BN, B_PAD] = W_block @ x[x_row:x_row + B_PAD, :K]^T in float32 over the ring's next K / BK
+    slots (as load_block filled them): one wgmma a slot, one in flight while the next slot is waited for. The
+    input slices come by TMA, XD - 1 ahead, issued here because they may depend on the event just waited for.
+    Blocks of one task read the same input: a `chained` block goes on issuing the next block's first slices
+    (from its own last ones), so the next, `primed`, block starts without a round trip for its input.
+    Returns the accumulator and the slots and input slices used so far."""
+    NBUF: gl.constexpr = ring.type.shape[0]
+    BN: gl.constexpr = ring.type.shape[1]
+    XD: gl.constexpr = xring.type.shape[0]
+    B_PAD: gl.constexpr = xring.type.shape[1]
+    BK: gl.constexpr = xring.type.shape[2]
+    KT: gl.constexpr = K // BK
+    for p in gl.static_range(XD - 1):
+        slot = (cx + p) % XD
+        first = (p < KT) & (primed == 0)
+        mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=first)
+        tma_load(x_desc, [x_row, (p % KT) * BK], xready.index(slot), xring.index(slot), pred=first)
+    acc = gl.zeros([BN, B_PAD], gl.float32, layout=acc_layout(BN, B_PAD, num_warps))
+    for it in range(KT):
+        xs = (cx + it) % XD
+        mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1)
+        s = c % NBUF
+        mbarrier.wait(ready.index(s), (c // NBUF) & 1)
+        acc = warpgroup_mma(ring.index(s), xring.index(xs).permute((1, 0)), acc, use_acc=it > 0, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+        # the previous wgmma is done: its weight slot goes back to the producer, its input slot is refilled
+        mbarrier.arrive(empty.index((c + NBUF - 1) % NBUF), count=1, pred=it > 0)
+        ahead = it + XD - 1
+        slot = (cx + ahead) % XD
+        more = (ahead < KT) | ((chained != 0) & (ahead - KT < KT))
+        mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=more)
+        tma_load(x_desc, [x_row, (ahead % KT) * BK], xready.index(slot), xring.index(slot), pred=more)
+        c += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    mbarrier.arrive(empty.index((c + NBUF - 1) % NBUF), count=1)
+    return acc, c, cx + KT
+
+
+@gluon.constexpr_function
+def acc_layout(BN, B_PAD, num_warps):
+    """The wgmma accumulator's register layout: weight rows along M, the padded batch along N."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, B_PAD, 16])
+
+
+@gluon.jit
+def load_rows(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c):
+    """Producer: the slots of `rows` weight rows from row0, block after block."""
+    BN: gl.constexpr = ring.type.shape[1]
+    for j in range(0, rows, BN):
+        c = load_block(desc, row0 + j, rows - j, K, ring, ready, empty, c)
+    return c
+
+
+@gluon.jit
+def _acquire64(ptr):
+    return gl.inline_asm_elementwise("ld.global.acquire.gpu.b64 $0, [$1];", "=l,l", [ptr], dtype=gl.int64,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def task_row(rows, i, valid):
+    """Row i of a task table (graph/table.py COLUMNS): type, layer, a0..a3, wait, signal; zeros unless valid."""
+    row = rows + i * 8
+    return (gl.load(row, mask=valid, other=0), gl.load(row + 1, mask=valid, other=0),
+            gl.load(row + 2, mask=valid, other=0), gl.load(row + 3, mask=valid, other=0),
+            gl.load(row + 4, mask=valid, other=0), gl.load(row + 5, mask=valid, other=0),
+            gl.load(row + 6, mask=valid, other=0), gl.load(row + 7, mask=valid, other=0))
+
+
+def matmul_layouts(block_k: int, b_pad: int, box: int = 16):
+    """Shared layouts of a weight box [box, block_k] and an input slice [b_pad, block_k] (NVMMA-swizzled)."""
+    return (gl.NVMMASharedLayout.get_default_for([box, block_k], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([b_pad, block_k], gl.bfloat16))
+
+
+# ---- Device helpers of the Gluon megakernel (kernels/ring_megakernel.py) and its tasks' `ring` functions -----
+@gluon.constexpr_function
+def rows_layout(num_warps):
+    """The register layout of the tasks' elementwise work: a warp across 128 contiguous columns (16-byte
+    accesses), the warps down the rows."""
+    return gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def now_ns():
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def sm_id():
+    return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def fence_async_global():
+    """Orders this thread's global memory accesses before later TMA (async proxy) ones: what other workers
+    stored and this one acquired, or what this worker stored itself, reaches the TMA reads of it."""
+    gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def wait_event(counter_ptr, target, abort_ptr, timeout_ns):
+    """primitives.wait_event in Gluon: spin until *counter_ptr reaches target, at most timeout_ns or until a
+    worker aborted the step; returns the last value seen minus target (negative: gave up)."""
+    value = _acquire64(counter_ptr)
+    deadline = now_ns() + timeout_ns
+    aborted = _acquire64(abort_ptr)
+    while (value - target < 0) & (aborted == 0) & (now_ns() < deadline):
+        value = _acquire64(counter_ptr)
+        aborted = _acquire64(abort_ptr)
+    cta_barrier()
+    if value - target < 0:          # one CTA, one verdict (see primitives.wait_event)
+        value = _acquire64(counter_ptr)
+    fence_async_global()
+    return value - target
+
+
+@gluon.jit
+def signal_event(counter_ptr):
+    fence_async_global()
+    cta_barrier()           # every thread's stores of this task precede the release
+    gl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@gluon.constexpr_function
+def next_power_of_2(n):
+    return 1 << (int(n) - 1).bit_length()
+
+
+@gluon.jit
+def rms_norm_rows(x, n, norm_w, out, H: gl.constexpr, EPS: gl.constexpr, num_warps: gl.constexpr):
+    """primitives.rms_norm_rows in Gluon: out[:n, :H] = RMSNorm(x[:n]) * norm_w, rounded once, into the worker's
+    scratch rows that the tile's input slices are then copied from by TMA. A row at a time, the whole row in one
+    load: no padded rows and one L2 round trip per row, where a [B_PAD, block] loop paid one per block."""
+    HP: gl.constexpr = next_power_of_2(H)
+    rh = gl.arange(0, HP, layout=gl.BlockedLayout([4], [32], [num_warps], [0]))
+    w = gl.load(norm_w + rh, mask=rh < H, other=0.0).to(gl.float32)
+    for b in range(n):
+        v = gl.load(x + b * H + rh, mask=rh < H, other=0.0)
+        rstd = gl.rsqrt(gl.sum(v * v, axis=0) / H + EPS)
+        gl.store(out + b * H + rh, (v * rstd * w).to(out.dtype.element_ty), mask=rh < H)
+    fence_async_global()
+    cta_barrier()
+
+
+@gluon.jit
+def block_index(ring, xring, num_warps: gl.constexpr):
+    """Row and batch indices of a matmul block's accumulator (mma_block's layout; the ring's padded batch)."""
+    BN: gl.constexpr = ring.type.shape[1]
+    B_PAD: gl.constexpr = xring.type.shape[1]
+    layout: gl.constexpr = acc_layout(BN, B_PAD, num_warps)
+    return (gl.arange(0, BN, layout=gl.SliceLayout(1, layout)), gl.arange(0, B_PAD, layout=gl.SliceLayout(0, layout)))
+
+
+@gluon.jit
+def add_residual_rows(x_desc, x_row, K: gl.constexpr, row0, rows, n, x, H: gl.constexpr, ring, ready, empty, xring,
+                      xready, c, cx, num_warps: gl.constexpr):
+    """x[:n, row0:row0 + rows] += x_in @ W[row0:row0 + rows]^T over the slots load_rows filled: the row-parallel
+    o_proj and down tiles at tp=1. The residual is loaded before the products, so its round trip overlaps them."""
+    BN: gl.constexpr = ring.type.shape[1]
+    rn, rb = block_index(ring, xring, num_warps)
+    for j in range(0, rows, BN):
+        offs = rb[None, :] * H + (row0 + j + rn)[:, None]
+        mask = (rn < rows - j)[:, None] & (rb < n)[None, :]
+        residual = gl.load(x + offs, mask=mask, other=0.0)
+        acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, j > 0, j + BN < rows,
+                               num_warps)
+        gl.store(x + offs, (residual + acc).to(x.dtype.element_ty), mask=mask)
+    return c, cx
