@@ -5,6 +5,7 @@ naming the flag."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 import torch
@@ -52,6 +53,23 @@ SEED = int_in(0, 2 ** 32 - 1)
 PROBABILITY = float_in(0, 1, lo_open=True)
 
 
+def add_graph_args(p: argparse.ArgumentParser) -> None:
+    """GraphConfig's tiling flags (their help is the fields'), and --workers: one declaration for generate,
+    serve and `python -m distmk.graph`."""
+    for f in dataclasses.fields(GraphConfig):
+        if "help" in f.metadata:
+            p.add_argument("--" + f.name.replace("_", "-"), type=NON_NEGATIVE, default=f.default,
+                           help=f.metadata["help"])
+    p.add_argument("--workers", type=COUNT, default=None,
+                   help=f"worker queues (default: the GPU's SMs for the triton backend, else {GraphConfig.workers})")
+
+
+def graph_config(args, **fields) -> GraphConfig:
+    """The GraphConfig of add_graph_args' flags, with `fields` (batch, workers, context) on top."""
+    tiling = {f.name: getattr(args, f.name) for f in dataclasses.fields(GraphConfig) if "help" in f.metadata}
+    return GraphConfig(**tiling, **fields)
+
+
 def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str) -> None:
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or preset name")
     p.add_argument("--backend", choices=["reference", "triton"], default="reference")
@@ -61,13 +79,7 @@ def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str
     p.add_argument(batch_flag, dest="batch", type=COUNT, default=16, help=batch_help)
     p.add_argument("--max-context", type=COUNT, default=None,
                    help="tokens per sequence, prompt + output (default: the model's, at most 2048)")
-    p.add_argument("--kv-splits", type=NON_NEGATIVE, default=0,
-                   help="0 = one attention split per worker, at most 16")
-    p.add_argument("--tile-rows", type=NON_NEGATIVE, default=0, help="0 = about one tile per worker")
-    p.add_argument("--qkv-parts", type=NON_NEGATIVE, default=0,
-                   help="QKV tiles per head (column slices of it); 0 = about one tile per worker")
-    p.add_argument("--workers", type=COUNT, default=None,
-                   help="worker queues (default: the GPU's SMs for the triton backend, else 132)")
+    add_graph_args(p)
     p.add_argument("--timeout", type=float_in(0, lo_open=True), default=5.0,
                    help="triton backend: seconds a task may wait")
     p.add_argument("--transport", choices=("auto", "pointer", "nvshmem"), default="auto",
@@ -100,9 +112,7 @@ def build_engine(args, launch: LaunchEnv, comm, device: str, *, progress: bool, 
     """The Engine the flags describe, with KV-cache room for max_seqs sequences of the full context.
     kernel_options: extra options of the triton backend's executor."""
     dtype = DTYPES[args.dtype or ("float32" if args.device == "cpu" else "bfloat16")]
-    workers = default_workers(args.backend, device) if args.workers is None else args.workers
-    config = GraphConfig(batch=args.batch, kv_splits=args.kv_splits, tile_rows=args.tile_rows,
-                         qkv_parts=args.qkv_parts, workers=workers)
+    config = graph_config(args, batch=args.batch, workers=args.workers or default_workers(args.backend, device))
     kernel_options = ({"timeout_s": args.timeout, "transport": args.transport, **(kernel_options or {})}
                       if args.backend == "triton" else None)
     return Engine(args.model, tp=launch.world, rank=launch.rank, comm=comm, dtype=dtype, device=device,

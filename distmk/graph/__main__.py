@@ -4,7 +4,7 @@ import collections
 import sys
 import time
 
-from distmk.cli import COUNT, NON_NEGATIVE
+from distmk.cli import COUNT, NON_NEGATIVE, add_graph_args, graph_config
 from distmk.errors import DistmkError
 from distmk.graph.lowering import GraphConfig, compile_step
 from distmk.graph.table import TYPE
@@ -42,21 +42,15 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=COUNT, default=1)
     p.add_argument("--rank", type=NON_NEGATIVE, default=0)
     p.add_argument("--batch", type=COUNT, default=1)
-    p.add_argument("--workers", type=COUNT, default=132, help="worker queues (SMs on the GPU)")
-    p.add_argument("--kv-splits", type=NON_NEGATIVE, default=0, help="0 = one attention split per worker, at most 16")
-    p.add_argument("--tile-rows", type=NON_NEGATIVE, default=0, help="0 = about one tile per worker")
-    p.add_argument("--qkv-parts", type=NON_NEGATIVE, default=0,
-                   help="QKV tiles per head (column slices of it); 0 = about one tile per worker")
-    p.add_argument("--lm-tile-rows", type=NON_NEGATIVE, default=0, help="0 = about one tile per worker")
+    add_graph_args(p)
     p.add_argument("--context", type=COUNT, default=512, help="context length the cost model assumes")
     args = p.parse_args(argv)
     try:
         t0 = time.perf_counter()
         spec = open_model(args.model)[0]
         plan = plan_shard(spec, args.tp, args.rank)
-        config = GraphConfig(batch=args.batch, kv_splits=args.kv_splits, tile_rows=args.tile_rows,
-                             qkv_parts=args.qkv_parts, lm_tile_rows=args.lm_tile_rows, workers=args.workers,
-                             context=args.context)
+        config = graph_config(args, batch=args.batch, workers=args.workers or GraphConfig.workers,
+                              context=args.context)
         table = compile_step(spec, plan, config)
     except DistmkError as e:
         print(f"error: {e}", file=sys.stderr)

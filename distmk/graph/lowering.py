@@ -9,7 +9,7 @@ emitted in a topological order, which the scheduler keeps within each worker que
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,10 +24,15 @@ from distmk.tasks.base import ADD_RESIDUAL, WRITE_PARTIAL, StepShape
 @dataclass(frozen=True)
 class GraphConfig:
     batch: int = 1            # most rows (tokens) one step processes; fewer may be active at run time
-    kv_splits: int = 0        # attention splits along the KV length; 0 = one split per worker (at most 16)
-    tile_rows: int = 0        # output rows of an o_proj / gate_up / down tile; 0 = about one tile per worker
-    lm_tile_rows: int = 0     # output rows of an lm_head tile; 0 = about one tile per worker
-    qkv_parts: int = 0        # QKV tiles per head (column slices of both RoPE halves); 0 = automatic
+    # tiling (cli.add_graph_args makes a flag of each, with its help)
+    kv_splits: int = field(default=0, metadata={"help": "attention splits along the KV length; 0 = one split "
+                                                        "per worker, at most 16"})
+    tile_rows: int = field(default=0, metadata={"help": "output rows of an o_proj / gate_up / down tile; 0 = about "
+                                                        "one tile per worker"})
+    lm_tile_rows: int = field(default=0, metadata={"help": "output rows of an lm_head tile; 0 = about one tile per "
+                                                           "worker"})
+    qkv_parts: int = field(default=0, metadata={"help": "QKV tiles per head (column slices of both RoPE halves); "
+                                                        "0 = about one tile per worker"})
     workers: int = 132        # worker queues (one per SM on the GPU)
     context: int = 512        # expected context length, for the cost model only
     dtype_bytes: int = 2      # element size of weights and activations, for the cost model

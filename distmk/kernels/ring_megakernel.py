@@ -87,10 +87,7 @@ def _tasks(queued, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, tra
         if TRACE:
             gl.store(trace + t * 4, now_ns())
         if {waits_here}:      # a kind with a ring_prepare waits in its own branch, after it
-            ok = _wait(counters, event_need, error, wait, epoch, ok, timeout, rank, worker, t)
-            if TRACE:
-                gl.store(trace + t * 4 + 1, now_ns())
-{dispatch}
+{wait}{dispatch}
         if TRACE:
             gl.store(trace + t * 4 + 2, now_ns())
             gl.store(trace + t * 4 + 3, sm_id().to(gl.int64))
@@ -123,12 +120,15 @@ _WAIT = ("ok = _wait(counters, event_need, error, wait, epoch, ok, timeout, rank
 def generate_source(kinds) -> str:
     imports = []
 
+    def wait(indent, *before):
+        return "".join(f"{indent}{line}\n" for line in (*before, *_WAIT))
+
     def prepare_and_wait(kind, indent):
         """A kind with ring_prepare: its event-free loads, then its wait, in its own branch."""
         if kind.ring_prepare is None:
             return ""
         _, call = device_call(kind, "ring_prepare", imports, TASK_VOCABULARY)
-        return "".join(f"{indent}{line}\n" for line in (f"prepared = {call}", *_WAIT))
+        return wait(indent, f"prepared = {call}")
 
     dispatch = _dispatch(kinds, "ring", " " * 8, imports, TASK_VOCABULARY | {"prepared"}, _results, prepare_and_wait)
     weights = _dispatch(kinds, "ring_weights", " " * 8, imports, WEIGHT_VOCABULARY, _results)
@@ -136,7 +136,7 @@ def generate_source(kinds) -> str:
     return _TEMPLATE.format(imports="\n".join(imports), buffers=", ".join(BUFFERS), descs=", ".join(DESCRIPTORS),
                             constants=", ".join(f"{c}: gl.constexpr" for c in CONSTANTS),
                             constant_names=", ".join(CONSTANTS), dispatch=dispatch, weights=weights,
-                            waits_here=waits_here, error_report=error_report("gl", " " * 16),
+                            waits_here=waits_here, wait=wait(" " * 12), error_report=error_report("gl", " " * 16),
                             registers=PRODUCER_REGISTERS)
 
 
