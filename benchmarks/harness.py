@@ -48,7 +48,7 @@ def traced_step(engine):
     from distmk.kernels.executor import TritonExecutor
     ex = engine.executor
     traced = TritonExecutor(engine.table, engine.spec, engine.weights, engine.kv, engine.comm, engine.dtype,
-                            **{**ex.options, "trace": True, "cuda_graph": False})
+                            **{**ex.options.as_dict(), "trace": True, "cuda_graph": False})
     for name in ("tokens", "positions", "block_table", "rows"):
         getattr(traced, name).copy_(getattr(ex, name))
     for _ in range(3):                      # compile, warm up; the last step is the one kept
@@ -105,7 +105,7 @@ def distmk_step_ms(model: str, batch: int, context: int, iters: int = 200, backe
                   "mode": mode, "workers": engine.table.num_workers, "tasks": engine.table.num_tasks,
                   "qkv_parts": engine.config.qkv_parts, "setup_s": round(setup_s, 2)}
         if backend == "triton":
-            result["options"] = {k: v for k, v in ex.options.items() if k not in ("trace", "cuda_graph")}
+            result["options"] = {k: v for k, v in ex.options.as_dict().items() if k not in ("trace", "cuda_graph")}
             result["kernel"] = ex.kernel_name
             if breakdown:
                 timings = traced_step(engine)

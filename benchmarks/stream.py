@@ -99,7 +99,7 @@ def run_megakernel(engine, table, iters: int, workers: int) -> dict:
     from distmk.graph.table import TYPE
     from distmk.kernels.autotune import launch_times
     from distmk.kernels.executor import TritonExecutor
-    options = {k: v for k, v in engine.executor.options.items() if k != "trace"}
+    options = {k: v for k, v in engine.executor.options.as_dict().items() if k != "trace"}
 
     def executor(trace):
         ex = TritonExecutor(table, engine.spec, engine.weights, engine.kv, engine.comm, engine.dtype,
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
     engine = decode_engine(args.model, args.batch, 512, **json.loads(args.options))
     layers = args.layers or engine.spec.num_layers
     workers = engine.table.num_workers
-    result.update(layers=layers, workers=workers, options={k: v for k, v in engine.executor.options.items()})
+    result.update(layers=layers, workers=workers, options=engine.executor.options.as_dict())
     tables = {mode: matmul_table(engine.table, layers, phases=mode == "phases") for mode in ("free", "phases")}
     for mode, table in tables.items():
         figures = run_megakernel(engine, table, args.iters, workers)

@@ -154,6 +154,16 @@ def test_ring_megakernel_refuses_rings_that_would_hang_or_overflow():
                    config=GraphConfig(batch=1, workers=132), kernel_options={"kernel": "ring", **options})
 
 
+@pytest.mark.parametrize("options, message", [({"num_wraps": 4}, r"unknown kernel options \['num_wraps'\]"),
+                                              ({"num_warps": 3}, "num_warps must be a power of two, got 3"),
+                                              ({"timeout_s": 0}, "timeout_s must be > 0")])
+def test_kernel_options_name_what_is_wrong(options, message):
+    from distmk.errors import DistmkError
+    with pytest.raises(DistmkError, match=message):
+        Engine("tiny-llama", backend="triton", device="meta", dtype=torch.bfloat16, max_context=64,
+               config=GraphConfig(batch=1, workers=132), kernel_options=options)
+
+
 def test_auto_kernel_is_tl_off_hopper():
     """Off a Hopper GPU (here: the meta device) the automatic choice is the tl megakernel."""
     engine = Engine("tiny-llama", backend="triton", device="meta", dtype=torch.bfloat16, max_context=64,

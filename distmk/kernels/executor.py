@@ -7,6 +7,7 @@ step() raises WatchdogTimeout naming the task and the event.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -17,6 +18,7 @@ from distmk.graph.lowering import num_lm_tiles
 from distmk.graph.table import SIGNAL, TYPE, WAIT
 from distmk.kernels.layout import stack_layers
 from distmk.kernels.megakernel import ERROR_FIELDS, TRACE_FIELDS, compile_ahead, load_megakernel
+from distmk.kernels.options import KernelOptions
 from distmk.kernels.ring_megakernel import load_ring_megakernel, ring_arguments, ring_unsupported
 from distmk.tasks import TASK_KINDS
 from distmk.graph.workspace import allocate_workspace
@@ -80,11 +82,9 @@ def choose_kernel(requested: str, device, interpret: bool, unsupported: str | No
 
 
 class TritonExecutor:
-    def __init__(self, table, spec, weights, kv_cache, comm, dtype, *, timeout_s: float = 5.0,
-                 num_warps: int = 4, num_stages: int = 4, block_n: int = 32, block_k: int | None = None,
-                 mlp_block_n: int = 64, lm_block_n: int = 128, prefetch_kb: int = 256, trace: bool = False,
-                 cuda_graph: bool = True, transport: str = "auto", kernel: str = "auto", ring_block_k: int = 0,
-                 ring_slots: int = 0, ring_inputs: int = 4):
+    def __init__(self, table, spec, weights, kv_cache, comm, dtype, **options):
+        """`options`: KernelOptions' fields."""
+        o = KernelOptions.of(options)
         missing = sorted({TASK_KINDS[t].name for t in table.tasks[:, TYPE].tolist() if TASK_KINDS[t].gpu is None})
         if missing:
             raise DistmkError(f"task types {missing} have no GPU implementation")
@@ -101,12 +101,9 @@ class TritonExecutor:
             raise DistmkError(f"the triton backend needs a power-of-two head_dim, the model has {spec.head_dim}")
         config, plan = table.config, weights.plan
         if (spec.hidden_size | plan.inter) % 8:
-            prefetch_kb = 0                 # bulk prefetch needs 16-byte aligned rows
+            o = dataclasses.replace(o, prefetch_kb=0)       # bulk prefetch needs 16-byte aligned rows
         self.table, self.spec, self.plan, self.rank = table, spec, plan, comm.rank
-        self.options = dict(timeout_s=timeout_s, num_warps=num_warps, num_stages=num_stages, block_n=block_n,
-                            block_k=block_k, mlp_block_n=mlp_block_n, lm_block_n=lm_block_n,
-                            prefetch_kb=prefetch_kb, trace=trace, cuda_graph=cuda_graph, transport=transport,
-                            kernel=kernel, ring_block_k=ring_block_k, ring_slots=ring_slots, ring_inputs=ring_inputs)
+        self.options = o
         self.dev_table = table.to(device)
         self.buf = allocate_workspace(spec, plan, config, dtype, device)
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
@@ -124,19 +121,19 @@ class TritonExecutor:
         # scratch of each worker: the RMS-normed input a tile computes for itself (primitives.rms_norm_rows)
         xn = torch.zeros(table.num_workers, b_pad, spec.hidden_size, dtype=dtype, device=device)
         self.error = torch.zeros(len(ERROR_FIELDS), **i64)
-        self.trace = torch.zeros(table.num_tasks if trace else 1, len(TRACE_FIELDS), **i64)
+        self.trace = torch.zeros(table.num_tasks if o.trace else 1, len(TRACE_FIELDS), **i64)
         # polls when interpreted: simulated ranks (threads) may have to wait for each other a while
-        self.timeout = (1000 if comm.world == 1 else 10 ** 6) if self.interpret else int(timeout_s * 1e9)
+        self.timeout = (1000 if comm.world == 1 else 10 ** 6) if self.interpret else int(o.timeout_s * 1e9)
         lm_tiles = num_lm_tiles(plan, config)
-        self.transport = choose_transport(transport, comm)
-        self.launch_options = dict(num_warps=num_warps, num_stages=1 if self.interpret else num_stages)
+        self.transport = choose_transport(o.transport, comm)
+        self.launch_options = dict(num_warps=o.num_warps, num_stages=1 if self.interpret else o.num_stages)
         signal_add = -1                         # only the NVSHMEM transport uses it
         if self.transport == "nvshmem":
             from distmk.device.nvshmem import extern_libs, signal_constants
             signal_add = signal_constants()["SIGNAL_ADD"]
             self.launch_options["extern_libs"] = extern_libs()
         # 16-32 KB of weights per load step in bf16; float32 (tests) halves K to stay in shared memory
-        block_k = block_k or (128 if dtype == torch.float32 else 256)
+        block_k = o.block_k or (128 if dtype == torch.float32 else 256)
         pair_k = block_k // 2                   # gate+up and the two halves of a head load two tiles a step
         self.args = dict(
             tasks=self.dev_table.tasks, queue=self.dev_table.queue, queue_ptr=self.dev_table.queue_ptr,
@@ -153,20 +150,20 @@ class TritonExecutor:
             EPS=spec.rms_norm_eps, HAS_BIAS=spec.qkv_bias, QK_NORM=spec.qk_norm, WINDOW=spec.sliding_window or 0,
             SCALE=spec.head_dim ** -0.5, HALF_PAD=_pad(spec.head_dim // 2), QKV_PARTS=config.qkv_parts,
             QKV_BLOCK_N=_pad(spec.head_dim // 2 // config.qkv_parts), LM_TILES=lm_tiles,
-            LM_TILES_PAD=_pad(lm_tiles, 2), BLOCK_N=block_n, BLOCK_K=block_k, MLP_BLOCK_N=mlp_block_n,
-            MLP_BLOCK_K=pair_k, LM_BLOCK_N=lm_block_n, LM_BLOCK_K=pair_k, QKV_BLOCK_K=pair_k,
-            PREFETCH=0 if self.interpret else prefetch_kb * 1024,
+            LM_TILES_PAD=_pad(lm_tiles, 2), BLOCK_N=o.block_n, BLOCK_K=block_k, MLP_BLOCK_N=o.mlp_block_n,
+            MLP_BLOCK_K=pair_k, LM_BLOCK_N=o.lm_block_n, LM_BLOCK_K=pair_k, QKV_BLOCK_K=pair_k,
+            PREFETCH=0 if self.interpret else o.prefetch_kb * 1024,
             BLOCK_H=min(1024, _pad(spec.hidden_size)), BLOCK_T=16,
             NORM_BLOCK=min(_pad(spec.hidden_size), max(16, 8192 // _pad(config.batch))),
             DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
             TRANSPORT=TRANSPORTS.index(self.transport), SIGNAL_ADD=signal_add, EXCHANGE_SLOTS=EXCHANGE_SLOTS,
-            TRACE=trace, INTERPRET=self.interpret)
-        self.kernel_name = choose_kernel(kernel, device, self.interpret,
+            TRACE=o.trace, INTERPRET=self.interpret)
+        self.kernel_name = choose_kernel(o.kernel, device, self.interpret,
                                          ring_unsupported(spec, plan, config, dtype, comm.world,
                                                           {TASK_KINDS[t] for t in table.tasks[:, TYPE].tolist()}))
         if self.kernel_name == "ring":
-            self.args = ring_arguments(self.args, self.buf, xn, stack_layers(weights), config.batch, ring_block_k,
-                                       ring_slots, ring_inputs)
+            self.args = ring_arguments(self.args, self.buf, xn, stack_layers(weights), config.batch, o.ring_block_k,
+                                       o.ring_slots, o.ring_inputs)
             self.launch_options = {}
             self.kernel = load_ring_megakernel(TASK_KINDS)
         else:
@@ -191,7 +188,7 @@ class TritonExecutor:
             else:
                 self.kernel.warmup(grid=grid, **self.args, **self.launch_options)
             comm.barrier()
-        self.use_graph = cuda_graph and device.type == "cuda"
+        self.use_graph = o.cuda_graph and device.type == "cuda"
         self.graph = None
         self.comm_world, self.failed = comm.world, False
 
