@@ -79,6 +79,7 @@ def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str
     p.add_argument(batch_flag, dest="batch", type=COUNT, default=16, help=batch_help)
     p.add_argument("--max-context", type=COUNT, default=None,
                    help="tokens per sequence, prompt + output (default: the model's, at most 2048)")
+    p.add_argument("--seed", type=SEED, default=0, help="seed of a preset's random weights")
     add_graph_args(p)
     p.add_argument("--timeout", type=float_in(0, lo_open=True), default=5.0,
                    help="triton backend: seconds a task may wait")

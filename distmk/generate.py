@@ -29,7 +29,7 @@ def parse_args(argv=None):
                    help="0 = greedy (default: the checkpoint's generation_config.json, else 0)")
     p.add_argument("--top-p", type=PROBABILITY, default=None, help="default: the checkpoint's, else 1")
     p.add_argument("--top-k", type=NON_NEGATIVE, default=None, help="0 = no limit (default: the checkpoint's, else 0)")
-    p.add_argument("--seed", type=SEED, default=0, help="sampling seed (and preset weight seed)")
+    p.add_argument("--sample-seed", type=SEED, default=0, help="seed of the sampling (temperature > 0)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--trace", metavar="OUT.json",
                    help="triton backend: write a Chrome/Perfetto trace of the last step and print the "
@@ -64,7 +64,7 @@ def run_with(args, launch, comm, device) -> dict:
         except ValueError:
             raise DistmkError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
     t1 = time.perf_counter()
-    params = resolve_sampling(args.temperature, args.top_p, args.top_k, args.seed,
+    params = resolve_sampling(args.temperature, args.top_p, args.top_k, args.sample_seed,
                               defaults=engine.spec.generation_defaults, greedy_default=True)
     tokens = engine.generate(prompt, args.max_new_tokens, params, stop_on_eos=not args.ignore_eos)
     t2 = time.perf_counter()

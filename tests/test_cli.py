@@ -49,7 +49,7 @@ def test_torchrun_tp2_checkpoint_dir_matches_transformers(name, saved_checkpoint
 
 def test_generation_config_gives_the_default_sampling(generation_config_checkpoint):
     path, gen = generation_config_checkpoint
-    runs = [run_cli(sys.executable, "-m", "distmk.generate", "--model", path, *ARGS, "--ignore-eos", "--seed", "7",
+    runs = [run_cli(sys.executable, "-m", "distmk.generate", "--model", path, *ARGS, "--ignore-eos", "--sample-seed", "7",
                     *extra) for extra in ([], ["--temperature", "0.6", "--top-p", "0.9", "--top-k", "20"],
                                           ["--temperature", "0"])]
     assert all(proc.returncode == 0 for proc in runs), [proc.stderr for proc in runs]
@@ -111,6 +111,7 @@ def test_bad_input_is_a_clear_error(argv, message):
     ("generate", ["--top-p", "1.5"], "argument --top-p: must be a finite number > 0 and <= 1, got 1.5"),
     ("generate", ["--top-k", "-1"], "argument --top-k: must be an integer >= 0, got -1"),
     ("generate", ["--seed", str(2 ** 64)], "argument --seed: must be an integer in 0..4294967295"),
+    ("generate", ["--sample-seed", "-1"], "argument --sample-seed: must be an integer in 0..4294967295"),
     ("generate", ["--max-context", "0"], "argument --max-context: must be an integer >= 1, got 0"),
     ("generate", ["--workers", "0"], "argument --workers: must be an integer >= 1, got 0"),
     ("generate", ["--batch", "x"], "argument --batch: must be an integer >= 1, got 'x'"),

@@ -20,7 +20,7 @@ import threading
 
 from tqdm import tqdm
 
-from distmk.cli import COUNT, NON_NEGATIVE, SEED, add_engine_args, build_engine, int_in, open_comm, select_device
+from distmk.cli import COUNT, NON_NEGATIVE, add_engine_args, build_engine, int_in, open_comm, select_device
 from distmk.dist import detect_launch
 from distmk.errors import DistmkError
 from distmk.runtime.batcher import StepInputs
@@ -46,7 +46,6 @@ def parse_args(argv=None):
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int_in(0, 65535), default=8000,
                    help="0: any free port (the startup line says which)")
-    p.add_argument("--seed", type=SEED, default=0, help="seed of a preset's random weights")
     p.add_argument("--api-key", type=_nonempty, default=os.environ.get("DISTMK_API_KEY") or None,
                    help="every route but /health needs 'Authorization: Bearer KEY' (default: $DISTMK_API_KEY, "
                         "which keeps the key out of the process list)")
