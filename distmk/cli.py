@@ -53,15 +53,15 @@ SEED = int_in(0, 2 ** 32 - 1)
 PROBABILITY = float_in(0, 1, lo_open=True)
 
 
-def add_graph_args(p: argparse.ArgumentParser) -> None:
-    """GraphConfig's tiling flags (their help is the fields'), and --workers: one declaration for generate,
-    serve and `python -m distmk.graph`."""
+def add_graph_args(p: argparse.ArgumentParser, workers_default: str) -> None:
+    """GraphConfig's tiling flags (their help is the fields'), and --workers (`workers_default` says what its
+    default is): one declaration for generate, serve and `python -m distmk.graph`."""
     for f in dataclasses.fields(GraphConfig):
         if "help" in f.metadata:
             p.add_argument("--" + f.name.replace("_", "-"), type=NON_NEGATIVE, default=f.default,
                            help=f.metadata["help"])
     p.add_argument("--workers", type=COUNT, default=None,
-                   help=f"worker queues (default: the GPU's SMs for the triton backend, else {GraphConfig.workers})")
+                   help=f"worker queues (default: {workers_default})")
 
 
 def graph_config(args, **fields) -> GraphConfig:
@@ -80,7 +80,8 @@ def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str
     p.add_argument("--max-context", type=COUNT, default=None,
                    help="tokens per sequence, prompt + output (default: the model's, at most 2048)")
     p.add_argument("--seed", type=SEED, default=0, help="seed of a preset's random weights")
-    add_graph_args(p)
+    add_graph_args(p, f"the GPU's SMs for the triton backend, 1 under Triton's interpreter, else "
+                      f"{GraphConfig.workers}")
     p.add_argument("--timeout", type=float_in(0, lo_open=True), default=5.0,
                    help="triton backend: seconds a task may wait")
     p.add_argument("--transport", choices=("auto", "pointer", "nvshmem"), default="auto",

@@ -79,9 +79,11 @@ def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready,
     B_PAD: gl.constexpr = xring.type.shape[1]
     BK: gl.constexpr = xring.type.shape[2]
     KT: gl.constexpr = K // BK
+    # a block of fewer than XD - 1 slices cannot issue all of the next block's first ones: no chaining then
+    CHAIN: gl.constexpr = KT >= XD - 1
     for p in gl.static_range(XD - 1):
         slot = (cx + p) % XD
-        first = (p < KT) & (primed == 0)
+        first = (p < KT) & ((primed == 0) | (not CHAIN))
         mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=first)
         tma_load(x_desc, [x_row, (p % KT) * BK], xready.index(slot), xring.index(slot), pred=first)
     acc = gl.zeros([BN, B_PAD], gl.float32, layout=acc_layout(BN, B_PAD, num_warps))
@@ -96,7 +98,7 @@ def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready,
         mbarrier.arrive(empty.index((c + NBUF - 1) % NBUF), count=1, pred=it > 0)
         ahead = it + XD - 1
         slot = (cx + ahead) % XD
-        more = (ahead < KT) | ((chained != 0) & (ahead - KT < KT))
+        more = (ahead < KT) | (CHAIN & (chained != 0) & (ahead - KT < KT))
         mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=more)
         tma_load(x_desc, [x_row, (ahead % KT) * BK], xready.index(slot), xring.index(slot), pred=more)
         c += 1

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=COUNT, default=1)
     p.add_argument("--rank", type=NON_NEGATIVE, default=0)
     p.add_argument("--batch", type=COUNT, default=1)
-    add_graph_args(p)
+    add_graph_args(p, str(GraphConfig.workers))
     p.add_argument("--context", type=COUNT, default=512, help="context length the cost model assumes")
     args = p.parse_args(argv)
     try:

@@ -11,7 +11,7 @@ from distmk.errors import DistmkError
 @dataclass(frozen=True)
 class KernelOptions:
     timeout_s: float = 5.0          # the longest a task may wait for its event before the step is abandoned
-    num_warps: int = 4              # warps of a worker (the ring megakernel: of its task partition)
+    num_warps: int = 4              # tl kernel: warps of a worker (the ring's task partition is one warpgroup)
     num_stages: int = 4             # tl kernel: software-pipeline depth of the matmul loads
     block_n: int = 32               # tl kernel: rows of an o_proj / down load step
     block_k: int | None = None      # tl kernel: columns of a load step (None: 256 in bf16, 128 in float32)

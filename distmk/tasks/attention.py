@@ -73,16 +73,20 @@ def attention_gpu(layer, a0, a1, a2, n, q, k_cache, v_cache, positions, block_ta
         tl.store(attn_l + part * G + rg, l_i, mask=heads)
 
 
-KEYS_PER_THREAD = gl.constexpr(4)    # consecutive keys of a key slot, held by each of its threads
+@gluon.constexpr_function
+def keys_per_thread(G_PAD):
+    """Consecutive keys of a key slot that each of its threads holds: 4, fewer where the heads of a group are
+    many (every thread holds heads x keys x 8 columns of the products; 8 heads at 4 keys spilled registers)."""
+    return max(1, min(4, 16 // G_PAD))
 
 
 @gluon.constexpr_function
-def attention_layout(D, num_warps):
+def attention_layout(D, G_PAD, num_warps):
     """[heads, key slots, keys of a slot, D] of the ring megakernel's attention: 16-byte vectors along D across the
     lanes, the rest of a warp and the warps over the key slots, a slot's keys and all heads in each thread. The
     reductions over D stay inside a warp and those over a slot's keys inside a thread."""
     lanes_d = max(1, min(32, D // 8))
-    return gl.BlockedLayout([1, 1, KEYS_PER_THREAD.value, 8], [1, 32 // lanes_d, 1, lanes_d], [1, num_warps, 1, 1],
+    return gl.BlockedLayout([1, 1, keys_per_thread(G_PAD), 8], [1, 32 // lanes_d, 1, lanes_d], [1, num_warps, 1, 1],
                             [3, 2, 1, 0])
 
 
@@ -104,14 +108,16 @@ def _key_rows(blocks, t, cache_layer, kvh, HKV: gl.constexpr, D: gl.constexpr, B
 
 @gluon.jit
 def attention_prepare(layer, a0, a1, a2, n, k_cache, v_cache, positions, block_table, D: gl.constexpr,
-                      HKV: gl.constexpr, MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr, S: gl.constexpr,
+                      HKV: gl.constexpr, G: gl.constexpr, MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr, S: gl.constexpr,
                       WINDOW: gl.constexpr, num_warps: gl.constexpr):
     """What attention_ring reads before its event: the split's bounds, its first pass of keys and values and the
     page numbers of the second. Nothing of it depends on this step's tasks but the keys and values at this
     step's own positions (at most n per row, the last n before hi), which attention_ring reloads."""
+    G_PAD: gl.constexpr = next_power_of_2(G)
+    R: gl.constexpr = keys_per_thread(G_PAD)
     SLOTS: gl.constexpr = attention_slots(D, num_warps)
-    BLOCK: gl.constexpr = SLOTS * KEYS_PER_THREAD
-    l4: gl.constexpr = attention_layout(D, num_warps)
+    BLOCK: gl.constexpr = SLOTS * R
+    l4: gl.constexpr = attention_layout(D, G_PAD, num_warps)
     lk: gl.constexpr = gl.SliceLayout(0, l4)
     b = a0
     hi = gl.load(positions + b, mask=b < n, other=-1) + 1          # a row past n: an empty range
@@ -121,7 +127,7 @@ def attention_prepare(layer, a0, a1, a2, n, k_cache, v_cache, positions, block_t
     chunk = (hi - lo + S - 1) // S
     start = gl.minimum(hi, lo + a2 * chunk)
     stop = gl.minimum(hi, lo + (a2 + 1) * chunk)
-    tk = key_offsets(gl.SliceLayout(2, lk), SLOTS, KEYS_PER_THREAD)
+    tk = key_offsets(gl.SliceLayout(2, lk), SLOTS, R)
     rows = _key_rows(_key_blocks(block_table, b, start + tk, stop, MAXB, BS), start + tk, layer.to(gl.int64) * NBLK,
                      a1, HKV, D, BS) + _columns(D, lk)
     valid = gl.expand_dims(start + tk < stop, 2)
@@ -149,20 +155,20 @@ def attention_ring(layer, a0, a1, a2, n, q, k_cache, v_cache, block_table, attn_
                    BS: gl.constexpr, NBLK: gl.constexpr, S: gl.constexpr, SCALE: gl.constexpr,
                    num_warps: gl.constexpr):
     """attention_gpu for the ring megakernel, shaped for latency: every key slot (attention_layout) is a split of
-    its own, with its own running max and sum, so a pass over SLOTS x KEYS_PER_THREAD keys needs no exchange
+    its own, with its own running max and sum, so a pass over SLOTS x keys_per_thread keys needs no exchange
     between warps; the slots are combined once at the end. The first pass was loaded before the wait
     (attention_prepare), each next pass is loaded before the current one is computed, and the page numbers one
     pass further ahead. Products are float32 broadcast sums (Gluon has no tl.dot outside wgmma), so the query
     heads are padded to a power of two only."""
     G_PAD: gl.constexpr = next_power_of_2(G)
     SLOTS: gl.constexpr = attention_slots(D, num_warps)
-    R: gl.constexpr = KEYS_PER_THREAD
+    R: gl.constexpr = keys_per_thread(G_PAD)
     BLOCK: gl.constexpr = SLOTS * R
     hi, start, stop, kt, vt, blocks = prepared
     b = a0
     kvh = a1
     if b < n:
-        l4: gl.constexpr = attention_layout(D, num_warps)
+        l4: gl.constexpr = attention_layout(D, G_PAD, num_warps)
         ls: gl.constexpr = gl.SliceLayout(3, l4)           # [heads, slots, keys]: scores
         lm: gl.constexpr = gl.SliceLayout(2, ls)           # [heads, slots]: running max and sum
         la: gl.constexpr = gl.SliceLayout(2, l4)           # [heads, slots, D]: running output
