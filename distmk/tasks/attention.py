@@ -108,10 +108,10 @@ def _key_rows(blocks, t, cache_layer, kvh, HKV: gl.constexpr, D: gl.constexpr, B
 
 @gluon.jit
 def attention_prepare(layer, a0, a1, a2, n, k_cache, v_cache, positions, block_table, D: gl.constexpr,
-                      HKV: gl.constexpr, G: gl.constexpr, MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr, S: gl.constexpr,
-                      WINDOW: gl.constexpr, num_warps: gl.constexpr):
-    """What attention_ring reads before its event: the split's bounds, its first pass of keys and values and the
-    page numbers of the second. Nothing of it depends on this step's tasks but the keys and values at this
+                      HKV: gl.constexpr, G: gl.constexpr, MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr,
+                      S: gl.constexpr, WINDOW: gl.constexpr, num_warps: gl.constexpr):
+    """What attention_ring reads before its event: the split's bounds, the page numbers of its first two passes
+    and the first pass's keys and values. Nothing of it depends on this step's tasks but the keys and values at this
     step's own positions (at most n per row, the last n before hi), which attention_ring reloads."""
     G_PAD: gl.constexpr = next_power_of_2(G)
     R: gl.constexpr = keys_per_thread(G_PAD)
@@ -128,12 +128,12 @@ def attention_prepare(layer, a0, a1, a2, n, k_cache, v_cache, positions, block_t
     start = gl.minimum(hi, lo + a2 * chunk)
     stop = gl.minimum(hi, lo + (a2 + 1) * chunk)
     tk = key_offsets(gl.SliceLayout(2, lk), SLOTS, R)
-    rows = _key_rows(_key_blocks(block_table, b, start + tk, stop, MAXB, BS), start + tk, layer.to(gl.int64) * NBLK,
-                     a1, HKV, D, BS) + _columns(D, lk)
+    first = _key_blocks(block_table, b, start + tk, stop, MAXB, BS)
+    rows = _key_rows(first, start + tk, layer.to(gl.int64) * NBLK, a1, HKV, D, BS) + _columns(D, lk)
     valid = gl.expand_dims(start + tk < stop, 2)
     kt = gl.load(k_cache + rows, mask=valid, other=0.0)
     vt = gl.load(v_cache + rows, mask=valid, other=0.0)
-    return hi, start, stop, kt, vt, _key_blocks(block_table, b, start + BLOCK + tk, stop, MAXB, BS)
+    return hi, start, stop, first, kt, vt, _key_blocks(block_table, b, start + BLOCK + tk, stop, MAXB, BS)
 
 
 @gluon.jit
@@ -164,7 +164,7 @@ def attention_ring(layer, a0, a1, a2, n, q, k_cache, v_cache, block_table, attn_
     SLOTS: gl.constexpr = attention_slots(D, num_warps)
     R: gl.constexpr = keys_per_thread(G_PAD)
     BLOCK: gl.constexpr = SLOTS * R
-    hi, start, stop, kt, vt, blocks = prepared
+    hi, start, stop, first, kt, vt, blocks = prepared
     b = a0
     kvh = a1
     if b < n:
@@ -180,8 +180,7 @@ def attention_ring(layer, a0, a1, a2, n, q, k_cache, v_cache, block_table, attn_
         cache_layer = layer.to(gl.int64) * NBLK
         # this step's own keys and values (its rows' positions) may have landed after the first pass was read
         fresh = gl.expand_dims((start + tk >= hi - n) & (start + tk < stop), 2)
-        rows = _key_rows(_key_blocks(block_table, b, start + tk, stop, MAXB, BS), start + tk, cache_layer, kvh, HKV, D,
-                         BS) + rdk
+        rows = _key_rows(first, start + tk, cache_layer, kvh, HKV, D, BS) + rdk
         kt = gl.where(fresh, gl.load(k_cache + rows, mask=fresh, other=0.0, cache_modifier=".cg"), kt)
         vt = gl.where(fresh, gl.load(v_cache + rows, mask=fresh, other=0.0, cache_modifier=".cg"), vt)
         rg = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, lq))
