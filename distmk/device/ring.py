@@ -11,6 +11,7 @@ GPU only (Gluon has no interpreter); CI compiles the kernels that use them for s
 """
 from __future__ import annotations
 
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -196,7 +197,7 @@ def signal_event(counter_ptr):
 
 @gluon.constexpr_function
 def next_power_of_2(n):
-    return 1 << (int(n) - 1).bit_length()
+    return triton.next_power_of_2(int(n))
 
 
 @gluon.jit

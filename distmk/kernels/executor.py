@@ -162,8 +162,7 @@ class TritonExecutor:
                                          ring_unsupported(spec, plan, config, dtype, comm.world,
                                                           {TASK_KINDS[t] for t in table.tasks[:, TYPE].tolist()}))
         if self.kernel_name == "ring":
-            self.args = ring_arguments(self.args, self.buf, xn, stack_layers(weights), config.batch, o.ring_block_k,
-                                       o.ring_slots, o.ring_inputs)
+            self.args = ring_arguments(self.args, config.batch, o.ring_block_k, o.ring_slots, o.ring_inputs)
             self.launch_options = {}
             self.kernel = load_ring_megakernel(TASK_KINDS)
         else:

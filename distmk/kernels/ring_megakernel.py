@@ -23,9 +23,10 @@ from distmk.errors import DistmkError
 from distmk.kernels.megakernel import (BUFFERS, CONSTANTS, RUNTIME, _dispatch, device_call, error_report,
                                        load_generated)
 
-# TMA descriptors: the weights the ring streams and the tiles' inputs (xn: each worker's normed rows)
-DESCRIPTORS = ("wqkv_desc", "wo_desc", "w_gate_desc", "w_up_desc", "w_down_desc", "lm_head_desc", "xn_desc",
-               "attn_desc", "h_desc")
+# TMA descriptors (`<buffer>_desc`) of the weights the ring streams and of the tiles' inputs (xn: each worker's
+# normed rows)
+STREAMED, INPUTS = ("wqkv", "wo", "w_gate", "w_up", "w_down", "lm_head"), ("xn", "attn", "h")
+DESCRIPTORS = tuple(f"{name}_desc" for name in STREAMED + INPUTS)
 # the ring (weights, inputs, their mbarriers) and how far each partition has gone in it
 RING_STATE = ("ring", "ready", "empty", "xring", "xready", "c", "cx", "num_warps")
 WEIGHT_VOCABULARY = {"layer", "a0", "a1", "a2", "a3", "ring", "ready", "empty", "c", *DESCRIPTORS, *CONSTANTS}
@@ -177,12 +178,11 @@ def ring_unsupported(spec, plan, config, dtype, world: int, kinds) -> str | None
     return None
 
 
-def ring_arguments(args: dict, buf: dict, xn, stacked: dict, batch: int, block_k: int = 0, slots: int = 0,
-                   input_slots: int = 4) -> dict:
+def ring_arguments(args: dict, batch: int, block_k: int = 0, slots: int = 0, input_slots: int = 4) -> dict:
     """The ring megakernel's arguments from the tl megakernel's: TMA descriptors of the weights it streams and
-    of the tiles' inputs, the ring's shape: `slots` weight slots (0: as many as RING_BYTES holds beside the
-    inputs) of `block_k` columns (0: 256 where it divides every K), `input_slots` input slices of as many
-    columns, `batch` rows padded to 8 or 16."""
+    of the tiles' inputs (tensors of `args`), the ring's shape: `slots` weight slots (0: as many as RING_BYTES
+    holds beside the inputs) of `block_k` columns (0: 256 where it divides every K), `input_slots` input slices
+    of as many columns, `batch` rows padded to 8 or 16."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from distmk.device.ring import matmul_layouts
     widest = ring_block_k(args["H"], args["HQ"] * args["D"], args["INTER"])
@@ -208,8 +208,7 @@ def ring_arguments(args: dict, buf: dict, xn, stacked: dict, batch: int, block_k
     ring_args = {k: v for k, v in args.items() if k not in ("INTERPRET", "tasks")}
     ring_args.update(
         queued=args["tasks"][args["queue"].long()].contiguous(),    # the rows in queue order: one load a row
-        wqkv_desc=weights(stacked["wqkv"]), wo_desc=weights(stacked["wo"]), w_gate_desc=weights(stacked["w_gate"]),
-        w_up_desc=weights(stacked["w_up"]), w_down_desc=weights(stacked["w_down"]),
-        lm_head_desc=weights(stacked["lm_head"]), xn_desc=inputs(xn), attn_desc=inputs(buf["attn"]),
-        h_desc=inputs(buf["h"]), BN=RING_ROWS, NBUF=slots, XD=input_slots, num_warps=4)
+        **{f"{name}_desc": weights(args[name]) for name in STREAMED},
+        **{f"{name}_desc": inputs(args[name]) for name in INPUTS},
+        BN=RING_ROWS, NBUF=slots, XD=input_slots, num_warps=4)
     return ring_args
