@@ -49,9 +49,9 @@ def test_torchrun_tp2_checkpoint_dir_matches_transformers(name, saved_checkpoint
 
 def test_generation_config_gives_the_default_sampling(generation_config_checkpoint):
     path, gen = generation_config_checkpoint
-    runs = [run_cli(sys.executable, "-m", "distmk.generate", "--model", path, *ARGS, "--ignore-eos", "--sample-seed", "7",
-                    *extra) for extra in ([], ["--temperature", "0.6", "--top-p", "0.9", "--top-k", "20"],
-                                          ["--temperature", "0"])]
+    runs = [run_cli(sys.executable, "-m", "distmk.generate", "--model", path, *ARGS, "--ignore-eos",
+                    "--sample-seed", "7", *extra)
+            for extra in ([], ["--temperature", "0.6", "--top-p", "0.9", "--top-k", "20"], ["--temperature", "0"])]
     assert all(proc.returncode == 0 for proc in runs), [proc.stderr for proc in runs]
     default, explicit, greedy = (only_json_line(proc.stdout)["tokens"] for proc in runs)
     assert default == explicit != greedy == hf_greedy("tiny-llama")[0]
