@@ -44,6 +44,24 @@ def make_rings(w_desc, x_desc, BN: gl.constexpr, NBUF: gl.constexpr, XD: gl.cons
 
 
 @gluon.jit
+def make_handoff():
+    """The mbarrier the tasks partition arrives on after signalling a task that read weights: the producer begins
+    the next such task's weights after it (wait_handoff), so the release is not issued behind their copies."""
+    released = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(released.index(0), count=1)
+    fence_async_shared()
+    return released
+
+
+@gluon.jit
+def wait_handoff(released, fed):
+    """Producer: before the weights of its `fed`-th task that reads any, wait until the tasks partition has
+    signalled the one before. It is never more than one phase ahead (it needs this task's weights to get further),
+    so the phase parity cannot alias."""
+    mbarrier.wait(released.index(0), (fed - 1) & 1, pred=fed > 0)
+
+
+@gluon.jit
 def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c):
     """Producer: the ring slots of one block of `rows` (<= BN) weight rows from row0, BK columns at a time, in
     boxes of the descriptor's rows, each copied as soon as the consumer frees its slot; returns the slots
