@@ -162,3 +162,8 @@ def test_executor_reports_a_deadlocked_table():
     engine.executor.queues = [list(range(engine.table.num_tasks - 1, -1, -1))]   # argmax first
     with pytest.raises(GraphError, match=r"deadlock: worker 0 task \d+ \(argmax\) waits on event"):
         engine.generate([1, 2], 2)
+
+
+def test_cost_model_reads_the_bandwidth():
+    assert (table_for(hbm_bytes_per_s=1e12).schedule["makespan_s"]
+            > table_for().schedule["makespan_s"])
