@@ -21,24 +21,15 @@ import sys
 import torch
 import torch.distributed as dist
 
+from distmk.timing import cuda_times
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from exchange_rounds import ExchangeRounds, start_ranks  # noqa: E402
 
 
 def cuda_us(fn, iters: int) -> float:
     """Median µs of fn() over iters timed calls (each timed alone, ranks synchronised first)."""
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return statistics.median(cuda_times(fn, iters, warmup=5, before=dist.barrier)) * 1e3
 
 
 def graph_us(fn, iters: int = 20) -> float:

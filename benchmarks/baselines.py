@@ -20,6 +20,7 @@ import triton.language as tl
 
 from distmk.models.shard import RankWeights, ShardPlan, load_shard, plan_shard
 from distmk.models.spec import ModelSpec
+from distmk.timing import cuda_times, kernel_ms
 
 
 def tp_rank() -> tuple[int, int]:
@@ -27,23 +28,6 @@ def tp_rank() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return 1, 0
-
-
-def median_cuda_ms(fn: Callable[[], object], iters: int, warmup: int = 3, isolated: bool = True) -> float:
-    """Median GPU time of `fn` in ms between CUDA events. `isolated` synchronises after every call, as
-    harness.py times distmk's step, so launch latency counts the same on both sides; otherwise
-    calls run back to back and only the GPU's time is counted."""
-    for _ in range(warmup):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-        if isolated:
-            end.synchronize()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 # ----------------------------------------------------------------------------------------- roofline
@@ -59,7 +43,7 @@ def _sum_chunks_kernel(x_ptr, out_ptr, chunk, BLOCK: tl.constexpr):
     tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
 
-def measure_hbm_read_bandwidth(device="cuda", gib: float = 4, iters: int = 20) -> float:
+def measure_hbm_read_bandwidth(device="cuda", gib: float = 4) -> float:
     """Bytes/s a streaming read reaches on this GPU: the ceiling of a decode step, which reads every weight
     once. Best median over a small sweep of grid sizes (2..16 programs per SM) and block sizes; the buffer
     is far larger than L2, so nothing is served from cache. (H200: 4.57e12 to 4.68e12; torch's x.sum()
@@ -73,8 +57,7 @@ def measure_hbm_read_bandwidth(device="cuda", gib: float = 4, iters: int = 20) -
             programs = per_sm * sms
             chunk = x.numel() // programs // block * block
             out = torch.empty(programs, dtype=torch.float32, device=device)
-            ms = median_cuda_ms(lambda: _sum_chunks_kernel[(programs,)](x, out, chunk, BLOCK=block, num_warps=8),
-                                iters, isolated=False)
+            ms = kernel_ms(lambda: _sum_chunks_kernel[(programs,)](x, out, chunk, BLOCK=block, num_warps=8))
             best = max(best, programs * chunk * x.element_size() / (ms * 1e-3))
     return best
 
@@ -175,8 +158,8 @@ def cudagraph_step_ms(spec: ModelSpec, source, batch: int, context: int, dtype=t
                       compile: bool = False, iters: int = 200) -> float:
     """Median ms of one decode step of the PyTorch decoder replayed as a single CUDA graph: `batch` rows at
     position `context - 1`, so each attends to `context` keys of a KV cache filled with random values (the
-    step harness.py times). The graph removes launch overhead, which is what a megakernel must
-    beat on top of it. With compile=True the step is first torch.compile'd (max-autotune, no CUDA graphs of
+    step harness.py times), each replay timed alone as harness.py times distmk's (distmk.timing.cuda_times).
+    The graph removes launch overhead, which is what a megakernel must beat on top of it. With compile=True the step is first torch.compile'd (max-autotune, no CUDA graphs of
     its own), which fuses the small ops.
     (H200, llama-3-8b, batch 1, context 1024, torch 2.11: 7.36 ms, compiled 5.13 ms; tp=2: 6.39, 4.55.)"""
     world, rank = tp_rank()
@@ -198,7 +181,7 @@ def cudagraph_step_ms(spec: ModelSpec, source, batch: int, context: int, dtype=t
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step(tokens, positions)
-        return median_cuda_ms(graph.replay, iters)
+        return statistics.median(cuda_times(graph.replay, iters))
 
 
 # ----------------------------------------------------------------------------------- transformers

@@ -10,6 +10,8 @@ tile's reduce after other tiles of other workers).
 """
 from __future__ import annotations
 
+import statistics
+
 import torch
 import triton
 import triton.language as tl
@@ -18,6 +20,7 @@ from distmk.device.primitives import wait_event
 from distmk.tasks.allreduce import allreduce_gpu
 from distmk.tasks.ar_push import ar_push_gpu
 from distmk.tasks.base import WRITE_PARTIAL, row_parallel_gpu
+from distmk.timing import cuda_times
 
 _WRITE_PARTIAL = tl.constexpr(WRITE_PARTIAL)
 
@@ -138,18 +141,8 @@ class ExchangeRounds:
 
     def us_per_round(self, rounds: int, repeats: int = 5) -> float:
         """Median over `repeats` launches of `rounds` rounds each, ranks starting together."""
-        import statistics
         self.launch(2)
-        times = []
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            self.comm.barrier()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            self.launch(rounds)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / rounds)
+        times = cuda_times(lambda: self.launch(rounds), repeats, warmup=0, before=self.comm.barrier)
         if int(self.error.item()):
             raise RuntimeError("an exchange wait timed out: a peer did not push")
-        return statistics.median(times)
+        return statistics.median(times) * 1e3 / rounds

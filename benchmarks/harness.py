@@ -20,10 +20,9 @@ def decode_step(model: str, batch: int, context: int, *, comm=None, backend: str
     watchdog checked, so executor.launch() replays it); and a function that runs that step again.
     bf16 on a GPU, float32 on the CPU; `device` defaults to the current GPU; `graph`: GraphConfig fields
     (e.g. qkv_parts) beyond batch, workers and context."""
-    from distmk.runtime.engine import Engine, default_workers
+    from distmk.runtime.engine import Engine, device_fields
     device = torch.device(device) if device else torch.device("cuda", torch.cuda.current_device())
-    workers = workers or default_workers(backend, device)
-    config = GraphConfig(batch=batch, workers=workers, context=context, **(graph or {}))
+    config = GraphConfig(batch=batch, context=context, **device_fields(backend, device, workers), **(graph or {}))
     max_context = -(-context // block_size) * block_size
     engine = Engine(model, tp=comm.world if comm else 1, rank=comm.rank if comm else 0, comm=comm,
                     backend=backend, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,

@@ -31,6 +31,7 @@ import triton
 from baselines import measure_hbm_read_bandwidth
 from decode import emit, git_commit
 from distmk.cli import COUNT, NON_NEGATIVE
+from distmk.timing import kernel_ms
 
 MATMULS = ("qkv", "o_proj", "gate_up", "down")     # a layer's phases, in step order
 
@@ -188,7 +189,7 @@ def run_ring_matmuls(engine, tables: dict, ceiling: float, iters: int, layers: i
     log(f"ring matmuls, one layer against torch: relative max error {errors}")
     result = {"relative_error": errors}
     for mode, table in tables.items():
-        ms = triton.testing.do_bench(run(table), warmup=5, rep=max(20, iters), return_mode="median")
+        ms = kernel_ms(run(table), warmup_ms=5, rep_ms=max(20, iters))
         total = int(weight_bytes(table, engine).sum())
         result[mode] = {"ms": ms, "bytes": total, "gbps": total / ms / 1e6, "of_read": total / ms / 1e-3 / ceiling}
         log(f"ring matmuls of {layers} layers, {mode}: {ms:.3f} ms, {total / ms / 1e6:.0f} GB/s "
@@ -233,7 +234,7 @@ def run_ring(device, iters: int, log) -> list[dict]:
                 def step():
                     counters.zero_()
                     launch(layers, mode)
-                ms = triton.testing.do_bench(step, warmup=5, rep=max(20, iters), return_mode="median")
+                ms = kernel_ms(step, warmup_ms=5, rep_ms=max(20, iters))
                 row = {"kernel": kernel, "rows": rows, "block_n": bn, "block_k": bk, "stages": stages, "x_stages": xd,
                        "barrier": bool(mode), "gbps": nbytes / ms / 1e6, "us_per_layer": ms * 1e3 / layers,
                        "relative_error": error}

@@ -14,7 +14,7 @@ from distmk.comm import backend_comm
 from distmk.dist import LaunchEnv, init_process_group
 from distmk.errors import DistmkError
 from distmk.graph.lowering import GraphConfig
-from distmk.runtime.engine import DTYPES, Engine, default_workers
+from distmk.runtime.engine import DTYPES, Engine, device_fields
 
 
 def int_in(lo: int, hi: int | None = None):
@@ -80,8 +80,7 @@ def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str
     p.add_argument("--max-context", type=COUNT, default=None,
                    help="tokens per sequence, prompt + output (default: the model's, at most 2048)")
     p.add_argument("--seed", type=SEED, default=0, help="seed of a preset's random weights")
-    add_graph_args(p, f"the GPU's SMs for the triton backend, 1 under Triton's interpreter, else "
-                      f"{GraphConfig.workers}")
+    add_graph_args(p, f"one per SM with --device cuda, 1 under Triton's interpreter, else {GraphConfig.workers}")
     p.add_argument("--timeout", type=float_in(0, lo_open=True), default=5.0,
                    help="triton backend: seconds a task may wait")
     p.add_argument("--transport", choices=("auto", "pointer", "nvshmem"), default="auto",
@@ -114,7 +113,7 @@ def build_engine(args, launch: LaunchEnv, comm, device: str, *, progress: bool, 
     """The Engine the flags describe, with KV-cache room for max_seqs sequences of the full context.
     kernel_options: extra options of the triton backend's executor."""
     dtype = DTYPES[args.dtype or ("float32" if args.device == "cpu" else "bfloat16")]
-    config = graph_config(args, batch=args.batch, workers=args.workers or default_workers(args.backend, device))
+    config = graph_config(args, batch=args.batch, **device_fields(args.backend, device, args.workers))
     kernel_options = ({"timeout_s": args.timeout, "transport": args.transport, **(kernel_options or {})}
                       if args.backend == "triton" else None)
     return Engine(args.model, tp=launch.world, rank=launch.rank, comm=comm, dtype=dtype, device=device,

@@ -162,3 +162,23 @@ def test_executor_reports_a_deadlocked_table():
     engine.executor.queues = [list(range(engine.table.num_tasks - 1, -1, -1))]   # argmax first
     with pytest.raises(GraphError, match=r"deadlock: worker 0 task \d+ \(argmax\) waits on event"):
         engine.generate([1, 2], 2)
+
+
+def test_device_figures_fixed_off_a_gpu_and_looked_up_by_gpu_name(monkeypatch):
+    """Off a GPU a graph gets an H200's figures, the defaults, so CPU-built tables match everywhere; on one
+    the bandwidth is the first table entry found in the GPU's name ("H100 PCIe" before "H100")."""
+    from distmk.graph import hardware
+    from distmk.runtime.engine import device_fields
+    assert (device_fields("reference", "cpu") == {"workers": 132, "hbm_bytes_per_s": 4.5e12}
+            == {"workers": GraphConfig.workers, "hbm_bytes_per_s": GraphConfig.hbm_bytes_per_s})
+    assert device_fields("triton", "cpu")["workers"] == 1             # Triton's interpreter: one at a time
+    assert device_fields("triton", "cpu", workers=7)["workers"] == 7
+    for name, bandwidth in (("NVIDIA H100 PCIe", 2.0e12), ("NVIDIA H100 80GB HBM3", 3.35e12),
+                            ("NVIDIA H200", 4.5e12), ("a GPU the table lacks", hardware.DEFAULT_HBM_BYTES_PER_S)):
+        monkeypatch.setattr(hardware.torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert hardware.hbm_bytes_per_s("cuda") == bandwidth
+
+
+def test_cost_model_reads_the_bandwidth():
+    assert (table_for(hbm_bytes_per_s=1e12).schedule["makespan_s"]
+            > table_for().schedule["makespan_s"])

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from distmk.graph import GraphConfig
+from distmk.graph.hardware import DEFAULT_WORKERS       # an H100 / H200's SM count: one program per SM
 from distmk.runtime.engine import Engine
 
 HOPPER_SHARED_BYTES = 227 * 1024
@@ -16,7 +17,7 @@ HOPPER_SHARED_BYTES = 227 * 1024
 ])
 def test_megakernel_compiles_for_sm90(name, dtype, batch):
     engine = Engine(name, backend="triton", device="meta", dtype=dtype, max_context=1024,
-                    config=GraphConfig(batch=batch, workers=132))
+                    config=GraphConfig(batch=batch, workers=DEFAULT_WORKERS))
     compiled = engine.executor.compile_ahead(arch=90)
     assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
     assert "megakernel" in compiled.asm["ptx"]
@@ -27,7 +28,7 @@ def test_ring_megakernel_compiles_for_sm90(name, batch):
     """The Gluon megakernel (kernels/ring_megakernel.py) builds on the Triton CI installs: qkv bias, plain
     RoPE, q/k-norm through qk_finish."""
     engine = Engine(name, backend="triton", device="meta", dtype=torch.bfloat16, max_context=1024,
-                    config=GraphConfig(batch=batch, workers=132), kernel_options={"kernel": "ring"})
+                    config=GraphConfig(batch=batch, workers=DEFAULT_WORKERS), kernel_options={"kernel": "ring"})
     compiled = engine.executor.compile_ahead(arch=90)
     assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
     assert "wgmma" in compiled.asm["ptx"] and "cp.async.bulk.tensor" in compiled.asm["ptx"]
@@ -39,7 +40,7 @@ def test_tensor_parallel_megakernel_compiles_for_sm90():
 
     def compile_rank(rank, comm):
         engine = Engine("llama-3-8b", tp=2, rank=rank, comm=comm, backend="triton", device="meta",
-                        dtype=torch.bfloat16, max_context=1024, config=GraphConfig(batch=4, workers=132))
+                        dtype=torch.bfloat16, max_context=1024, config=GraphConfig(batch=4, workers=DEFAULT_WORKERS))
         return engine.executor.compile_ahead(arch=90).metadata.shared
 
     assert all(shared <= HOPPER_SHARED_BYTES for shared in run_simulated_ranks(2, compile_rank))
@@ -66,7 +67,7 @@ def test_nvshmem_transport_links_and_compiles_for_sm90():
 
     def compile_rank(rank, comm):
         engine = Engine("llama-3-8b", tp=2, rank=rank, comm=comm, backend="triton", device="meta",
-                        dtype=torch.bfloat16, max_context=1024, config=GraphConfig(batch=4, workers=132))
+                        dtype=torch.bfloat16, max_context=1024, config=GraphConfig(batch=4, workers=DEFAULT_WORKERS))
         ex = engine.executor
         options = {**ex.launch_options, "extern_libs": {"libnvshmem_device": nvshmem_bitcode()}}
         return compile_ahead(ex.kernel, {**ex.args, "TRANSPORT": 1, "SIGNAL_ADD": 10}, options, 90)
@@ -112,7 +113,7 @@ def test_executors_share_one_kernel_object():
     """One @triton.jit object per process: Triton 3.6 hashed a re-imported copy differently, so autotuning's
     candidates missed the disk cache on the next start."""
     engines = [Engine("tiny-llama", backend="triton", device="meta", dtype=torch.float32, max_context=64,
-                      config=GraphConfig(batch=batch, workers=132)) for batch in (1, 2)]
+                      config=GraphConfig(batch=batch, workers=DEFAULT_WORKERS)) for batch in (1, 2)]
     assert engines[0].executor.kernel is engines[1].executor.kernel
 
 
@@ -130,8 +131,8 @@ def test_weight_ring_compiles_for_sm90():
     shape = dict(H=spec.hidden_size, D=spec.head_dim, HQ=plan.num_heads, HKV=plan.num_kv_heads, INTER=plan.inter,
                  QKV_PARTS=2, QKV_ID=TYPE_ID["qkv"], OPROJ_ID=TYPE_ID["o_proj"], GATEUP_ID=TYPE_ID["gate_up"],
                  DOWN_ID=TYPE_ID["down"])
-    probe = ring.compile_ring_stream(rows=64, n=132 * 64, k=4096, block_n=64, block_k=256, stages=4, x_stages=3,
-                                     programs=132, mode=1)
+    probe = ring.compile_ring_stream(rows=64, n=DEFAULT_WORKERS * 64, k=4096, block_n=64, block_k=256, stages=4,
+                                     x_stages=3, programs=DEFAULT_WORKERS, mode=1)
     for compiled in (probe, ring.compile_ring_matmuls(shape)):
         assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
         ptx = compiled.asm["ptx"]
@@ -143,7 +144,7 @@ def test_ring_megakernel_refuses_a_step_it_cannot_run(dtype, batch, reason):
     from distmk.errors import DistmkError
     with pytest.raises(DistmkError, match=reason):
         Engine("tiny-llama", backend="triton", device="meta", dtype=dtype, max_context=64,
-               config=GraphConfig(batch=batch, workers=132), kernel_options={"kernel": "ring"})
+               config=GraphConfig(batch=batch, workers=DEFAULT_WORKERS), kernel_options={"kernel": "ring"})
 
 
 def test_ring_megakernel_refuses_rings_that_would_hang_or_overflow():
@@ -151,7 +152,7 @@ def test_ring_megakernel_refuses_rings_that_would_hang_or_overflow():
     for options in ({"ring_slots": 1}, {"ring_inputs": 1}, {"ring_slots": 7, "ring_inputs": 4}):
         with pytest.raises(DistmkError, match="at least 2 each"):
             Engine("llama-3-8b", backend="triton", device="meta", dtype=torch.bfloat16, max_context=64,
-                   config=GraphConfig(batch=1, workers=132), kernel_options={"kernel": "ring", **options})
+                   config=GraphConfig(batch=1, workers=DEFAULT_WORKERS), kernel_options={"kernel": "ring", **options})
 
 
 @pytest.mark.parametrize("options, message", [({"num_wraps": 4}, r"unknown kernel options \['num_wraps'\]"),
@@ -161,11 +162,11 @@ def test_kernel_options_name_what_is_wrong(options, message):
     from distmk.errors import DistmkError
     with pytest.raises(DistmkError, match=message):
         Engine("tiny-llama", backend="triton", device="meta", dtype=torch.bfloat16, max_context=64,
-               config=GraphConfig(batch=1, workers=132), kernel_options=options)
+               config=GraphConfig(batch=1, workers=DEFAULT_WORKERS), kernel_options=options)
 
 
 def test_auto_kernel_is_tl_off_hopper():
     """Off a Hopper GPU (here: the meta device) the automatic choice is the tl megakernel."""
     engine = Engine("tiny-llama", backend="triton", device="meta", dtype=torch.bfloat16, max_context=64,
-                    config=GraphConfig(batch=1, workers=132))
+                    config=GraphConfig(batch=1, workers=DEFAULT_WORKERS))
     assert engine.executor.kernel_name == "tl"

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from distmk.errors import GraphError
+from distmk.graph.hardware import DEFAULT_HBM_BYTES_PER_S, DEFAULT_WORKERS
 from distmk.graph.table import COLUMNS, TaskTable
 from distmk.models.shard import ShardPlan
 from distmk.models.spec import ModelSpec
@@ -33,12 +34,13 @@ class GraphConfig:
                                                            "worker"})
     qkv_parts: int = field(default=0, metadata={"help": "QKV tiles per head (column slices of both RoPE halves); "
                                                         "0 = about one tile per worker"})
-    workers: int = 132        # worker queues (one per SM on the GPU)
+    workers: int = DEFAULT_WORKERS  # worker queues (one per SM on the GPU: graph/hardware.py)
     context: int = 512        # expected context length, for the cost model only
     dtype_bytes: int = 2      # element size of weights and activations, for the cost model
+    hbm_bytes_per_s: float = DEFAULT_HBM_BYTES_PER_S  # the workers' shared HBM bandwidth, for the cost model
 
     def __post_init__(self):
-        for name in ("batch", "workers", "context", "dtype_bytes"):
+        for name in ("batch", "workers", "context", "dtype_bytes", "hbm_bytes_per_s"):
             if getattr(self, name) < 1:
                 raise GraphError(f"GraphConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("kv_splits", "tile_rows", "lm_tile_rows", "qkv_parts"):

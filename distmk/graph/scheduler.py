@@ -1,7 +1,7 @@
 """Static scheduler: tasks → W worker queues, balancing estimated time, provably free of deadlock.
 
-Cost model: a task takes `overhead + bytes / per-worker bandwidth` (the HBM bandwidth shared by all
-workers), plus a fixed latency for tasks that talk to other ranks. List scheduling walks tasks in their
+Cost model: a task takes `overhead + bytes / per-worker bandwidth` (the GPU's HBM bandwidth,
+GraphConfig.hbm_bytes_per_s, shared by all workers), plus a fixed latency for tasks that talk to other ranks. List scheduling walks tasks in their
 topological emission order and gives each to the worker where it can finish first. Because every queue
 is then ordered by one global topological order, the lowest unfinished task is always runnable; the
 same property is checked independently on the result (`check_deadlock_free`).
@@ -17,13 +17,12 @@ from distmk.errors import GraphError
 from distmk.graph.table import SIGNAL, TYPE, WAIT, TaskTable
 from distmk.tasks import TASK_KINDS
 
-HBM_BYTES_PER_S = 4.5e12   # H200 streaming read, measured (see shared notes)
 TASK_OVERHEAD_S = 0.5e-6   # fetch task, wait on the event, signal
 COMM_LATENCY_S = 4.5e-6    # one in-kernel NVSHMEM exchange, measured on 2x H200 NVLink
 
 
-def task_seconds(tasks: torch.Tensor, cost: torch.Tensor, workers: int) -> np.ndarray:
-    per_worker_bw = HBM_BYTES_PER_S / workers
+def task_seconds(tasks: torch.Tensor, cost: torch.Tensor, config) -> np.ndarray:
+    per_worker_bw = config.hbm_bytes_per_s / config.workers
     comm = np.array([TASK_KINDS[t].communicates for t in tasks[:, TYPE].tolist()], dtype=bool)
     return TASK_OVERHEAD_S + cost.numpy() / per_worker_bw + comm * COMM_LATENCY_S
 
@@ -31,7 +30,7 @@ def task_seconds(tasks: torch.Tensor, cost: torch.Tensor, workers: int) -> np.nd
 def schedule(tasks: torch.Tensor, event_need: torch.Tensor, cost: torch.Tensor, event_names: list[str],
              config) -> TaskTable:
     W = config.workers
-    dur = task_seconds(tasks, cost, W)
+    dur = task_seconds(tasks, cost, config)
     wait = tasks[:, WAIT].numpy()
     signal = tasks[:, SIGNAL].numpy()
     event_done = np.zeros(len(event_need))

@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from distmk.timing import cuda_times
+
 CANDIDATES = [
     {},                                   # the defaults: the ring megakernel where it runs, else tl's num_stages=4,
     {"prefetch_kb": 0},                   # prefetch_kb=256 (these four vary the tl megakernel only)
@@ -61,17 +63,9 @@ def _store(key: str, entry: dict) -> None:
 
 
 def launch_times(executor, iters: int, warmup: int = 3) -> list[float]:
-    """Milliseconds of `iters` steps as the runtime launches them (graph replays), each timed alone."""
-    for _ in range(warmup):
-        executor.launch()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        executor.launch()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    """Milliseconds of `iters` steps as the runtime launches them (graph replays), each timed alone; raises
+    if a worker's wait timed out, since such a step's time says nothing."""
+    times = cuda_times(executor.launch, iters, warmup)
     executor.check()
     return times
 

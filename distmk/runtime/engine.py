@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from distmk.errors import DistmkError
+from distmk.graph.hardware import hbm_bytes_per_s, sm_workers
 from distmk.graph.lowering import GraphConfig, compile_step
 from distmk.models.shard import load_shard, plan_shard
 from distmk.models.weights import open_model
@@ -22,12 +23,13 @@ from distmk.runtime.sampling import SamplingParams
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def default_workers(backend: str, device) -> int:
-    """Worker queues: one per SM for the megakernel on a GPU, one under Triton's (sequential) interpreter."""
-    if backend == "triton":
-        device = torch.device(device)
-        return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    return 132
+def device_fields(backend: str, device, workers: int | None = None) -> dict:
+    """The GraphConfig fields the device decides: the worker count (`workers` if given, else one per SM on
+    a GPU, one under Triton's sequential interpreter, else graph.hardware's default) and the HBM bandwidth
+    of the cost model."""
+    if workers is None:
+        workers = 1 if backend == "triton" and torch.device(device).type != "cuda" else sm_workers(device)
+    return {"workers": workers, "hbm_bytes_per_s": hbm_bytes_per_s(device)}
 
 
 class Engine:
@@ -50,7 +52,7 @@ class Engine:
         self.plan = plan_shard(self.spec, tp, rank)
         self.dtype, self.device, self.max_context = dtype, torch.device(device), max_context
         self.weights = load_shard(self.spec, source, self.plan, dtype=dtype, device=device, progress=progress)
-        config = config or GraphConfig(workers=default_workers(backend, device))
+        config = config or GraphConfig(**device_fields(backend, device))
         self.table = compile_step(self.spec, self.plan, config)
         self.config = self.table.config
         # KV-cache room: max_seqs sequences of max_context tokens (default: one per row of a step)

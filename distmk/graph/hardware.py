@@ -1,0 +1,41 @@
+"""What a task graph takes from the GPU it is built for: the worker count (the megakernel runs one
+persistent program per SM) and the HBM bandwidth the scheduler's cost model divides among the workers.
+Off a GPU both are an H200's, so that a graph built on the CPU (CI, `python -m distmk.graph`) is the same
+on every machine. Looked up, not measured at start: every tensor-parallel rank must build the same table.
+"""
+from __future__ import annotations
+
+import torch
+
+DEFAULT_WORKERS = 132                 # an H100 / H200 SXM's SM count
+
+# Streaming-read bandwidth in bytes/s by a part of the GPU's name; the first key found in the name counts,
+# so "H100 PCIe" stands before "H100". Vendor peak figures, except where measured.
+HBM_BYTES_PER_S = {
+    "H200": 4.5e12,                   # measured streaming read (benchmarks/baselines.py sweeps 4.57e12..4.68e12)
+    "H100 PCIe": 2.0e12,
+    "H100 NVL": 3.9e12,
+    "H100": 3.35e12,                  # SXM
+    "A100-SXM4-80GB": 2.04e12,
+    "A100 80GB PCIe": 1.94e12,
+    "A100": 1.56e12,                  # 40 GB
+    "B200": 8.0e12,
+}
+DEFAULT_HBM_BYTES_PER_S = HBM_BYTES_PER_S["H200"]
+
+
+def sm_workers(device) -> int:
+    """One worker per SM of a CUDA device; DEFAULT_WORKERS for any other device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return DEFAULT_WORKERS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def hbm_bytes_per_s(device) -> float:
+    """The table's figure for a CUDA device's name; DEFAULT_HBM_BYTES_PER_S off a GPU or for a GPU it lacks."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return DEFAULT_HBM_BYTES_PER_S
+    name = torch.cuda.get_device_name(device)
+    return next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), DEFAULT_HBM_BYTES_PER_S)
