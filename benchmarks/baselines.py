@@ -159,8 +159,8 @@ def cudagraph_step_ms(spec: ModelSpec, source, batch: int, context: int, dtype=t
     """Median ms of one decode step of the PyTorch decoder replayed as a single CUDA graph: `batch` rows at
     position `context - 1`, so each attends to `context` keys of a KV cache filled with random values (the
     step harness.py times), each replay timed alone as harness.py times distmk's (distmk.timing.cuda_times).
-    The graph removes launch overhead, which is what a megakernel must beat on top of it. With compile=True the step is first torch.compile'd (max-autotune, no CUDA graphs of
-    its own), which fuses the small ops.
+    The graph removes launch overhead, which is what a megakernel must beat on top of it. With compile=True
+    the step is first torch.compile'd (max-autotune, no CUDA graphs of its own), which fuses the small ops.
     (H200, llama-3-8b, batch 1, context 1024, torch 2.11: 7.36 ms, compiled 5.13 ms; tp=2: 6.39, 4.55.)"""
     world, rank = tp_rank()
     device = torch.device("cuda", torch.cuda.current_device())

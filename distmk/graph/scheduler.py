@@ -1,10 +1,11 @@
 """Static scheduler: tasks → W worker queues, balancing estimated time, provably free of deadlock.
 
 Cost model: a task takes `overhead + bytes / per-worker bandwidth` (the GPU's HBM bandwidth,
-GraphConfig.hbm_bytes_per_s, shared by all workers), plus a fixed latency for tasks that talk to other ranks. List scheduling walks tasks in their
-topological emission order and gives each to the worker where it can finish first. Because every queue
-is then ordered by one global topological order, the lowest unfinished task is always runnable; the
-same property is checked independently on the result (`check_deadlock_free`).
+GraphConfig.hbm_bytes_per_s, shared by all workers), plus a fixed latency for tasks that talk to other
+ranks. List scheduling walks tasks in their topological emission order and gives each to the worker
+where it can finish first. Because every queue is then ordered by one global topological order, the
+lowest unfinished task is always runnable; the same property is checked independently on the result
+(`check_deadlock_free`).
 """
 from __future__ import annotations
 

@@ -75,8 +75,8 @@ def _weights(queued, queue_ptr, {descs}, ring, ready, empty, released, {constant
 
 @gluon.jit
 def _tasks(queued, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, trace, rank, timeout, vocab0,
-           vocab_valid, {buffers}, {descs}, ring, ready, empty, xring, xready, released, {constants}, TRACE: gl.constexpr,
-           num_warps: gl.constexpr):
+           vocab_valid, {buffers}, {descs}, ring, ready, empty, xring, xready, released, {constants},
+           TRACE: gl.constexpr, num_warps: gl.constexpr):
     worker = gl.program_id(0)
     epoch = gl.load(epoch_ptr)
     n = gl.load(rows_ptr)
@@ -150,7 +150,8 @@ def generate_source(kinds) -> str:
     return _TEMPLATE.format(imports="\n".join(imports), buffers=", ".join(BUFFERS), descs=", ".join(DESCRIPTORS),
                             constants=", ".join(f"{c}: gl.constexpr" for c in CONSTANTS),
                             constant_names=", ".join(CONSTANTS), dispatch=dispatch, weights=weights,
-                            waits_here=waits_here, reads_weights=reads_weights or "kind < 0", wait=wait(" " * 12), error_report=error_report("gl", " " * 16),
+                            waits_here=waits_here, reads_weights=reads_weights or "kind < 0", wait=wait(" " * 12),
+                            error_report=error_report("gl", " " * 16),
                             registers=PRODUCER_REGISTERS)
 
 
