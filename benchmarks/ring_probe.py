@@ -15,6 +15,9 @@ from triton.experimental.gluon import language as gl
 
 from distmk.device.ring import (_acquire64, acc_layout, cta_barrier, load_rows, make_rings, matmul_layouts,
                                 mma_block, task_row)
+from distmk.graph.table import COLUMNS
+
+ROW_WIDTH = gl.constexpr(len(COLUMNS))
 
 STREAM_SCALE = gl.constexpr(1 / 64)      # a layer's output scale in the probe: keeps values O(1) over 32 layers
 POLL_LIMIT = gl.constexpr(5_000_000)      # a barrier that never completes gives up instead of hanging the GPU
@@ -210,7 +213,7 @@ def _matmul_producer(tasks, queue, queue_ptr, wqkv_desc, wo_desc, wg_desc, wu_de
     worker = gl.program_id(0)
     c = 0
     for i in range(gl.load(queue_ptr + worker), gl.load(queue_ptr + worker + 1)):
-        kind, layer, a0, a1, a2, a3, wait, signal = task_row(tasks, gl.load(queue + i), True)
+        kind, layer, a0, a1, a2, a3, wait, signal = task_row(tasks, gl.load(queue + i), True, ROW_WIDTH)
         for seg in gl.static_range(2):
             which, w_row, rows, col = _segment(kind, layer, a0, a1, seg, H, D, HQ, HKV, INTER, QKV_PARTS, QKV_ID,
                                                OPROJ_ID, GATEUP_ID, DOWN_ID)
@@ -239,7 +242,7 @@ def _matmul_consumer(tasks, queue, queue_ptr, event_need, counters, rows_ptr, xh
     c = 0
     cx = 0
     for i in range(gl.load(queue_ptr + worker), gl.load(queue_ptr + worker + 1)):
-        kind, layer, a0, a1, a2, a3, wait, signal = task_row(tasks, gl.load(queue + i), True)
+        kind, layer, a0, a1, a2, a3, wait, signal = task_row(tasks, gl.load(queue + i), True, ROW_WIDTH)
         if wait >= 0:
             target = gl.load(event_need + wait).to(gl.int64)
             seen = _acquire64(counters + wait)

@@ -148,9 +148,10 @@ def _acquire64(ptr):
 
 
 @gluon.jit
-def task_row(rows, i, valid):
-    """Row i of a task table (graph/table.py COLUMNS): type, layer, a0..a3, wait, signal; zeros unless valid."""
-    row = rows + i * 8
+def task_row(rows, i, valid, WIDTH: gl.constexpr):
+    """Row i of a task table of rows of WIDTH columns, graph/table.py's COLUMNS in order: type, layer, a0..a3,
+    wait, signal; zeros unless valid."""
+    row = rows + i * WIDTH
     return (gl.load(row, mask=valid, other=0), gl.load(row + 1, mask=valid, other=0),
             gl.load(row + 2, mask=valid, other=0), gl.load(row + 3, mask=valid, other=0),
             gl.load(row + 4, mask=valid, other=0), gl.load(row + 5, mask=valid, other=0),

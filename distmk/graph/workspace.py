@@ -1,29 +1,61 @@
-"""The activation buffers that tasks read and write, by name: one set per rank, reused every step."""
+"""The activation buffers that tasks read and write, by name: one set per rank, reused every step. Declared
+once (WORKSPACE): the reference executor allocates them, and the megakernels take them as arguments by these
+names (kernels/interface.py)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from distmk.graph.lowering import num_lm_tiles
 
 
+@dataclass(frozen=True)
+class Dims:
+    """The sizes a buffer's shape is made of."""
+    batch: int
+    hidden: int
+    head_dim: int
+    heads: int          # this rank's query heads
+    kv_heads: int
+    group: int          # query heads per key/value head
+    inter: int
+    vocab: int          # this rank's vocabulary slice
+    kv_splits: int
+    lm_tiles: int
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    shape: Callable[[Dims], tuple]
+    dtype: str          # "float32", "int64", or "act": the activations' dtype
+    doc: str
+
+
+WORKSPACE = (
+    Buffer("x", lambda d: (d.batch, d.hidden), "float32", "residual stream, kept in float32"),
+    Buffer("q", lambda d: (d.batch, d.heads, d.head_dim), "act", "roped queries"),
+    Buffer("qk_raw", lambda d: (d.batch, d.heads + d.kv_heads, d.head_dim), "float32", "q/k heads before q/k-norm"),
+    Buffer("attn_o", lambda d: (d.batch, d.kv_heads, d.kv_splits, d.group, d.head_dim), "float32",
+           "split-KV partial outputs"),
+    Buffer("attn_m", lambda d: (d.batch, d.kv_heads, d.kv_splits, d.group), "float32", "split-KV running maxima"),
+    Buffer("attn_l", lambda d: (d.batch, d.kv_heads, d.kv_splits, d.group), "float32", "split-KV running sums"),
+    Buffer("attn", lambda d: (d.batch, d.heads * d.head_dim), "act", "attention output, heads concatenated"),
+    Buffer("partial", lambda d: (d.batch, d.hidden), "float32", "this rank's row-parallel partial sum"),
+    Buffer("h", lambda d: (d.batch, d.inter), "act", "silu(gate) * up"),
+    Buffer("logits", lambda d: (d.batch, d.vocab), "float32", "this rank's vocabulary slice"),
+    Buffer("tile_max", lambda d: (d.batch, d.lm_tiles), "float32", "each lm_head tile's maximum logit"),
+    Buffer("tile_arg", lambda d: (d.batch, d.lm_tiles), "int64", "and its token id"),
+    Buffer("next_token", lambda d: (d.batch,), "int64", "the greedy token of each row"),
+)
+
+
 def allocate_workspace(spec, plan, config, dtype, device) -> dict:
-    """Buffers for a table compiled with `config` (its batch, attention splits and lm_head tiles)."""
-    B, H, D, g = config.batch, spec.hidden_size, spec.head_dim, plan.group
-    kv_splits, lm_tiles = config.kv_splits, num_lm_tiles(plan, config)
-    f32 = dict(dtype=torch.float32, device=device)
-    act = dict(dtype=dtype, device=device)
-    return {
-        "x": torch.zeros(B, H, **f32),                               # residual stream, kept in float32
-        "q": torch.zeros(B, plan.num_heads, D, **act),               # roped queries
-        "qk_raw": torch.zeros(B, plan.num_heads + plan.num_kv_heads, D, **f32),  # q/k heads before q/k-norm
-        "attn_o": torch.zeros(B, plan.num_kv_heads, kv_splits, g, D, **f32),  # split-KV partials
-        "attn_m": torch.zeros(B, plan.num_kv_heads, kv_splits, g, **f32),
-        "attn_l": torch.zeros(B, plan.num_kv_heads, kv_splits, g, **f32),
-        "attn": torch.zeros(B, plan.num_heads * D, **act),           # attention output, heads concatenated
-        "partial": torch.zeros(B, H, **f32),                         # this rank's row-parallel partial sum
-        "h": torch.zeros(B, plan.inter, **act),                      # silu(gate) * up
-        "logits": torch.zeros(B, plan.vocab, **f32),                 # this rank's vocabulary slice
-        "tile_max": torch.zeros(B, lm_tiles, **f32),
-        "tile_arg": torch.zeros(B, lm_tiles, dtype=torch.int64, device=device),
-        "next_token": torch.zeros(B, dtype=torch.int64, device=device),
-    }
+    """WORKSPACE's buffers for a table compiled with `config` (its batch, attention splits and lm_head tiles)."""
+    dims = Dims(batch=config.batch, hidden=spec.hidden_size, head_dim=spec.head_dim, heads=plan.num_heads,
+                kv_heads=plan.num_kv_heads, group=plan.group, inter=plan.inter, vocab=plan.vocab,
+                kv_splits=config.kv_splits, lm_tiles=num_lm_tiles(plan, config))
+    dtypes = {"float32": torch.float32, "int64": torch.int64, "act": dtype}
+    return {b.name: torch.zeros(b.shape(dims), dtype=dtypes[b.dtype], device=device) for b in WORKSPACE}

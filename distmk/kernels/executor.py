@@ -11,12 +11,12 @@ import dataclasses
 import os
 
 import torch
-import triton
 
 from distmk.errors import DistmkError
 from distmk.graph.lowering import num_lm_tiles
 from distmk.graph.table import SIGNAL, TYPE, WAIT
 from distmk.kernels.layout import stack_layers
+from distmk.kernels.interface import Launch, launch_arguments, padded
 from distmk.kernels.megakernel import ERROR_FIELDS, TRACE_FIELDS, compile_ahead, load_megakernel
 from distmk.kernels.options import KernelOptions
 from distmk.kernels.ring_megakernel import load_ring_megakernel, ring_arguments, ring_unsupported
@@ -26,10 +26,6 @@ from distmk.graph.workspace import allocate_workspace
 
 class WatchdogTimeout(DistmkError):
     """A task of the megakernel waited longer than the timeout for its event."""
-
-
-def _pad(n: int, minimum: int = 16) -> int:
-    return max(minimum, triton.next_power_of_2(n))
 
 
 def stalled_event(table, incomplete: torch.Tensor) -> int:
@@ -81,6 +77,23 @@ def choose_kernel(requested: str, device, interpret: bool, unsupported: str | No
     return "ring" if requested == "auto" and hopper and not interpret and unsupported is None else "tl"
 
 
+class SymmetricBuffers:
+    """This rank's symmetric memory (every rank allocates the same, so peers address it): event counters that
+    peers bump, exchange buffers of row-parallel partial sums and of the argmax, each with the peers' addresses
+    (tasks/ar_push.py, tasks/argmax_push.py)."""
+
+    def __init__(self, comm, events: int, batch: int, hidden: int, device):
+        b_pad = padded(batch)
+        self.counters, self.counter_peers = comm.symmetric((events,), torch.int64, device)
+        self.exchange, self.exchange_peers = comm.symmetric((EXCHANGE_SLOTS, comm.world, b_pad * hidden),
+                                                            torch.float32, device)
+        self.best, self.best_peers = comm.symmetric((comm.world, b_pad), torch.float32, device)
+        self.best_id, self.best_id_peers = comm.symmetric((comm.world, b_pad), torch.int64, device)
+
+    def arguments(self) -> dict:
+        return dict(vars(self))
+
+
 class TritonExecutor:
     def __init__(self, table, spec, weights, kv_cache, comm, dtype, **options):
         """`options`: KernelOptions' fields."""
@@ -112,19 +125,10 @@ class TritonExecutor:
         self.block_table = torch.zeros(config.batch, kv_cache.blocks_per_seq, **i64)
         self.rows = torch.zeros(1, **i32)
         self.epoch = torch.zeros(1, **i32)
-        # symmetric memory: peers bump our exchange events and write our exchange buffers
-        self.counters, counter_peers = comm.symmetric((len(table.event_need),), torch.int64, device)
-        b_pad = _pad(config.batch)
-        exchange = comm.symmetric((EXCHANGE_SLOTS, comm.world, b_pad * spec.hidden_size), torch.float32, device)
-        best = comm.symmetric((comm.world, b_pad), torch.float32, device)
-        best_id = comm.symmetric((comm.world, b_pad), torch.int64, device)
-        # scratch of each worker: the RMS-normed input a tile computes for itself (primitives.rms_norm_rows)
-        xn = torch.zeros(table.num_workers, b_pad, spec.hidden_size, dtype=dtype, device=device)
         self.error = torch.zeros(len(ERROR_FIELDS), **i64)
         self.trace = torch.zeros(table.num_tasks if o.trace else 1, len(TRACE_FIELDS), **i64)
-        # polls when interpreted: simulated ranks (threads) may have to wait for each other a while
-        self.timeout = (1000 if comm.world == 1 else 10 ** 6) if self.interpret else int(o.timeout_s * 1e9)
-        lm_tiles = num_lm_tiles(plan, config)
+        self.symmetric = SymmetricBuffers(comm, len(table.event_need), config.batch, spec.hidden_size, device)
+        self.counters = self.symmetric.counters
         self.transport = choose_transport(o.transport, comm)
         self.launch_options = dict(num_warps=o.num_warps, num_stages=1 if self.interpret else o.num_stages)
         signal_add = -1                         # only the NVSHMEM transport uses it
@@ -132,32 +136,19 @@ class TritonExecutor:
             from distmk.device.nvshmem import extern_libs, signal_constants
             signal_add = signal_constants()["SIGNAL_ADD"]
             self.launch_options["extern_libs"] = extern_libs()
-        # 16-32 KB of weights per load step in bf16; float32 (tests) halves K to stay in shared memory
-        block_k = o.block_k or (128 if dtype == torch.float32 else 256)
-        pair_k = block_k // 2                   # gate+up and the two halves of a head load two tiles a step
-        self.args = dict(
-            tasks=self.dev_table.tasks, queue=self.dev_table.queue, queue_ptr=self.dev_table.queue_ptr,
-            event_need=self.dev_table.event_need, counters=self.counters, counter_peers=counter_peers,
-            exchange=exchange[0], exchange_peers=exchange[1], best=best[0], best_peers=best[1],
-            best_id=best_id[0], best_id_peers=best_id[1], WORLD=comm.world, epoch_ptr=self.epoch,
-            rows_ptr=self.rows, error=self.error, trace=self.trace, rank=comm.rank, timeout=self.timeout,
-            vocab0=plan.vocab0, vocab_valid=plan.vocab_valid,
-            **stack_layers(weights), k_cache=kv_cache.k, v_cache=kv_cache.v, tokens=self.tokens,
-            positions=self.positions, block_table=self.block_table, xn=xn, **self.buf,
-            H=spec.hidden_size, D=spec.head_dim, HQ=plan.num_heads, HKV=plan.num_kv_heads, G=plan.group,
-            G_PAD=_pad(plan.group), INTER=plan.inter, VOCAB_L=plan.vocab, B_PAD=b_pad,
-            MAXB=kv_cache.blocks_per_seq, BS=kv_cache.block_size, NBLK=kv_cache.num_blocks, S=config.kv_splits,
-            EPS=spec.rms_norm_eps, HAS_BIAS=spec.qkv_bias, QK_NORM=spec.qk_norm, WINDOW=spec.sliding_window or 0,
-            SCALE=spec.head_dim ** -0.5, HALF_PAD=_pad(spec.head_dim // 2), QKV_PARTS=config.qkv_parts,
-            QKV_BLOCK_N=_pad(spec.head_dim // 2 // config.qkv_parts), LM_TILES=lm_tiles,
-            LM_TILES_PAD=_pad(lm_tiles, 2), BLOCK_N=o.block_n, BLOCK_K=block_k, MLP_BLOCK_N=o.mlp_block_n,
-            MLP_BLOCK_K=pair_k, LM_BLOCK_N=o.lm_block_n, LM_BLOCK_K=pair_k, QKV_BLOCK_K=pair_k,
-            PREFETCH=0 if self.interpret else o.prefetch_kb * 1024,
-            BLOCK_H=min(1024, _pad(spec.hidden_size)), BLOCK_T=16,
-            NORM_BLOCK=min(_pad(spec.hidden_size), max(16, 8192 // _pad(config.batch))),
-            DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-            TRANSPORT=TRANSPORTS.index(self.transport), SIGNAL_ADD=signal_add, EXCHANGE_SLOTS=EXCHANGE_SLOTS,
-            TRACE=o.trace, INTERPRET=self.interpret)
+        launch = Launch(spec=spec, plan=plan, config=config, options=o, dtype=dtype, kv=kv_cache, world=comm.world,
+                        rank=comm.rank, interpret=self.interpret, transport=TRANSPORTS.index(self.transport),
+                        signal_add=signal_add, exchange_slots=EXCHANGE_SLOTS, lm_tiles=num_lm_tiles(plan, config),
+                        # polls when interpreted: simulated ranks (threads) may have to wait for each other a while
+                        timeout=(1000 if comm.world == 1 else 10 ** 6) if self.interpret else int(o.timeout_s * 1e9))
+        control = dict(tasks=self.dev_table.tasks, queue=self.dev_table.queue, queue_ptr=self.dev_table.queue_ptr,
+                       event_need=self.dev_table.event_need, epoch_ptr=self.epoch, rows_ptr=self.rows,
+                       error=self.error, trace=self.trace)
+        tensors = dict(**stack_layers(weights), k_cache=kv_cache.k, v_cache=kv_cache.v, tokens=self.tokens,
+                       positions=self.positions, block_table=self.block_table, **self.buf,
+                       xn=torch.zeros(table.num_workers, launch.b_pad, spec.hidden_size, dtype=dtype, device=device),
+                       **self.symmetric.arguments())
+        self.args = launch_arguments(launch, control, tensors)
         self.kernel_name = choose_kernel(o.kernel, device, self.interpret,
                                          ring_unsupported(spec, plan, config, dtype, comm.world,
                                                           {TASK_KINDS[t] for t in table.tasks[:, TYPE].tolist()}))
@@ -168,16 +159,24 @@ class TritonExecutor:
         else:
             self.kernel = load_megakernel(TASK_KINDS)
         if comm.world > 1:
-            # Exchanges address events by id and buffers by shape: every rank must run the same table. The
-            # gather also keeps every rank from pushing into a peer's buffers before the peer zeroed them.
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            on = device if device.type == "cuda" else "cpu"       # NCCL gathers CUDA tensors; meta has no values
-            digests = [int(d) for d in comm.gather(torch.tensor([table.digest()], dtype=torch.int64, device=on))]
-            if len(set(digests)) > 1:
-                raise DistmkError(f"tensor-parallel ranks compiled different task tables (digests {digests}): "
-                                  f"give every rank the same GraphConfig (workers, batch, tiles) and model")
-        if comm.world > 1 and device.type == "cuda":
+            self._start_together(comm)
+        self.use_graph = o.cuda_graph and device.type == "cuda"
+        self.graph = None
+        self.comm_world, self.failed = comm.world, False
+
+    def _start_together(self, comm) -> None:
+        """tp > 1: check that every rank compiled the same table, compile, and meet at a barrier."""
+        # Exchanges address events by id and buffers by shape: every rank must run the same table. The gather
+        # also keeps every rank from pushing into a peer's buffers before the peer zeroed them.
+        device, table = self.device, self.table
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        on = device if device.type == "cuda" else "cpu"       # NCCL gathers CUDA tensors; meta has no values
+        digests = [int(d) for d in comm.gather(torch.tensor([table.digest()], dtype=torch.int64, device=on))]
+        if len(set(digests)) > 1:
+            raise DistmkError(f"tensor-parallel ranks compiled different task tables (digests {digests}): "
+                              f"give every rank the same GraphConfig (workers, batch, tiles) and model")
+        if device.type == "cuda":
             # Compile before the first step, then start together: a rank still compiling would leave its
             # peers' first exchange waiting past the watchdog, which is final at tp > 1.
             grid = (table.num_workers,)
@@ -187,9 +186,6 @@ class TritonExecutor:
             else:
                 self.kernel.warmup(grid=grid, **self.args, **self.launch_options)
             comm.barrier()
-        self.use_graph = o.cuda_graph and device.type == "cuda"
-        self.graph = None
-        self.comm_world, self.failed = comm.world, False
 
     def _launch(self) -> None:
         if self.device.type != "cuda" and not self.interpret:

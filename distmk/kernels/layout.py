@@ -8,6 +8,10 @@ import torch
 from distmk.models.shard import RankWeights
 
 
+# the tensors stack_layers returns, by name (kernels/interface.py declares them as kernel arguments)
+STACKED = ("embed", "wqkv", "bqkv", "qk_norm", "wo", "w_gate", "w_up", "w_down", "norms", "lm_head", "inv_freq")
+
+
 def stack_layers(weights: RankWeights) -> dict[str, torch.Tensor]:
     """The stacked tensors, built once per RankWeights (every executor of an engine shares them)."""
     if weights.stacked is None:

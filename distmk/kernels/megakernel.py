@@ -1,9 +1,9 @@
 """The persistent megakernel: one program per worker queue walks the task table, waits on events, runs tasks.
 
-Its source is generated from the task registry: every TaskKind's `gpu` device function is called by the
-names of its parameters, which must come from the kernel's vocabulary below (runtime values, buffers,
-compile-time shapes). Adding a task type therefore touches its own file and the registry, never this
-one. The generated module is written next to Triton's cache (Triton reads source from files).
+Its source is generated from the task registry and the interface (kernels/interface.py): every TaskKind's
+`gpu` device function is called by the names of its parameters, which must come from the kernel's vocabulary
+(runtime values, buffers, compile-time shapes, all declared there), and the signature is the interface's.
+Adding a task type therefore touches its own file and the registry, never this one. The generated module is written next to Triton's cache (Triton reads source from files).
 """
 from __future__ import annotations
 
@@ -13,27 +13,12 @@ import inspect
 import os
 
 from distmk.errors import DistmkError
+from distmk.graph.table import COLUMNS
+from distmk.kernels.interface import CONSTANTS, CONTROL, FLAGS, NAMES, RUNTIME, SCALARS
 
-# Per task: values read from its table row; per step: rows active (n), this rank's vocabulary slice.
-RUNTIME = ("layer", "a0", "a1", "a2", "a3", "n", "worker", "rank", "signal", "vocab0", "vocab_valid")
-# Tensors, passed by pointer (weights stacked over layers; see kernels/layout.py).
-BUFFERS = ("embed", "wqkv", "bqkv", "qk_norm", "wo", "w_gate", "w_up", "w_down", "norms", "lm_head", "inv_freq",
-           "k_cache", "v_cache", "tokens", "positions", "block_table",
-           "x", "xn", "q", "qk_raw", "attn_o", "attn_m", "attn_l", "attn", "partial", "h", "logits", "tile_max",
-           "tile_arg", "next_token",
-           # symmetric memory (tp > 1): this rank's event counters and exchange buffers, and the peers'
-           # addresses of them
-           "counters", "counter_peers", "exchange", "exchange_peers", "best", "best_id", "best_peers",
-           "best_id_peers")
-# Shapes and tile sizes, compile-time constants.
-CONSTANTS = ("H", "D", "HQ", "HKV", "G", "G_PAD", "INTER", "VOCAB_L", "B_PAD", "MAXB", "BS", "NBLK", "S", "EPS",
-             "HAS_BIAS", "QK_NORM", "WINDOW", "SCALE", "HALF_PAD", "QKV_PARTS", "LM_TILES", "LM_TILES_PAD", "BLOCK_H",
-             "BLOCK_T", "DOT_PRECISION", "PREFETCH", "NORM_BLOCK", "WORLD",
-             # exchanges: 0 = stores through peer pointers, 1 = NVSHMEM put-with-signal (tasks/ar_push.py)
-             "TRANSPORT", "SIGNAL_ADD", "EXCHANGE_SLOTS",
-             # matmul tiles per task family: (rows, K) of one pipelined load step
-             "BLOCK_N", "BLOCK_K", "MLP_BLOCK_N", "MLP_BLOCK_K", "LM_BLOCK_N", "LM_BLOCK_K", "QKV_BLOCK_N",
-             "QKV_BLOCK_K")
+BUFFERS, CONSTANT_NAMES = NAMES["buffers"], NAMES["constants"]
+ROW_ARGS = tuple(c for c in COLUMNS if c.startswith("a"))      # the row's columns a task type names in `args`
+VOCABULARY = {*RUNTIME, *BUFFERS, *CONSTANT_NAMES, "INTERPRET"}     # what a task's tl device function may take
 
 ERROR_FIELDS = ("failed", "rank", "worker", "task", "event", "seen", "target", "epoch")
 TRACE_FIELDS = ("wait_ns", "start_ns", "end_ns", "sm")   # wait_ns: when the task began waiting
@@ -47,11 +32,8 @@ from distmk.device.primitives import now_ns, signal_event, wait_event
 {imports}
 
 
-@triton.jit(do_not_specialize=["rank", "timeout", "vocab0", "vocab_valid"])
-def megakernel(tasks, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, trace,
-               rank, timeout,
-               vocab0, vocab_valid, {buffers},
-               {constants}, TRACE: tl.constexpr, INTERPRET: tl.constexpr):
+@triton.jit(do_not_specialize={scalars!r})
+def megakernel({parameters}):
     worker = tl.program_id(0)
     epoch = tl.load(epoch_ptr)
     n = tl.load(rows_ptr)
@@ -60,15 +42,8 @@ def megakernel(tasks, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, 
     ok = 1
     while (i < end) & (ok == 1):
         t = tl.load(queue + i)
-        row = tasks + t * 8
-        kind = tl.load(row)
-        layer = tl.load(row + 1)
-        a0 = tl.load(row + 2)
-        a1 = tl.load(row + 3)
-        a2 = tl.load(row + 4)
-        a3 = tl.load(row + 5)
-        wait = tl.load(row + 6)
-        signal = tl.load(row + 7)
+        row = tasks + t * {row_width}
+{row_loads}
         if PREFETCH > 0:   # weights do not depend on the event: start pulling them into L2 now
 {prefetch}
         if TRACE:
@@ -111,17 +86,23 @@ def _dispatch(kinds, attr: str, indent: str, imports: list, known=None, results=
 
 
 def device_call(kind, attr: str, imports: list, known=None) -> tuple[list, str]:
-    """The parameters of task type `kind`'s device function `attr` and the call of it by their names, which must
-    be in `known` (default: this kernel's vocabulary); adds its import to `imports`."""
-    known = known or set(RUNTIME) | set(BUFFERS) | set(CONSTANTS) | {"INTERPRET"}
+    """The parameters of task type `kind`'s device function `attr` and the call of it by their names: the
+    kind's own `args` (bound to the row's columns a0..a3) or names in `known` (default: this kernel's
+    vocabulary, kernels/interface.py); adds its import to `imports`."""
+    known = known or VOCABULARY
     fn = getattr(kind, attr)
     params = list(inspect.signature(fn.fn).parameters)
-    unknown = [p for p in params if p not in known]
+    shadowing = [a for a in kind.args if a in known]
+    if shadowing or len(kind.args) > len(ROW_ARGS):
+        raise DistmkError(f"task {kind.name}: its args {list(kind.args)} must be at most {len(ROW_ARGS)} and not "
+                          f"shadow names of the kernel's vocabulary ({shadowing})")
+    unknown = [p for p in params if p not in known and p not in kind.args]
     if unknown:
-        raise DistmkError(f"task {kind.name}: {attr} parameters {unknown} are not in the vocabulary of the "
-                          f"kernel that calls it (distmk/kernels/megakernel.py, ring_megakernel.py)")
+        raise DistmkError(f"task {kind.name}: {attr} parameters {unknown} are neither its args {list(kind.args)} "
+                          f"nor in the vocabulary of the kernel that calls it (distmk/kernels/interface.py)")
     imports.append(f"from {fn.fn.__module__} import {fn.__name__}")
-    return params, f"{fn.__name__}({', '.join(params)})"
+    columns = dict(zip(kind.args, ROW_ARGS))
+    return params, f"{fn.__name__}({', '.join(columns.get(p, p) for p in params)})"
 
 
 # what a worker that gives up records in ERROR_FIELDS (after `failed`), as kernel expressions
@@ -141,10 +122,32 @@ def generate_source(kinds) -> str:
     dispatch = _dispatch(kinds, "gpu", " " * 12, imports)
     prefetch = _dispatch(kinds, "gpu_prefetch", " " * 12, imports)
     broadcast = " | ".join(f"(kind == {i})" for i, k in enumerate(kinds) if k.signals_all_ranks) or "(kind < 0)"
-    return _TEMPLATE.format(imports="\n".join(imports), buffers=", ".join(BUFFERS),
-                            constants=", ".join(f"{c}: tl.constexpr" for c in CONSTANTS),
+    return _TEMPLATE.format(imports="\n".join(imports), scalars=[a.name for a in SCALARS],
+                            parameters=signature("tl"), row_width=len(COLUMNS), row_loads=row_loads("tl", " " * 8),
                             dispatch=dispatch, prefetch=prefetch, broadcast=broadcast,
                             error_report=error_report("tl", " " * 20))
+
+
+def signature(lang: str) -> str:
+    """The tl megakernel's parameters, in interface order."""
+    return parameter_list([*CONTROL, *(a.name for a in SCALARS), *BUFFERS,
+                           *(f"{a.name}: {lang}.constexpr" for a in CONSTANTS + FLAGS)], 15)
+
+
+def parameter_list(names, indent: int) -> str:
+    """`names` comma-separated in lines of at most 120 characters, continued at `indent` columns."""
+    lines, line = [], ""
+    for name in names:
+        if line and indent + len(line) + len(name) + 2 > 120:
+            lines.append(line.rstrip())
+            line = ""
+        line += name + ", "
+    return ("\n" + " " * indent).join(lines + [line.rstrip(", ")])
+
+
+def row_loads(lang: str, indent: str) -> str:
+    """The loads of a task's table row into the variables named by table.py's COLUMNS (`type` as kind)."""
+    return "\n".join(f"{indent}{'kind' if c == 'type' else c} = {lang}.load(row + {i})" for i, c in enumerate(COLUMNS))
 
 
 _LOADED = {}      # source digest -> kernel, one per process

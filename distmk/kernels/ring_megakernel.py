@@ -23,8 +23,10 @@ launch ends; the step's results are discarded by the executor.
 from __future__ import annotations
 
 from distmk.errors import DistmkError
-from distmk.kernels.megakernel import (BUFFERS, CONSTANTS, RUNTIME, _dispatch, device_call, error_report,
-                                       load_generated)
+from distmk.graph.table import COLUMNS
+from distmk.kernels.interface import CONTROL, SCALARS
+from distmk.kernels.megakernel import (BUFFERS, CONSTANT_NAMES, RUNTIME, _dispatch, device_call, error_report,
+                                       load_generated, parameter_list)
 
 # TMA descriptors (`<buffer>_desc`) of the weights the ring streams and of the tiles' inputs (xn: each worker's
 # normed rows)
@@ -32,8 +34,8 @@ STREAMED, INPUTS = ("wqkv", "wo", "w_gate", "w_up", "w_down", "lm_head"), ("xn",
 DESCRIPTORS = tuple(f"{name}_desc" for name in STREAMED + INPUTS)
 # the ring (weights, inputs, their mbarriers) and how far each partition has gone in it
 RING_STATE = ("ring", "ready", "empty", "xring", "xready", "c", "cx", "num_warps")
-WEIGHT_VOCABULARY = {"layer", "a0", "a1", "a2", "a3", "ring", "ready", "empty", "c", *DESCRIPTORS, *CONSTANTS}
-TASK_VOCABULARY = {*RUNTIME, *BUFFERS, *CONSTANTS, *DESCRIPTORS, *RING_STATE}
+WEIGHT_VOCABULARY = {"layer", "ring", "ready", "empty", "c", *DESCRIPTORS, *CONSTANT_NAMES}
+TASK_VOCABULARY = {*RUNTIME, *BUFFERS, *CONSTANT_NAMES, *DESCRIPTORS, *RING_STATE}
 PRODUCER_REGISTERS = 48
 
 _TEMPLATE = '''\\
@@ -61,12 +63,12 @@ def _wait(counters, event_need, error, wait, epoch, ok, timeout, rank, worker, t
 
 
 @gluon.jit
-def _weights(queued, queue_ptr, {descs}, ring, ready, empty, released, {constants}):
+def _weights({weights_params}):
     worker = gl.program_id(0)
     c = 0
     fed = 0         # tasks with weights begun
     for i in range(gl.load(queue_ptr + worker), gl.load(queue_ptr + worker + 1)):
-        kind, layer, a0, a1, a2, a3, wait, signal = task_row(queued, i, True)
+        {row_names} = task_row(queued, i, True, {row_width})
         if {reads_weights}:
             wait_handoff(released, fed)
             fed += 1
@@ -74,9 +76,7 @@ def _weights(queued, queue_ptr, {descs}, ring, ready, empty, released, {constant
 
 
 @gluon.jit
-def _tasks(queued, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, trace, rank, timeout, vocab0,
-           vocab_valid, {buffers}, {descs}, ring, ready, empty, xring, xready, released, {constants},
-           TRACE: gl.constexpr, num_warps: gl.constexpr):
+def _tasks({tasks_params}):
     worker = gl.program_id(0)
     epoch = gl.load(epoch_ptr)
     n = gl.load(rows_ptr)
@@ -88,12 +88,12 @@ def _tasks(queued, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, tra
     # the next task's row is loaded a task ahead: the table is constant, and a worker that finishes last in a phase
     # would otherwise start the next one a round trip late
     t_next = gl.load(queue + first, mask=first < last, other=0)
-    row_next = task_row(queued, first, first < last)
+    row_next = task_row(queued, first, first < last, {row_width})
     for i in range(first, last):
         t = t_next
-        kind, layer, a0, a1, a2, a3, wait, signal = row_next
+        {row_names} = row_next
         t_next = gl.load(queue + i + 1, mask=i + 1 < last, other=0)
-        row_next = task_row(queued, i + 1, i + 1 < last)
+        row_next = task_row(queued, i + 1, i + 1 < last, {row_width})
         if TRACE:
             gl.store(trace + t * 4, now_ns())
         if {waits_here}:      # a kind with a ring_prepare waits in its own branch, after it
@@ -107,17 +107,13 @@ def _tasks(queued, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, tra
             mbarrier.arrive(released.index(0), count=1)
 
 
-@gluon.jit(do_not_specialize=["rank", "timeout", "vocab0", "vocab_valid"])
-def ring_megakernel(queued, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, trace, rank, timeout, vocab0,
-                    vocab_valid, {buffers}, {descs}, {constants}, BN: gl.constexpr, NBUF: gl.constexpr,
-                    XD: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+@gluon.jit(do_not_specialize={scalars!r})
+def ring_megakernel({kernel_params}):
     ring, ready, empty, xring, xready = make_rings(wqkv_desc, xn_desc, BN, NBUF, XD)
     released = make_handoff()
     gl.warp_specialize([
-        (_tasks, (queued, queue, queue_ptr, event_need, epoch_ptr, rows_ptr, error, trace, rank, timeout, vocab0,
-                  vocab_valid, {buffers}, {descs}, ring, ready, empty, xring, xready, released, {constant_names}, TRACE,
-                  num_warps)),
-        (_weights, (queued, queue_ptr, {descs}, ring, ready, empty, released, {constant_names})),
+        (_tasks, ({tasks_args})),
+        (_weights, ({weights_args})),
     ], [1], [{registers}])
 '''
 
@@ -147,12 +143,24 @@ def generate_source(kinds) -> str:
     weights = _dispatch(kinds, "ring_weights", " " * 8, imports, WEIGHT_VOCABULARY, _results)
     reads_weights = " | ".join(f"(kind == {i})" for i, k in enumerate(kinds) if k.ring_weights is not None)
     waits_here = " & ".join(f"(kind != {i})" for i, k in enumerate(kinds) if k.ring_prepare is not None) or "kind >= 0"
-    return _TEMPLATE.format(imports="\n".join(imports), buffers=", ".join(BUFFERS), descs=", ".join(DESCRIPTORS),
-                            constants=", ".join(f"{c}: gl.constexpr" for c in CONSTANTS),
-                            constant_names=", ".join(CONSTANTS), dispatch=dispatch, weights=weights,
+    control, scalars = ("queued", *CONTROL[1:]), [a.name for a in SCALARS]
+    constants = [f"{c}: gl.constexpr" for c in CONSTANT_NAMES]
+    tasks = [*control, *scalars, *BUFFERS, *DESCRIPTORS, "ring", "ready", "empty", "xring", "xready", "released"]
+    weights_args = ["queued", "queue_ptr", *DESCRIPTORS, "ring", "ready", "empty", "released"]
+    flags = ["TRACE: gl.constexpr", "num_warps: gl.constexpr"]
+    ring = ["BN: gl.constexpr", "NBUF: gl.constexpr", "XD: gl.constexpr"]
+    return _TEMPLATE.format(imports="\n".join(imports), scalars=scalars,
+                            tasks_params=parameter_list([*tasks, *constants, *flags], 11),
+                            tasks_args=parameter_list([*tasks, *CONSTANT_NAMES, "TRACE", "num_warps"], 18),
+                            weights_params=parameter_list([*weights_args, *constants], 13),
+                            weights_args=parameter_list([*weights_args, *CONSTANT_NAMES], 20),
+                            kernel_params=parameter_list([*control, *scalars, *BUFFERS, *DESCRIPTORS, *constants,
+                                                          *ring, *flags], 20),
+                            dispatch=dispatch, weights=weights,
+                            row_names=", ".join("kind" if c == "type" else c for c in COLUMNS),
+                            row_width=len(COLUMNS),
                             waits_here=waits_here, reads_weights=reads_weights or "kind < 0", wait=wait(" " * 12),
-                            error_report=error_report("gl", " " * 16),
-                            registers=PRODUCER_REGISTERS)
+                            error_report=error_report("gl", " " * 16), registers=PRODUCER_REGISTERS)
 
 
 def load_ring_megakernel(kinds):

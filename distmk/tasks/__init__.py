@@ -19,3 +19,13 @@ from distmk.tasks.qkv import QKV
 TASK_KINDS: list[TaskKind] = [Embed(), QKV(), QKFinish(), Attention(), AttnReduce(), OProj(), ArPush(), AllReduce(),
                               GateUp(), Down(), LMHead(), ArgmaxPush(), Argmax()]
 TYPE_ID = {kind.name: i for i, kind in enumerate(TASK_KINDS)}
+
+
+def register(kind: TaskKind) -> int:
+    """Add a task type after the built-in ones (a plugin's, a test's); returns its id. The megakernels generated
+    afterwards dispatch to its device functions by their parameters' names."""
+    if kind.name in TYPE_ID:
+        raise ValueError(f"a task type named {kind.name!r} is registered already")
+    TASK_KINDS.append(kind)
+    TYPE_ID[kind.name] = len(TASK_KINDS) - 1
+    return TYPE_ID[kind.name]

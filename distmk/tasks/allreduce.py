@@ -10,18 +10,18 @@ from distmk.tasks.base import TaskKind
 
 
 @triton.jit
-def allreduce_gpu(a0, a1, a2, n, x, exchange, H: tl.constexpr, B_PAD: tl.constexpr, WORLD: tl.constexpr,
+def allreduce_gpu(row0, nrows, slot, n, x, exchange, H: tl.constexpr, B_PAD: tl.constexpr, WORLD: tl.constexpr,
                   EXCHANGE_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr):
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, BLOCK_N)
-    for j in range(0, a1, BLOCK_N):
+    for j in range(0, nrows, BLOCK_N):
         cols = j + rn
-        mask = (rb < n)[:, None] & (cols < a1)[None, :]
+        mask = (rb < n)[:, None] & (cols < nrows)[None, :]
         total = tl.zeros((B_PAD, BLOCK_N), dtype=tl.float32)
         for src in tl.static_range(WORLD):
-            region = exchange_region(a0, a2, src, H, B_PAD, WORLD, EXCHANGE_SLOTS)
-            total += tl.load(exchange + region + rb[:, None] * a1 + cols[None, :], mask=mask, other=0.0)
-        offs = rb[:, None] * H + (a0 + cols)[None, :]
+            region = exchange_region(row0, slot, src, H, B_PAD, WORLD, EXCHANGE_SLOTS)
+            total += tl.load(exchange + region + rb[:, None] * nrows + cols[None, :], mask=mask, other=0.0)
+        offs = rb[:, None] * H + (row0 + cols)[None, :]
         residual = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(x + offs, (residual + total).to(x.dtype.element_ty), mask=mask)
 

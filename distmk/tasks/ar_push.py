@@ -19,24 +19,24 @@ from distmk.tasks.base import TaskKind
 
 
 @triton.jit
-def exchange_region(a0, a2, src, H: tl.constexpr, B_PAD: tl.constexpr, WORLD: tl.constexpr,
+def exchange_region(row0, slot, src, H: tl.constexpr, B_PAD: tl.constexpr, WORLD: tl.constexpr,
                     EXCHANGE_SLOTS: tl.constexpr):
-    """Offset of rank src's packed rows [row0, row0 + nrows) of row-parallel output a2 in the exchange."""
-    return ((a2 % EXCHANGE_SLOTS) * WORLD + src).to(tl.int64) * B_PAD * H + a0 * B_PAD
+    """Offset of rank src's packed rows [row0, row0 + nrows) of row-parallel output slot in the exchange."""
+    return ((slot % EXCHANGE_SLOTS) * WORLD + src).to(tl.int64) * B_PAD * H + row0 * B_PAD
 
 
 @triton.jit
-def ar_push_gpu(a0, a1, a2, n, rank, signal, partial, exchange, exchange_peers, counters, counter_peers,
+def ar_push_gpu(row0, nrows, slot, n, rank, signal, partial, exchange, exchange_peers, counters, counter_peers,
                 H: tl.constexpr, B_PAD: tl.constexpr, WORLD: tl.constexpr, EXCHANGE_SLOTS: tl.constexpr,
                 BLOCK_N: tl.constexpr, TRANSPORT: tl.constexpr, SIGNAL_ADD: tl.constexpr):
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, BLOCK_N)
-    region = exchange_region(a0, a2, rank, H, B_PAD, WORLD, EXCHANGE_SLOTS)
-    for j in range(0, a1, BLOCK_N):
+    region = exchange_region(row0, slot, rank, H, B_PAD, WORLD, EXCHANGE_SLOTS)
+    for j in range(0, nrows, BLOCK_N):
         cols = j + rn
-        mask = (rb < n)[:, None] & (cols < a1)[None, :]
-        rows = tl.load(partial + rb[:, None] * H + (a0 + cols)[None, :], mask=mask, other=0.0)
-        packed = region + rb[:, None] * a1 + cols[None, :]
+        mask = (rb < n)[:, None] & (cols < nrows)[None, :]
+        rows = tl.load(partial + rb[:, None] * H + (row0 + cols)[None, :], mask=mask, other=0.0)
+        packed = region + rb[:, None] * nrows + cols[None, :]
         if TRANSPORT == 0:
             for p in tl.static_range(WORLD):
                 peer = tl.load(exchange_peers + p).to(tl.pointer_type(tl.float32))
@@ -50,7 +50,7 @@ def ar_push_gpu(a0, a1, a2, n, rank, signal, partial, exchange, exchange_peers, 
         src = (exchange + region).to(tl.int64)
         for p in tl.static_range(WORLD):
             if p != rank:
-                putmem_signal_block(src, src, (n * a1 * 4).to(tl.int64), (counters + signal).to(tl.int64),
+                putmem_signal_block(src, src, (n * nrows * 4).to(tl.int64), (counters + signal).to(tl.int64),
                                     tl.full((), 1, tl.uint64), SIGNAL_ADD, p)
         tl.atomic_add(counters + signal, 1, sem="release", scope="sys")
 

@@ -27,15 +27,12 @@ def split_range(lo: int, hi: int, splits: int, s: int) -> tuple[int, int]:
 
 
 @triton.jit
-def attention_gpu(layer, a0, a1, a2, n, q, k_cache, v_cache, positions, block_table, attn_o, attn_m, attn_l,
+def attention_gpu(layer, row, kv_head, split, n, q, k_cache, v_cache, positions, block_table, attn_o, attn_m, attn_l,
                   D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                   MAXB: tl.constexpr, BS: tl.constexpr, NBLK: tl.constexpr, S: tl.constexpr, WINDOW: tl.constexpr,
                   SCALE: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    b = a0
-    kvh = a1
-    split = a2
-    if b < n:
-        hi = tl.load(positions + b) + 1
+    if row < n:
+        hi = tl.load(positions + row) + 1
         lo = hi * 0
         if WINDOW > 0:
             lo = tl.maximum(lo, hi - WINDOW)
@@ -46,7 +43,7 @@ def attention_gpu(layer, a0, a1, a2, n, q, k_cache, v_cache, positions, block_ta
         rd = tl.arange(0, D)
         rt = tl.arange(0, BLOCK_T)
         heads = rg < G
-        qt = tl.load(q + ((b * HQ + kvh * G + rg) * D)[:, None] + rd[None, :], mask=heads[:, None], other=0.0)
+        qt = tl.load(q + ((row * HQ + kv_head * G + rg) * D)[:, None] + rd[None, :], mask=heads[:, None], other=0.0)
         m_i = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((G_PAD,), dtype=tl.float32)
         acc = tl.zeros((G_PAD, D), dtype=tl.float32)
@@ -54,8 +51,8 @@ def attention_gpu(layer, a0, a1, a2, n, q, k_cache, v_cache, positions, block_ta
         for t0 in range(start, stop, BLOCK_T):
             t = t0 + rt
             valid = t < stop
-            block = tl.load(block_table + b * MAXB + t // BS, mask=valid, other=0).to(tl.int64)
-            base = (((cache_layer + block) * BS + t % BS) * HKV + kvh) * D
+            block = tl.load(block_table + row * MAXB + t // BS, mask=valid, other=0).to(tl.int64)
+            base = (((cache_layer + block) * BS + t % BS) * HKV + kv_head) * D
             kt = tl.load(k_cache + base[:, None] + rd[None, :], mask=valid[:, None], other=0.0)
             scores = tl.dot(qt, tl.trans(kt), input_precision=DOT_PRECISION) * SCALE
             scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -67,7 +64,7 @@ def attention_gpu(layer, a0, a1, a2, n, q, k_cache, v_cache, positions, block_ta
             # probabilities stay float32 (exact fp32 product, as the reference computes p @ v)
             acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
             m_i = m_new
-        part = (b * HKV + kvh) * S + split
+        part = (row * HKV + kv_head) * S + split
         tl.store(attn_o + (part * G + rg)[:, None] * D + rd[None, :], acc, mask=heads[:, None])
         tl.store(attn_m + part * G + rg, m_i, mask=heads)
         tl.store(attn_l + part * G + rg, l_i, mask=heads)
@@ -96,18 +93,18 @@ def attention_slots(D, num_warps):
 
 
 @gluon.jit
-def _key_blocks(block_table, b, t, stop, MAXB: gl.constexpr, BS: gl.constexpr):
-    return gl.load(block_table + b * MAXB + t // BS, mask=t < stop, other=0)
+def _key_blocks(block_table, row, t, stop, MAXB: gl.constexpr, BS: gl.constexpr):
+    return gl.load(block_table + row * MAXB + t // BS, mask=t < stop, other=0)
 
 
 @gluon.jit
-def _key_rows(blocks, t, cache_layer, kvh, HKV: gl.constexpr, D: gl.constexpr, BS: gl.constexpr):
-    """Element offsets [slots, keys, 1] of keys t (in the pages `blocks`) of KV head kvh."""
-    return gl.expand_dims((((cache_layer + blocks.to(gl.int64)) * BS + t % BS) * HKV + kvh) * D, 2)
+def _key_rows(blocks, t, cache_layer, kv_head, HKV: gl.constexpr, D: gl.constexpr, BS: gl.constexpr):
+    """Element offsets [slots, keys, 1] of keys t (in the pages `blocks`) of KV head kv_head."""
+    return gl.expand_dims((((cache_layer + blocks.to(gl.int64)) * BS + t % BS) * HKV + kv_head) * D, 2)
 
 
 @gluon.jit
-def attention_prepare(layer, a0, a1, a2, n, k_cache, v_cache, positions, block_table, D: gl.constexpr,
+def attention_prepare(layer, row, kv_head, split, n, k_cache, v_cache, positions, block_table, D: gl.constexpr,
                       HKV: gl.constexpr, G: gl.constexpr, MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr,
                       S: gl.constexpr, WINDOW: gl.constexpr, num_warps: gl.constexpr):
     """What attention_ring reads before its event: the split's bounds, the page numbers of its first two passes
@@ -119,21 +116,20 @@ def attention_prepare(layer, a0, a1, a2, n, k_cache, v_cache, positions, block_t
     BLOCK: gl.constexpr = SLOTS * R
     l4: gl.constexpr = attention_layout(D, G_PAD, num_warps)
     lk: gl.constexpr = gl.SliceLayout(0, l4)
-    b = a0
-    hi = gl.load(positions + b, mask=b < n, other=-1) + 1          # a row past n: an empty range
+    hi = gl.load(positions + row, mask=row < n, other=-1) + 1          # a row past n: an empty range
     lo = hi * 0
     if WINDOW > 0:
         lo = gl.maximum(lo, hi - WINDOW)
     chunk = (hi - lo + S - 1) // S
-    start = gl.minimum(hi, lo + a2 * chunk)
-    stop = gl.minimum(hi, lo + (a2 + 1) * chunk)
+    start = gl.minimum(hi, lo + split * chunk)
+    stop = gl.minimum(hi, lo + (split + 1) * chunk)
     tk = key_offsets(gl.SliceLayout(2, lk), SLOTS, R)
-    first = _key_blocks(block_table, b, start + tk, stop, MAXB, BS)
-    rows = _key_rows(first, start + tk, layer.to(gl.int64) * NBLK, a1, HKV, D, BS) + _columns(D, lk)
+    first = _key_blocks(block_table, row, start + tk, stop, MAXB, BS)
+    rows = _key_rows(first, start + tk, layer.to(gl.int64) * NBLK, kv_head, HKV, D, BS) + _columns(D, lk)
     valid = gl.expand_dims(start + tk < stop, 2)
     kt = gl.load(k_cache + rows, mask=valid, other=0.0)
     vt = gl.load(v_cache + rows, mask=valid, other=0.0)
-    return hi, start, stop, first, kt, vt, _key_blocks(block_table, b, start + BLOCK + tk, stop, MAXB, BS)
+    return hi, start, stop, first, kt, vt, _key_blocks(block_table, row, start + BLOCK + tk, stop, MAXB, BS)
 
 
 @gluon.jit
@@ -150,7 +146,7 @@ def _columns(D: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def attention_ring(layer, a0, a1, a2, n, q, k_cache, v_cache, block_table, attn_o, attn_m, attn_l, prepared,
+def attention_ring(layer, row, kv_head, split, n, q, k_cache, v_cache, block_table, attn_o, attn_m, attn_l, prepared,
                    D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr, MAXB: gl.constexpr,
                    BS: gl.constexpr, NBLK: gl.constexpr, S: gl.constexpr, SCALE: gl.constexpr,
                    num_warps: gl.constexpr):
@@ -165,9 +161,7 @@ def attention_ring(layer, a0, a1, a2, n, q, k_cache, v_cache, block_table, attn_
     R: gl.constexpr = keys_per_thread(G_PAD)
     BLOCK: gl.constexpr = SLOTS * R
     hi, start, stop, first, kt, vt, blocks = prepared
-    b = a0
-    kvh = a1
-    if b < n:
+    if row < n:
         l4: gl.constexpr = attention_layout(D, G_PAD, num_warps)
         ls: gl.constexpr = gl.SliceLayout(3, l4)           # [heads, slots, keys]: scores
         lm: gl.constexpr = gl.SliceLayout(2, ls)           # [heads, slots]: running max and sum
@@ -180,13 +174,13 @@ def attention_ring(layer, a0, a1, a2, n, q, k_cache, v_cache, block_table, attn_
         cache_layer = layer.to(gl.int64) * NBLK
         # this step's own keys and values (its rows' positions) may have landed after the first pass was read
         fresh = gl.expand_dims((start + tk >= hi - n) & (start + tk < stop), 2)
-        rows = _key_rows(first, start + tk, cache_layer, kvh, HKV, D, BS) + rdk
+        rows = _key_rows(first, start + tk, cache_layer, kv_head, HKV, D, BS) + rdk
         kt = gl.where(fresh, gl.load(k_cache + rows, mask=fresh, other=0.0, cache_modifier=".cg"), kt)
         vt = gl.where(fresh, gl.load(v_cache + rows, mask=fresh, other=0.0, cache_modifier=".cg"), vt)
         rg = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, lq))
         rd = gl.arange(0, D, layout=gl.SliceLayout(0, lq))
         heads = rg < G
-        qt = gl.load(q + ((b * HQ + kvh * G + rg) * D)[:, None] + rd[None, :], mask=heads[:, None],
+        qt = gl.load(q + ((row * HQ + kv_head * G + rg) * D)[:, None] + rd[None, :], mask=heads[:, None],
                      other=0.0).to(gl.float32)
         q4 = gl.expand_dims(gl.expand_dims(qt, 1), 2)
         m_i = gl.full([G_PAD, SLOTS], -1.0e30, gl.float32, layout=lm)   # finite: a slot may see no key in a pass
@@ -194,11 +188,11 @@ def attention_ring(layer, a0, a1, a2, n, q, k_cache, v_cache, block_table, attn_
         acc = gl.zeros([G_PAD, SLOTS, D], gl.float32, layout=la)
         for t0 in range(start, stop, BLOCK):
             t = t0 + BLOCK + tk
-            rows = _key_rows(blocks, t, cache_layer, kvh, HKV, D, BS) + rdk
+            rows = _key_rows(blocks, t, cache_layer, kv_head, HKV, D, BS) + rdk
             valid = gl.expand_dims(t < stop, 2)
             k_next = gl.load(k_cache + rows, mask=valid, other=0.0)
             v_next = gl.load(v_cache + rows, mask=valid, other=0.0)
-            blocks = _key_blocks(block_table, b, t + BLOCK, stop, MAXB, BS)
+            blocks = _key_blocks(block_table, row, t + BLOCK, stop, MAXB, BS)
             scores = gl.sum(q4 * gl.expand_dims(kt.to(gl.float32), 0), axis=3) * SCALE
             scores = gl.where(gl.expand_dims(t0 + ts < stop, 0), scores, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(scores, axis=2))
@@ -214,7 +208,7 @@ def attention_ring(layer, a0, a1, a2, n, q, k_cache, v_cache, block_table, attn_
         weight = gl.exp(m_i - gl.expand_dims(mx, 1))
         den = gl.sum(l_i * weight, axis=1)
         out = gl.sum(acc * gl.expand_dims(gl.convert_layout(weight, gl.SliceLayout(2, la)), 2), axis=1)
-        part = (b * HKV + kvh) * S + a2
+        part = (row * HKV + kv_head) * S + split
         gl.store(attn_o + (part * G + rg)[:, None] * D + rd[None, :], out, mask=heads[:, None])
         rgm = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, lm))
         gl.store(attn_m + part * G + rgm, gl.where(den > 0, mx, float("-inf")), mask=rgm < G)

@@ -11,15 +11,13 @@ from distmk.tasks.base import TaskKind
 
 
 @triton.jit
-def attn_reduce_gpu(a0, a1, n, attn_o, attn_m, attn_l, attn, D: tl.constexpr, HQ: tl.constexpr,
+def attn_reduce_gpu(row, kv_head, n, attn_o, attn_m, attn_l, attn, D: tl.constexpr, HQ: tl.constexpr,
                     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, S: tl.constexpr):
-    b = a0
-    kvh = a1
-    if b < n:
+    if row < n:
         rg = tl.arange(0, G_PAD)
         rd = tl.arange(0, D)
         heads = rg < G
-        first = (b * HKV + kvh) * S
+        first = (row * HKV + kv_head) * S
         mx = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
         for s in tl.static_range(S):
             mx = tl.maximum(mx, tl.load(attn_m + (first + s) * G + rg, mask=heads, other=0.0))
@@ -31,22 +29,20 @@ def attn_reduce_gpu(a0, a1, n, attn_o, attn_m, attn_l, attn, D: tl.constexpr, HQ
             num += o * scale[:, None]
             den += tl.load(attn_l + (first + s) * G + rg, mask=heads, other=1.0) * scale
         out = num / den[:, None]
-        dst = attn + b * HQ * D + (kvh * G + rg)[:, None] * D + rd[None, :]
+        dst = attn + row * HQ * D + (kv_head * G + rg)[:, None] * D + rd[None, :]
         tl.store(dst, out.to(attn.dtype.element_ty), mask=heads[:, None])
 
 
 @gluon.jit
-def attn_reduce_ring(a0, a1, n, attn_o, attn_m, attn_l, attn, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
+def attn_reduce_ring(row, kv_head, n, attn_o, attn_m, attn_l, attn, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
                      G: gl.constexpr, S: gl.constexpr, num_warps: gl.constexpr):
     G_PAD: gl.constexpr = next_power_of_2(G)
-    b = a0
-    kvh = a1
-    if b < n:
+    if row < n:
         layout: gl.constexpr = rows_layout(num_warps)
         rg = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, layout))
         rd = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
         heads = rg < G
-        first = (b * HKV + kvh) * S
+        first = (row * HKV + kv_head) * S
         mx = gl.full([G_PAD], float("-inf"), gl.float32, layout=gl.SliceLayout(1, layout))
         for s in gl.static_range(S):
             mx = gl.maximum(mx, gl.load(attn_m + (first + s) * G + rg, mask=heads, other=0.0))
@@ -58,7 +54,7 @@ def attn_reduce_ring(a0, a1, n, attn_o, attn_m, attn_l, attn, D: gl.constexpr, H
             num += o * scale[:, None]
             den += gl.load(attn_l + (first + s) * G + rg, mask=heads, other=1.0) * scale
         out = num / den[:, None]
-        dst = attn + b * HQ * D + (kvh * G + rg)[:, None] * D + rd[None, :]
+        dst = attn + row * HQ * D + (kv_head * G + rg)[:, None] * D + rd[None, :]
         gl.store(dst, out.to(attn.dtype.element_ty), mask=heads[:, None])
 
 

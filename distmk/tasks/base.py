@@ -68,16 +68,16 @@ def row_parallel_tile(ctx, inp: torch.Tensor, weight: torch.Tensor, row0: int, n
 
 
 @triton.jit
-def row_parallel_gpu(inp, w, a0, a1, a2, n, x, partial, K: tl.constexpr, H: tl.constexpr, B_PAD: tl.constexpr,
+def row_parallel_gpu(inp, w, row0, nrows, mode, n, x, partial, K: tl.constexpr, H: tl.constexpr, B_PAD: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """GPU twin of row_parallel_tile: rows [a0, a0 + a1) of inp @ w^T, mode a2."""
+    """GPU twin of row_parallel_tile: rows [row0, row0 + nrows) of inp @ w^T, by `mode`."""
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, BLOCK_N)
-    for j in range(0, a1, BLOCK_N):
-        acc = matmul_block(inp, w, n, a0 + j, a1 - j, K, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
-        offs = rb[:, None] * H + (a0 + j + rn)[None, :]
-        mask = (rb < n)[:, None] & (rn < a1 - j)[None, :]
-        if a2 == _ADD_RESIDUAL:
+    for j in range(0, nrows, BLOCK_N):
+        acc = matmul_block(inp, w, n, row0 + j, nrows - j, K, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        offs = rb[:, None] * H + (row0 + j + rn)[None, :]
+        mask = (rb < n)[:, None] & (rn < nrows - j)[None, :]
+        if mode == _ADD_RESIDUAL:
             residual = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(x + offs, (residual + acc).to(x.dtype.element_ty), mask=mask)
         else:

@@ -11,28 +11,28 @@ from distmk.tasks.base import TaskKind, row_parallel_gpu, row_parallel_tile
 
 
 @triton.jit
-def down_gpu(layer, a0, a1, a2, n, h, w_down, x, partial, H: tl.constexpr, INTER: tl.constexpr,
+def down_gpu(layer, row0, nrows, mode, n, h, w_down, x, partial, H: tl.constexpr, INTER: tl.constexpr,
              B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     w = w_down + layer.to(tl.int64) * H * INTER
-    row_parallel_gpu(h, w, a0, a1, a2, n, x, partial, INTER, H, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
+    row_parallel_gpu(h, w, row0, nrows, mode, n, x, partial, INTER, H, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
 
 
 @triton.jit
-def down_prefetch(layer, a0, a1, w_down, H: tl.constexpr, INTER: tl.constexpr, PREFETCH: tl.constexpr,
+def down_prefetch(layer, row0, nrows, w_down, H: tl.constexpr, INTER: tl.constexpr, PREFETCH: tl.constexpr,
                   INTERPRET: tl.constexpr):
-    prefetch_l2(w_down + layer.to(tl.int64) * H * INTER + a0 * INTER, a1 * INTER, PREFETCH, INTERPRET)
+    prefetch_l2(w_down + layer.to(tl.int64) * H * INTER + row0 * INTER, nrows * INTER, PREFETCH, INTERPRET)
 
 
 @gluon.jit
-def down_weights(layer, a0, a1, w_down_desc, ring, ready, empty, c, H: gl.constexpr, INTER: gl.constexpr):
-    return rg.load_rows(w_down_desc, layer * H + a0, a1, INTER, ring, ready, empty, c)
+def down_weights(layer, row0, nrows, w_down_desc, ring, ready, empty, c, H: gl.constexpr, INTER: gl.constexpr):
+    return rg.load_rows(w_down_desc, layer * H + row0, nrows, INTER, ring, ready, empty, c)
 
 
 @gluon.jit
-def down_ring(a0, a1, n, x, h_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr, INTER: gl.constexpr,
+def down_ring(row0, nrows, n, x, h_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr, INTER: gl.constexpr,
               num_warps: gl.constexpr):
     """The tp=1 tile (ADD_RESIDUAL: the ring megakernel runs only there)."""
-    return rg.add_residual_rows(h_desc, 0, INTER, a0, a1, n, x, H, ring, ready, empty, xring, xready, c, cx, num_warps)
+    return rg.add_residual_rows(h_desc, 0, INTER, row0, nrows, n, x, H, ring, ready, empty, xring, xready, c, cx, num_warps)
 
 
 class Down(TaskKind):

@@ -8,24 +8,24 @@ from distmk.tasks.base import TaskKind
 
 
 @triton.jit
-def embed_gpu(a0, n, tokens, embed, x, H: tl.constexpr, BLOCK_H: tl.constexpr):
-    if a0 < n:
-        token = tl.load(tokens + a0).to(tl.int64)
+def embed_gpu(row, n, tokens, embed, x, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    if row < n:
+        token = tl.load(tokens + row).to(tl.int64)
         for h0 in range(0, H, BLOCK_H):
             offs = h0 + tl.arange(0, BLOCK_H)
-            row = tl.load(embed + token * H + offs, mask=offs < H)
-            tl.store(x + a0 * H + offs, row.to(x.dtype.element_ty), mask=offs < H)
+            values = tl.load(embed + token * H + offs, mask=offs < H)
+            tl.store(x + row * H + offs, values.to(x.dtype.element_ty), mask=offs < H)
 
 
 @gluon.jit
-def embed_ring(a0, n, tokens, embed, x, H: gl.constexpr, BLOCK_H: gl.constexpr, num_warps: gl.constexpr):
-    if a0 < n:
-        token = gl.load(tokens + a0).to(gl.int64)
+def embed_ring(row, n, tokens, embed, x, H: gl.constexpr, BLOCK_H: gl.constexpr, num_warps: gl.constexpr):
+    if row < n:
+        token = gl.load(tokens + row).to(gl.int64)
         offs0 = gl.arange(0, BLOCK_H, layout=gl.BlockedLayout([4], [32], [num_warps], [0]))
         for h0 in range(0, H, BLOCK_H):
             offs = h0 + offs0
-            row = gl.load(embed + token * H + offs, mask=offs < H)
-            gl.store(x + a0 * H + offs, row.to(x.dtype.element_ty), mask=offs < H)
+            values = gl.load(embed + token * H + offs, mask=offs < H)
+            gl.store(x + row * H + offs, values.to(x.dtype.element_ty), mask=offs < H)
 
 
 class Embed(TaskKind):

@@ -13,7 +13,7 @@ from distmk.tasks.base import TaskKind, normed_stream
 
 
 @triton.jit
-def gate_up_gpu(layer, a0, a1, n, worker, x, xn, norms, w_gate, w_up, h, H: tl.constexpr, INTER: tl.constexpr,
+def gate_up_gpu(layer, row0, nrows, n, worker, x, xn, norms, w_gate, w_up, h, H: tl.constexpr, INTER: tl.constexpr,
                 B_PAD: tl.constexpr, EPS: tl.constexpr, NORM_BLOCK: tl.constexpr, MLP_BLOCK_N: tl.constexpr,
                 MLP_BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offset = layer.to(tl.int64) * INTER * H
@@ -22,47 +22,47 @@ def gate_up_gpu(layer, a0, a1, n, worker, x, xn, norms, w_gate, w_up, h, H: tl.c
     rn = tl.arange(0, MLP_BLOCK_N)
     inp = xn + worker * B_PAD * H                                 # post-attention RMSNorm, by this tile
     rms_norm_rows(x, n, norms + (2 * layer + 1) * H, inp, H, EPS, B_PAD, NORM_BLOCK)
-    for j in range(0, a1, MLP_BLOCK_N):
-        gate, up = matmul_pair(inp, w_gate + offset, w_up + offset, n, a0 + j, a1 - j, H, B_PAD, MLP_BLOCK_N,
+    for j in range(0, nrows, MLP_BLOCK_N):
+        gate, up = matmul_pair(inp, w_gate + offset, w_up + offset, n, row0 + j, nrows - j, H, B_PAD, MLP_BLOCK_N,
                                MLP_BLOCK_K, DOT_PRECISION)
-        mask = (rb < n)[:, None] & (rn < a1 - j)[None, :]
-        tl.store(h + rb[:, None] * INTER + (a0 + j + rn)[None, :], (gate * tl.sigmoid(gate) * up).to(act),
+        mask = (rb < n)[:, None] & (rn < nrows - j)[None, :]
+        tl.store(h + rb[:, None] * INTER + (row0 + j + rn)[None, :], (gate * tl.sigmoid(gate) * up).to(act),
                  mask=mask)
 
 
 @triton.jit
-def gate_up_prefetch(layer, a0, a1, w_gate, w_up, H: tl.constexpr, INTER: tl.constexpr, PREFETCH: tl.constexpr,
+def gate_up_prefetch(layer, row0, nrows, w_gate, w_up, H: tl.constexpr, INTER: tl.constexpr, PREFETCH: tl.constexpr,
                      INTERPRET: tl.constexpr):
-    offset = layer.to(tl.int64) * INTER * H + a0 * H
-    prefetch_l2(w_gate + offset, a1 * H, PREFETCH // 2, INTERPRET)
-    prefetch_l2(w_up + offset, a1 * H, PREFETCH // 2, INTERPRET)
+    offset = layer.to(tl.int64) * INTER * H + row0 * H
+    prefetch_l2(w_gate + offset, nrows * H, PREFETCH // 2, INTERPRET)
+    prefetch_l2(w_up + offset, nrows * H, PREFETCH // 2, INTERPRET)
 
 
 @gluon.jit
-def gate_up_weights(layer, a0, a1, w_gate_desc, w_up_desc, ring, ready, empty, c, H: gl.constexpr,
+def gate_up_weights(layer, row0, nrows, w_gate_desc, w_up_desc, ring, ready, empty, c, H: gl.constexpr,
                     INTER: gl.constexpr):
     BN: gl.constexpr = ring.type.shape[1]
-    for j in range(0, a1, BN):       # a block of gate rows, then the same rows of up
-        c = rg.load_block(w_gate_desc, layer * INTER + a0 + j, a1 - j, H, ring, ready, empty, c)
-        c = rg.load_block(w_up_desc, layer * INTER + a0 + j, a1 - j, H, ring, ready, empty, c)
+    for j in range(0, nrows, BN):       # a block of gate rows, then the same rows of up
+        c = rg.load_block(w_gate_desc, layer * INTER + row0 + j, nrows - j, H, ring, ready, empty, c)
+        c = rg.load_block(w_up_desc, layer * INTER + row0 + j, nrows - j, H, ring, ready, empty, c)
     return c
 
 
 @gluon.jit
-def gate_up_ring(layer, a0, a1, n, worker, x, xn, norms, h, xn_desc, ring, ready, empty, xring, xready, c, cx,
+def gate_up_ring(layer, row0, nrows, n, worker, x, xn, norms, h, xn_desc, ring, ready, empty, xring, xready, c, cx,
                  H: gl.constexpr, INTER: gl.constexpr, B_PAD: gl.constexpr, EPS: gl.constexpr,
                  num_warps: gl.constexpr):
     BN: gl.constexpr = ring.type.shape[1]
     rg.rms_norm_rows(x, n, norms + (2 * layer + 1) * H, xn + worker * B_PAD * H, H, EPS, num_warps)
     rn, rb = rg.block_index(ring, xring, num_warps)
-    for j in range(0, a1, BN):
+    for j in range(0, nrows, BN):
         gate, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, j > 0, True,
                                    num_warps)
         up, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, True,
-                                 j + BN < a1, num_warps)
-        mask = (rn < a1 - j)[:, None] & (rb < n)[None, :]
+                                 j + BN < nrows, num_warps)
+        mask = (rn < nrows - j)[:, None] & (rb < n)[None, :]
         value = gate / (1.0 + gl.exp(-gate)) * up
-        gl.store(h + rb[None, :] * INTER + (a0 + j + rn)[:, None], value.to(h.dtype.element_ty), mask=mask)
+        gl.store(h + rb[None, :] * INTER + (row0 + j + rn)[:, None], value.to(h.dtype.element_ty), mask=mask)
     return c, cx
 
 

@@ -14,7 +14,7 @@ from distmk.tasks.base import TaskKind, normed_stream
 
 
 @triton.jit
-def lm_head_gpu(layer, a0, a1, a2, n, worker, x, xn, norms, lm_head, logits, tile_max, tile_arg, vocab0, vocab_valid,
+def lm_head_gpu(layer, row0, nrows, tile, n, worker, x, xn, norms, lm_head, logits, tile_max, tile_arg, vocab0, vocab_valid,
                 H: tl.constexpr, VOCAB_L: tl.constexpr, LM_TILES: tl.constexpr, B_PAD: tl.constexpr, EPS: tl.constexpr,
                 NORM_BLOCK: tl.constexpr, LM_BLOCK_N: tl.constexpr, LM_BLOCK_K: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):
@@ -24,33 +24,33 @@ def lm_head_gpu(layer, a0, a1, a2, n, worker, x, xn, norms, lm_head, logits, til
     best_id = tl.full((B_PAD,), -1, dtype=tl.int64)
     inp = xn + worker * B_PAD * H                                 # final RMSNorm (norms row `layers`)
     rms_norm_rows(x, n, norms + 2 * layer * H, inp, H, EPS, B_PAD, NORM_BLOCK)
-    for j in range(0, a1, LM_BLOCK_N):
-        row0 = a0 + j
-        acc = matmul_block(inp, lm_head, n, row0, a1 - j, H, B_PAD, LM_BLOCK_N, LM_BLOCK_K, DOT_PRECISION)
-        cols = rn < a1 - j
-        tl.store(logits + rb[:, None] * VOCAB_L + (row0 + rn)[None, :], acc, mask=(rb < n)[:, None] & cols[None, :])
-        scores = tl.where((cols & (row0 + rn < vocab_valid))[None, :], acc, float("-inf"))
+    for j in range(0, nrows, LM_BLOCK_N):
+        block0 = row0 + j
+        acc = matmul_block(inp, lm_head, n, block0, nrows - j, H, B_PAD, LM_BLOCK_N, LM_BLOCK_K, DOT_PRECISION)
+        cols = rn < nrows - j
+        tl.store(logits + rb[:, None] * VOCAB_L + (block0 + rn)[None, :], acc, mask=(rb < n)[:, None] & cols[None, :])
+        scores = tl.where((cols & (block0 + rn < vocab_valid))[None, :], acc, float("-inf"))
         block_max = tl.max(scores, axis=1)
         block_arg = tl.argmax(scores, axis=1, tie_break_left=True)
         better = block_max > best                   # strict: an earlier block keeps a tie
-        best_id = tl.where(better, (block_arg + row0 + vocab0).to(tl.int64), best_id)
+        best_id = tl.where(better, (block_arg + block0 + vocab0).to(tl.int64), best_id)
         best = tl.where(better, block_max, best)
-    tl.store(tile_max + rb * LM_TILES + a2, best, mask=rb < n)
-    tl.store(tile_arg + rb * LM_TILES + a2, best_id, mask=rb < n)
+    tl.store(tile_max + rb * LM_TILES + tile, best, mask=rb < n)
+    tl.store(tile_arg + rb * LM_TILES + tile, best_id, mask=rb < n)
 
 
 @triton.jit
-def lm_head_prefetch(a0, a1, lm_head, H: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
-    prefetch_l2(lm_head + a0.to(tl.int64) * H, a1 * H, PREFETCH, INTERPRET)
+def lm_head_prefetch(row0, nrows, lm_head, H: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
+    prefetch_l2(lm_head + row0.to(tl.int64) * H, nrows * H, PREFETCH, INTERPRET)
 
 
 @gluon.jit
-def lm_head_weights(a0, a1, lm_head_desc, ring, ready, empty, c, H: gl.constexpr):
-    return rg.load_rows(lm_head_desc, a0, a1, H, ring, ready, empty, c)
+def lm_head_weights(row0, nrows, lm_head_desc, ring, ready, empty, c, H: gl.constexpr):
+    return rg.load_rows(lm_head_desc, row0, nrows, H, ring, ready, empty, c)
 
 
 @gluon.jit
-def lm_head_ring(layer, a0, a1, a2, n, worker, x, xn, norms, logits, tile_max, tile_arg, vocab0, vocab_valid,
+def lm_head_ring(layer, row0, nrows, tile, n, worker, x, xn, norms, logits, tile_max, tile_arg, vocab0, vocab_valid,
                  xn_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr, VOCAB_L: gl.constexpr,
                  LM_TILES: gl.constexpr, B_PAD: gl.constexpr, EPS: gl.constexpr, num_warps: gl.constexpr):
     BN: gl.constexpr = ring.type.shape[1]
@@ -58,21 +58,21 @@ def lm_head_ring(layer, a0, a1, a2, n, worker, x, xn, norms, logits, tile_max, t
     best = gl.full(rb.type.shape, float("-inf"), gl.float32, layout=rb.type.layout)
     best_id = gl.full(rb.type.shape, -1, gl.int64, layout=rb.type.layout)
     rg.rms_norm_rows(x, n, norms + 2 * layer * H, xn + worker * B_PAD * H, H, EPS, num_warps)
-    for j in range(0, a1, BN):
-        row0 = a0 + j
+    for j in range(0, nrows, BN):
+        block0 = row0 + j
         acc, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, j > 0,
-                                  j + BN < a1, num_warps)
-        rows = rn < a1 - j
-        gl.store(logits + rb[None, :] * VOCAB_L + (row0 + rn)[:, None], acc, mask=rows[:, None] & (rb < n)[None, :])
-        scores = gl.where((rows & (row0 + rn < vocab_valid))[:, None], acc, float("-inf"))
+                                  j + BN < nrows, num_warps)
+        rows = rn < nrows - j
+        gl.store(logits + rb[None, :] * VOCAB_L + (block0 + rn)[:, None], acc, mask=rows[:, None] & (rb < n)[None, :])
+        scores = gl.where((rows & (block0 + rn < vocab_valid))[:, None], acc, float("-inf"))
         block_max = gl.max(scores, axis=0)
         # the first row that reaches the maximum (a row of -inf scores keeps best_id)
         block_arg = gl.min(gl.where(scores == block_max[None, :], rn[:, None], BN), axis=0)
         better = block_max > best                   # strict: an earlier block keeps a tie
-        best_id = gl.where(better, (block_arg + row0 + vocab0).to(gl.int64), best_id)
+        best_id = gl.where(better, (block_arg + block0 + vocab0).to(gl.int64), best_id)
         best = gl.where(better, block_max, best)
-    gl.store(tile_max + rb * LM_TILES + a2, best, mask=rb < n)
-    gl.store(tile_arg + rb * LM_TILES + a2, best_id, mask=rb < n)
+    gl.store(tile_max + rb * LM_TILES + tile, best, mask=rb < n)
+    gl.store(tile_arg + rb * LM_TILES + tile, best_id, mask=rb < n)
     return c, cx
 
 

@@ -11,28 +11,28 @@ from distmk.tasks.base import TaskKind, row_parallel_gpu, row_parallel_tile
 
 
 @triton.jit
-def o_proj_gpu(layer, a0, a1, a2, n, attn, wo, x, partial, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
+def o_proj_gpu(layer, row0, nrows, mode, n, attn, wo, x, partial, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
                B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     w = wo + layer.to(tl.int64) * H * HQ * D
-    row_parallel_gpu(attn, w, a0, a1, a2, n, x, partial, HQ * D, H, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
+    row_parallel_gpu(attn, w, row0, nrows, mode, n, x, partial, HQ * D, H, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
 
 
 @triton.jit
-def o_proj_prefetch(layer, a0, a1, wo, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, PREFETCH: tl.constexpr,
+def o_proj_prefetch(layer, row0, nrows, wo, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, PREFETCH: tl.constexpr,
                     INTERPRET: tl.constexpr):
-    prefetch_l2(wo + layer.to(tl.int64) * H * HQ * D + a0 * HQ * D, a1 * HQ * D, PREFETCH, INTERPRET)
+    prefetch_l2(wo + layer.to(tl.int64) * H * HQ * D + row0 * HQ * D, nrows * HQ * D, PREFETCH, INTERPRET)
 
 
 @gluon.jit
-def o_proj_weights(layer, a0, a1, wo_desc, ring, ready, empty, c, H: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr):
-    return rg.load_rows(wo_desc, layer * H + a0, a1, HQ * D, ring, ready, empty, c)
+def o_proj_weights(layer, row0, nrows, wo_desc, ring, ready, empty, c, H: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr):
+    return rg.load_rows(wo_desc, layer * H + row0, nrows, HQ * D, ring, ready, empty, c)
 
 
 @gluon.jit
-def o_proj_ring(a0, a1, n, x, attn_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr,
+def o_proj_ring(row0, nrows, n, x, attn_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr,
                 HQ: gl.constexpr, D: gl.constexpr, num_warps: gl.constexpr):
     """The tp=1 tile (ADD_RESIDUAL: the ring megakernel runs only there)."""
-    return rg.add_residual_rows(attn_desc, 0, HQ * D, a0, a1, n, x, H, ring, ready, empty, xring, xready, c, cx,
+    return rg.add_residual_rows(attn_desc, 0, HQ * D, row0, nrows, n, x, H, ring, ready, empty, xring, xready, c, cx,
                                 num_warps)
 
 

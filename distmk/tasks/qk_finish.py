@@ -11,7 +11,7 @@ from distmk.tasks.qkv import norm_rope_store, norm_rope_store_reference, norm_ro
 
 
 @triton.jit
-def qk_finish_gpu(layer, a0, n, qk_raw, qk_norm, inv_freq, positions, block_table, q, k_cache, D: tl.constexpr,
+def qk_finish_gpu(layer, head_slot, n, qk_raw, qk_norm, inv_freq, positions, block_table, q, k_cache, D: tl.constexpr,
                   HQ: tl.constexpr, HKV: tl.constexpr, B_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
                   MAXB: tl.constexpr, BS: tl.constexpr, NBLK: tl.constexpr, EPS: tl.constexpr,
                   QK_NORM: tl.constexpr):
@@ -19,15 +19,15 @@ def qk_finish_gpu(layer, a0, n, qk_raw, qk_norm, inv_freq, positions, block_tabl
     rb = tl.arange(0, B_PAD)
     rd = tl.arange(0, HALF_PAD)
     mask = (rb < n)[:, None] & (rd < HALF)[None, :]
-    src = qk_raw + (rb[:, None] * (HQ + HKV) + a0) * D + rd[None, :]
+    src = qk_raw + (rb[:, None] * (HQ + HKV) + head_slot) * D + rd[None, :]
     lo = tl.load(src, mask=mask, other=0.0)
     hi = tl.load(src + HALF, mask=mask, other=0.0)
-    norm_rope_store(lo, hi, layer, a0, 0, HALF, rd, n, qk_norm, inv_freq, positions, block_table, q, k_cache,
+    norm_rope_store(lo, hi, layer, head_slot, 0, HALF, rd, n, qk_norm, inv_freq, positions, block_table, q, k_cache,
                     D, HQ, HKV, B_PAD, MAXB, BS, NBLK, EPS, QK_NORM)
 
 
 @gluon.jit
-def qk_finish_ring(layer, a0, n, qk_raw, qk_norm, inv_freq, positions, block_table, q, k_cache, D: gl.constexpr,
+def qk_finish_ring(layer, head_slot, n, qk_raw, qk_norm, inv_freq, positions, block_table, q, k_cache, D: gl.constexpr,
                    HQ: gl.constexpr, HKV: gl.constexpr, B_PAD: gl.constexpr, HALF_PAD: gl.constexpr,
                    MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr, EPS: gl.constexpr,
                    QK_NORM: gl.constexpr, num_warps: gl.constexpr):
@@ -38,10 +38,10 @@ def qk_finish_ring(layer, a0, n, qk_raw, qk_norm, inv_freq, positions, block_tab
     rd = gl.arange(0, HALF_PAD, layout=gl.SliceLayout(1, layout))      # the ring's [columns, rows] orientation
     rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(0, layout))
     mask = (rd < HALF)[:, None] & (rb < n)[None, :]
-    src = qk_raw + (rb[None, :] * (HQ + HKV) + a0) * D + rd[:, None]
+    src = qk_raw + (rb[None, :] * (HQ + HKV) + head_slot) * D + rd[:, None]
     lo = gl.load(src, mask=mask, other=0.0)
     hi = gl.load(src + HALF, mask=mask, other=0.0)
-    norm_rope_store_ring(lo, hi, layer, a0, 0, HALF, rd, rb, n, qk_norm, inv_freq, positions, block_table, q, k_cache,
+    norm_rope_store_ring(lo, hi, layer, head_slot, 0, HALF, rd, rb, n, qk_norm, inv_freq, positions, block_table, q, k_cache,
                          D, HQ, HKV, MAXB, BS, NBLK, EPS, QK_NORM)
 
 

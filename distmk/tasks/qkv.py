@@ -61,7 +61,7 @@ def norm_rope_store(lo, hi, layer, slot, col0, cols, rd, n, qk_norm, inv_freq, p
 
 
 @triton.jit
-def qkv_gpu(layer, a0, a1, n, worker, x, xn, norms, wqkv, bqkv, qk_norm, inv_freq, positions, block_table, q,
+def qkv_gpu(layer, head_slot, part, n, worker, x, xn, norms, wqkv, bqkv, qk_norm, inv_freq, positions, block_table, q,
             qk_raw, k_cache, v_cache, H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
             B_PAD: tl.constexpr, QKV_PARTS: tl.constexpr, QKV_BLOCK_N: tl.constexpr, MAXB: tl.constexpr,
             BS: tl.constexpr, NBLK: tl.constexpr, EPS: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
@@ -70,8 +70,8 @@ def qkv_gpu(layer, a0, a1, n, worker, x, xn, norms, wqkv, bqkv, qk_norm, inv_fre
     HALF: tl.constexpr = D // 2
     PART: tl.constexpr = HALF // QKV_PARTS
     rows: tl.constexpr = (HQ + 2 * HKV) * D
-    slot = a0
-    col0 = a1 * PART                                              # first column of the slice in each half
+    slot = head_slot
+    col0 = part * PART                                              # first column of the slice in each half
     w = wqkv + layer.to(tl.int64) * rows * H
     inp = xn + worker * B_PAD * H                                 # input RMSNorm, by this tile
     rms_norm_rows(x, n, norms + 2 * layer * H, inp, H, EPS, B_PAD, NORM_BLOCK)
@@ -99,15 +99,15 @@ def qkv_gpu(layer, a0, a1, n, worker, x, xn, norms, wqkv, bqkv, qk_norm, inv_fre
 
 
 @triton.jit
-def qkv_prefetch(layer, a0, a1, wqkv, H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+def qkv_prefetch(layer, head_slot, part, wqkv, H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
                  QKV_PARTS: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
     # a slice's weights are small and its phase leaves many workers idle: fetch up to 2x the usual amount
     # for each half
     rows: tl.constexpr = (HQ + 2 * HKV) * D
     PART: tl.constexpr = D // 2 // QKV_PARTS
-    lo = wqkv + layer.to(tl.int64) * rows * H + (a0 * D + a1 * PART) * H
-    prefetch_l2(lo, a0 * 0 + PART * H, 2 * PREFETCH, INTERPRET)
-    prefetch_l2(lo + D // 2 * H, a0 * 0 + PART * H, 2 * PREFETCH, INTERPRET)
+    lo = wqkv + layer.to(tl.int64) * rows * H + (head_slot * D + part * PART) * H
+    prefetch_l2(lo, head_slot * 0 + PART * H, 2 * PREFETCH, INTERPRET)
+    prefetch_l2(lo + D // 2 * H, head_slot * 0 + PART * H, 2 * PREFETCH, INTERPRET)
 
 
 @gluon.jit
@@ -156,16 +156,16 @@ def norm_rope_store_ring(lo, hi, layer, slot, col0, cols, rd, rb, n, qk_norm, in
 
 
 @gluon.jit
-def qkv_weights(layer, a0, a1, wqkv_desc, ring, ready, empty, c, H: gl.constexpr, D: gl.constexpr,
+def qkv_weights(layer, head_slot, part, wqkv_desc, ring, ready, empty, c, H: gl.constexpr, D: gl.constexpr,
                 HQ: gl.constexpr, HKV: gl.constexpr, QKV_PARTS: gl.constexpr):
     PART: gl.constexpr = D // 2 // QKV_PARTS
-    row = layer * (HQ + 2 * HKV) * D + a0 * D + a1 * PART
+    row = layer * (HQ + 2 * HKV) * D + head_slot * D + part * PART
     c = rg.load_block(wqkv_desc, row, PART, H, ring, ready, empty, c)
     return rg.load_block(wqkv_desc, row + D // 2, PART, H, ring, ready, empty, c)
 
 
 @gluon.jit
-def qkv_ring(layer, a0, a1, n, worker, x, xn, norms, bqkv, qk_norm, inv_freq, positions, block_table, q, qk_raw,
+def qkv_ring(layer, head_slot, part, n, worker, x, xn, norms, bqkv, qk_norm, inv_freq, positions, block_table, q, qk_raw,
              k_cache, v_cache, xn_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr, D: gl.constexpr,
              HQ: gl.constexpr, HKV: gl.constexpr, B_PAD: gl.constexpr, QKV_PARTS: gl.constexpr, MAXB: gl.constexpr,
              BS: gl.constexpr, NBLK: gl.constexpr, EPS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
@@ -173,8 +173,8 @@ def qkv_ring(layer, a0, a1, n, worker, x, xn, norms, bqkv, qk_norm, inv_freq, po
     """qkv_gpu on the weight ring: the two halves of the slice are two blocks of the ring."""
     HALF: gl.constexpr = D // 2
     PART: gl.constexpr = HALF // QKV_PARTS
-    slot = a0
-    col0 = a1 * PART
+    slot = head_slot
+    col0 = part * PART
     rg.rms_norm_rows(x, n, norms + 2 * layer * H, xn + worker * B_PAD * H, H, EPS, num_warps)
     lo, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, False, True,
                              num_warps)

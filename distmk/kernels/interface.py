@@ -1,0 +1,156 @@
+"""The megakernels' interface, declared once: every argument a launch passes, what it is and who fills it.
+
+Both megakernels' signatures are generated from these tuples (megakernel.py, ring_megakernel.py), the task
+device functions are called by their parameters' names out of them, and the executor builds the launch
+arguments with `launch_arguments`: the constants and scalars by the rules below, the tensors from their owners
+(the stacked weights, the KV cache, the workspace, the executor's step inputs and symmetric memory), checked
+name for name against BUFFERS. A task type that needs a new constant adds one line here, not a line in each of
+the executor, the kernel signature and the dispatch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import triton
+
+from distmk.errors import DistmkError
+from distmk.graph.table import COLUMNS
+from distmk.graph.workspace import WORKSPACE
+from distmk.kernels.layout import STACKED
+
+
+def padded(n: int, minimum: int = 16) -> int:
+    """n rounded up to a power of two, at least `minimum`: the shapes tl blocks take."""
+    return max(minimum, triton.next_power_of_2(n))
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the rules of CONSTANTS and SCALARS read: the model, its shard, the table's config, the kernel
+    options, and the executor's choices for this rank."""
+    spec: object
+    plan: object
+    config: object          # GraphConfig
+    options: object         # KernelOptions
+    dtype: torch.dtype
+    kv: object              # KVCache
+    world: int
+    rank: int
+    interpret: bool
+    transport: int          # index into executor.TRANSPORTS
+    signal_add: int         # NVSHMEM's signal-add operation (-1: not the NVSHMEM transport)
+    timeout: int            # ns (polls when interpreted)
+    lm_tiles: int
+    exchange_slots: int
+
+    @property
+    def b_pad(self) -> int:
+        return padded(self.config.batch)
+
+    @property
+    def block_k(self) -> int:
+        """16-32 KB of weights per load step in bf16; float32 (tests) halves K to stay in shared memory."""
+        return self.options.block_k or (128 if self.dtype == torch.float32 else 256)
+
+
+@dataclass(frozen=True)
+class Arg:
+    name: str
+    rule: Callable[[Launch], object] | str   # a rule of the Launch, or who owns the tensor
+    doc: str = ""
+
+
+# The table and the step's state: the kernel's first parameters, filled by the executor.
+CONTROL = ("tasks", "queue", "queue_ptr", "event_need", "epoch_ptr", "rows_ptr", "error", "trace")
+
+# Launch scalars (not specialised on: one compiled kernel serves every rank and timeout).
+SCALARS = (
+    Arg("rank", lambda l: l.rank, "this rank"),
+    Arg("timeout", lambda l: l.timeout, "ns a task may wait for its event"),
+    Arg("vocab0", lambda l: l.plan.vocab0, "first vocabulary id of this rank's lm_head slice"),
+    Arg("vocab_valid", lambda l: l.plan.vocab_valid, "ids of the slice that are real (the rest is padding)"),
+)
+
+# Values inside the kernel: a task's columns of its table row (graph/table.py), the step's rows, the worker.
+ROW = tuple(c for c in COLUMNS if c not in ("type", "wait"))
+RUNTIME = (*ROW, "n", "worker", "rank", "vocab0", "vocab_valid")
+
+# Tensors, passed by pointer; the rule names who owns each.
+BUFFERS = (
+    *(Arg(name, "weights", "stacked over layers (kernels/layout.py)") for name in STACKED),
+    Arg("k_cache", "kv"), Arg("v_cache", "kv"),
+    Arg("tokens", "step", "the step's inputs, rows 0..n-1"), Arg("positions", "step"), Arg("block_table", "step"),
+    *(Arg(buffer.name, "workspace", buffer.doc) for buffer in WORKSPACE),
+    Arg("xn", "scratch", "each worker's RMS-normed input rows (primitives.rms_norm_rows)"),
+    # symmetric memory (tp > 1): this rank's event counters and exchange buffers, and the peers' addresses
+    *(Arg(name, "symmetric") for name in ("counters", "counter_peers", "exchange", "exchange_peers", "best",
+                                          "best_id", "best_peers", "best_id_peers")),
+)
+
+# Shapes and tile sizes: compile-time constants.
+CONSTANTS = (
+    Arg("H", lambda l: l.spec.hidden_size, "hidden size"),
+    Arg("D", lambda l: l.spec.head_dim, "head size"),
+    Arg("HQ", lambda l: l.plan.num_heads, "query heads of this rank"),
+    Arg("HKV", lambda l: l.plan.num_kv_heads, "key/value heads of this rank"),
+    Arg("G", lambda l: l.plan.group, "query heads per key/value head"),
+    Arg("G_PAD", lambda l: padded(l.plan.group)),
+    Arg("INTER", lambda l: l.plan.inter, "MLP width of this rank"),
+    Arg("VOCAB_L", lambda l: l.plan.vocab, "this rank's vocabulary slice, padded"),
+    Arg("B_PAD", lambda l: l.b_pad, "the step's rows padded to a power of two, at least 16"),
+    Arg("MAXB", lambda l: l.kv.blocks_per_seq, "KV blocks a sequence may hold"),
+    Arg("BS", lambda l: l.kv.block_size, "positions per KV block"),
+    Arg("NBLK", lambda l: l.kv.num_blocks, "KV blocks per layer"),
+    Arg("S", lambda l: l.config.kv_splits, "attention splits of the keys"),
+    Arg("EPS", lambda l: l.spec.rms_norm_eps),
+    Arg("HAS_BIAS", lambda l: l.spec.qkv_bias),
+    Arg("QK_NORM", lambda l: l.spec.qk_norm, "Qwen3's per-head q/k RMSNorm"),
+    Arg("WINDOW", lambda l: l.spec.sliding_window or 0, "sliding-window width (0: none)"),
+    Arg("SCALE", lambda l: l.spec.head_dim ** -0.5, "attention's softmax scale"),
+    Arg("HALF_PAD", lambda l: padded(l.spec.head_dim // 2)),
+    Arg("QKV_PARTS", lambda l: l.config.qkv_parts, "QKV tiles per head"),
+    Arg("LM_TILES", lambda l: l.lm_tiles, "lm_head tiles (argmax reads their maxima)"),
+    Arg("LM_TILES_PAD", lambda l: padded(l.lm_tiles, 2)),
+    Arg("BLOCK_H", lambda l: min(1024, padded(l.spec.hidden_size)), "columns of an elementwise block"),
+    Arg("BLOCK_T", lambda l: 16, "keys of an attention block"),
+    Arg("DOT_PRECISION", lambda l: "ieee" if l.dtype == torch.float32 else "tf32"),
+    Arg("PREFETCH", lambda l: 0 if l.interpret else l.options.prefetch_kb * 1024, "bytes of L2 prefetch a task"),
+    Arg("NORM_BLOCK", lambda l: min(padded(l.spec.hidden_size), max(16, 8192 // l.b_pad)),
+        "columns of an RMSNorm block"),
+    Arg("WORLD", lambda l: l.world, "tensor-parallel ranks"),
+    # exchanges: 0 = stores through peer pointers, 1 = NVSHMEM put-with-signal (tasks/ar_push.py)
+    Arg("TRANSPORT", lambda l: l.transport),
+    Arg("SIGNAL_ADD", lambda l: l.signal_add),
+    Arg("EXCHANGE_SLOTS", lambda l: l.exchange_slots, "row-parallel outputs whose exchanges may be in flight"),
+    # matmul tiles per task family: (rows, K) of one pipelined load step; gate+up and the two halves of a head
+    # load two tiles a step, so their K is halved
+    Arg("BLOCK_N", lambda l: l.options.block_n),
+    Arg("BLOCK_K", lambda l: l.block_k),
+    Arg("MLP_BLOCK_N", lambda l: l.options.mlp_block_n),
+    Arg("MLP_BLOCK_K", lambda l: l.block_k // 2),
+    Arg("LM_BLOCK_N", lambda l: l.options.lm_block_n),
+    Arg("LM_BLOCK_K", lambda l: l.block_k // 2),
+    Arg("QKV_BLOCK_N", lambda l: padded(l.spec.head_dim // 2 // l.config.qkv_parts)),
+    Arg("QKV_BLOCK_K", lambda l: l.block_k // 2),
+)
+
+# Flags of the kernel itself, after the constants.
+FLAGS = (
+    Arg("TRACE", lambda l: l.options.trace, "record every task's wait, start, end and SM"),
+    Arg("INTERPRET", lambda l: l.interpret, "under Triton's interpreter (the tl kernel only)"),
+)
+
+NAMES = {"buffers": tuple(a.name for a in BUFFERS), "constants": tuple(a.name for a in CONSTANTS)}
+
+
+def launch_arguments(launch: Launch, control: dict, tensors: dict) -> dict:
+    """Every argument of the tl megakernel, by name: `control` (CONTROL), `tensors` (exactly BUFFERS'), the
+    scalars, constants and flags by their rules."""
+    for what, given, declared in (("control", control, CONTROL), ("tensors", tensors, NAMES["buffers"])):
+        missing, extra = sorted(set(declared) - set(given)), sorted(set(given) - set(declared))
+        if missing or extra:
+            raise DistmkError(f"megakernel {what}: missing {missing}, not declared {extra} (kernels/interface.py)")
+    return {**control, **{a.name: a.rule(launch) for a in SCALARS}, **tensors,
+            **{a.name: a.rule(launch) for a in CONSTANTS + FLAGS}}
