@@ -29,7 +29,7 @@ import triton
 
 from baselines import (cudagraph_step_ms, decode_step_bytes, hf_eager_ms_per_token, measure_hbm_read_bandwidth,
                        tp_rank)
-from distmk.cli import COUNT, NON_NEGATIVE, select_device
+from distmk.cli import COUNT, add_graph_args, add_kernel_args, kernel_options_of, select_device, tiling_of
 from distmk.dist import detect_launch, init_process_group
 from distmk.errors import DistmkError
 from distmk.models.shard import plan_shard
@@ -46,9 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--out", help="also write the JSON to this file")
     p.add_argument("--skip-hf", action="store_true", help="skip transformers' eager generate")
     p.add_argument("--compile-baseline", action="store_true", help="also time the torch.compile'd CUDA graph")
-    p.add_argument("--qkv-parts", type=NON_NEGATIVE, default=0, help="QKV tiles per head (0: the automatic choice)")
-    p.add_argument("--kernel", choices=["auto", "ring", "tl"], default="auto",
-                   help="the megakernel: the weight ring (Hopper, bf16, tp=1), the tl one, or the best that runs")
+    add_graph_args(p, "one per SM")
+    add_kernel_args(p)
     p.add_argument("--backend", choices=["triton", "reference"], default="triton",
                    help="distmk's executor: the megakernel, or the reference executor (the one CPU runs have)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -77,8 +76,8 @@ def time_distmk(args, device, log) -> dict:
     try:
         from harness import distmk_step_ms
         return distmk_step_ms(args.model, args.batch, args.context, args.iters, backend=args.backend, device=device,
-                              breakdown=args.backend == "triton", graph={"qkv_parts": args.qkv_parts},
-                              **({} if args.kernel == "auto" else {"kernel": args.kernel}))
+                              breakdown=args.backend == "triton", graph=tiling_of(args), workers=args.workers,
+                              **kernel_options_of(args))
     except Exception as e:
         log(traceback.format_exc())
         return {"step_ms": None, "distmk_error": f"{type(e).__name__}: {e}"}
@@ -100,7 +99,8 @@ def run(args, launcher: str, log) -> dict:
     if on_gpu:
         bandwidth = measure_hbm_read_bandwidth(device)
         roofline_ms = step_bytes / bandwidth * 1e3
-        log(f"HBM read {bandwidth / 1e12:.2f} TB/s; {step_bytes / 1e9:.2f} GB per step -> roofline {roofline_ms:.3f} ms")
+        log(f"HBM read {bandwidth / 1e12:.2f} TB/s; {step_bytes / 1e9:.2f} GB per step -> roofline "
+            f"{roofline_ms:.3f} ms")
 
     distmk = time_distmk(args, device, log)
     step_ms = distmk["step_ms"]

@@ -14,6 +14,7 @@ from distmk.comm import backend_comm
 from distmk.dist import LaunchEnv, init_process_group
 from distmk.errors import DistmkError
 from distmk.graph.lowering import GraphConfig
+from distmk.kernels.options import KernelOptions
 from distmk.runtime.engine import DTYPES, Engine, device_fields
 
 
@@ -64,10 +65,32 @@ def add_graph_args(p: argparse.ArgumentParser, workers_default: str) -> None:
                    help=f"worker queues (default: {workers_default})")
 
 
+def tiling_of(args) -> dict:
+    """The GraphConfig fields that add_graph_args' tiling flags set."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(GraphConfig) if "help" in f.metadata}
+
+
 def graph_config(args, **fields) -> GraphConfig:
     """The GraphConfig of add_graph_args' flags, with `fields` (batch, workers, context) on top."""
-    tiling = {f.name: getattr(args, f.name) for f in dataclasses.fields(GraphConfig) if "help" in f.metadata}
-    return GraphConfig(**tiling, **fields)
+    return GraphConfig(**tiling_of(args), **fields)
+
+
+def add_kernel_args(p: argparse.ArgumentParser) -> None:
+    """KernelOptions' flags (the fields with a help), for the triton backend. Unset, an option takes its tuned
+    value (kernels/autotune.py), else its default."""
+    types = {"float": float_in(0, lo_open=True), "int": NON_NEGATIVE, "int | None": COUNT, "str": str}
+    for f in dataclasses.fields(KernelOptions):
+        if "help" in f.metadata:
+            flag = "--" + (f.metadata["flag"] or f.name).replace("_", "-")
+            p.add_argument(flag, dest=f.name, type=types[f.type], default=None, choices=f.metadata["choices"],
+                           metavar=None if f.metadata["choices"] else flag[2:].upper().replace("-", "_"),
+                           help=f"triton backend: {f.metadata['help']} (default: {f.default})")
+
+
+def kernel_options_of(args) -> dict:
+    """The KernelOptions that add_kernel_args' flags set."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(KernelOptions)
+            if "help" in f.metadata and getattr(args, f.name, None) is not None}
 
 
 def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str) -> None:
@@ -81,11 +104,7 @@ def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str
                    help="tokens per sequence, prompt + output (default: the model's, at most 2048)")
     p.add_argument("--seed", type=SEED, default=0, help="seed of a preset's random weights")
     add_graph_args(p, f"one per SM with --device cuda, 1 under Triton's interpreter, else {GraphConfig.workers}")
-    p.add_argument("--timeout", type=float_in(0, lo_open=True), default=5.0,
-                   help="triton backend: seconds a task may wait")
-    p.add_argument("--transport", choices=("auto", "pointer", "nvshmem"), default="auto",
-                   help="triton backend at tp>1: how all-reduce tiles reach peers (auto: peer pointers when every "
-                        "peer is reachable by one, else NVSHMEM put-with-signal)")
+    add_kernel_args(p)
     p.add_argument("--no-autotune", action="store_true",
                    help="triton backend: use the cached or default kernel options, measure nothing")
 
@@ -114,8 +133,7 @@ def build_engine(args, launch: LaunchEnv, comm, device: str, *, progress: bool, 
     kernel_options: extra options of the triton backend's executor."""
     dtype = DTYPES[args.dtype or ("float32" if args.device == "cpu" else "bfloat16")]
     config = graph_config(args, batch=args.batch, **device_fields(args.backend, device, args.workers))
-    kernel_options = ({"timeout_s": args.timeout, "transport": args.transport, **(kernel_options or {})}
-                      if args.backend == "triton" else None)
+    kernel_options = {**kernel_options_of(args), **(kernel_options or {})} if args.backend == "triton" else None
     return Engine(args.model, tp=launch.world, rank=launch.rank, comm=comm, dtype=dtype, device=device,
                   backend=args.backend, config=config, max_context=args.max_context, seed=args.seed,
                   progress=progress, kernel_options=kernel_options, autotune=not args.no_autotune,

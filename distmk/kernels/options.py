@@ -1,30 +1,40 @@
 """KernelOptions: how the megakernel is built and run (GraphConfig says what it runs). One declaration, read by
-the executor, recorded in benchmark JSON, varied by autotuning."""
+the executor, recorded in benchmark JSON, varied by autotuning, and the triton backend's command-line flags."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from distmk.errors import DistmkError
 
 
+def option(default, help: str, flag: str | None = None, choices: tuple | None = None):
+    """A KernelOptions field that is also a command-line flag (distmk.cli.add_kernel_args): `--flag` or
+    `--<name>`, with this help and choices."""
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
+
+
 @dataclass(frozen=True)
 class KernelOptions:
-    timeout_s: float = 5.0          # the longest a task may wait for its event before the step is abandoned
-    num_warps: int = 4              # tl kernel: warps of a worker (the ring's task partition is one warpgroup)
-    num_stages: int = 4             # tl kernel: software-pipeline depth of the matmul loads
-    block_n: int = 32               # tl kernel: rows of an o_proj / down load step
-    block_k: int | None = None      # tl kernel: columns of a load step (None: 256 in bf16, 128 in float32)
-    mlp_block_n: int = 64           # tl kernel: rows of a gate_up load step
-    lm_block_n: int = 128           # tl kernel: rows of an lm_head load step
-    prefetch_kb: int = 256          # tl kernel: L2 prefetch of a task's weights before its wait (0: none)
+    timeout_s: float = option(5.0, "seconds a task may wait for its event before the step is abandoned",
+                              flag="timeout")
+    num_warps: int = option(4, "tl kernel: warps of a worker (the ring's task partition is one warpgroup)")
+    num_stages: int = option(4, "tl kernel: software-pipeline depth of the matmul loads")
+    block_n: int = option(32, "tl kernel: rows of an o_proj / down load step")
+    block_k: int | None = option(None, "tl kernel: columns of a load step (default: 256 in bf16, 128 in float32)")
+    mlp_block_n: int = option(64, "tl kernel: rows of a gate_up load step")
+    lm_block_n: int = option(128, "tl kernel: rows of an lm_head load step")
+    prefetch_kb: int = option(256, "tl kernel: KB of L2 prefetch of a task's weights before its wait (0: none)")
     trace: bool = False             # record every task's wait, start, end and SM (kernels/trace.py)
     cuda_graph: bool = True         # replay the launch as a CUDA graph
-    transport: str = "auto"         # tp > 1: auto, pointer (peer stores) or nvshmem (put with signal)
-    kernel: str = "auto"            # auto, ring (Gluon weight ring, Hopper) or tl
-    ring_block_k: int = 0           # ring: columns of a slot (0: the widest of 256/128/64 dividing every K)
-    ring_slots: int = 0             # ring: weight slots (0: as many as its shared memory holds)
-    ring_inputs: int = 4            # ring: input slices in flight
+    transport: str = option("auto", "tp > 1: how exchange tiles reach peers (auto: peer pointers where every peer "
+                                    "is reachable by one, else NVSHMEM put-with-signal)",
+                            choices=("auto", "pointer", "nvshmem"))
+    kernel: str = option("auto", "the megakernel: the Gluon weight ring (Hopper, bf16, tp=1), the tl one, or "
+                                 "the faster that runs", choices=("auto", "ring", "tl"))
+    ring_block_k: int = option(0, "ring: columns of a slot (0: the widest of 256/128/64 dividing every K)")
+    ring_slots: int = option(0, "ring: weight slots (0: as many as its shared memory holds)")
+    ring_inputs: int = option(4, "ring: input slices in flight")
 
     def __post_init__(self):
         if not self.timeout_s > 0:

@@ -32,13 +32,41 @@ def device_fields(backend: str, device, workers: int | None = None) -> dict:
     return {"workers": workers, "hbm_bytes_per_s": hbm_bytes_per_s(device)}
 
 
+def reference_executor(engine, options: dict, autotune: bool, progress: bool):
+    """The CPU reference executor: kernel options and autotuning do not apply to it."""
+    return ReferenceExecutor(engine.table, engine.spec, engine.weights, engine.kv, engine.comm, engine.dtype)
+
+
+def triton_executor(engine, options: dict, autotune: bool, progress: bool):
+    """The megakernel executor with tuned options: explicit options win, then the on-disk choice for this GPU
+    and shape, then (autotune, on a GPU) a fresh measurement, else the defaults."""
+    from distmk.kernels import autotune as tuning
+    from distmk.kernels.executor import TritonExecutor
+
+    def make(extra):
+        return TritonExecutor(engine.table, engine.spec, engine.weights, engine.kv, engine.comm, engine.dtype,
+                              **{**extra, **options})
+
+    key = tuning.tuning_key(engine.spec, engine.plan, engine.table, engine.dtype, engine.device)
+    tuned = tuning.cached_options(key)
+    # tensor-parallel ranks take the cached or default options: tuning them would need a common choice
+    if tuned is None and autotune and engine.device.type == "cuda" and engine.comm.world == 1:
+        log = print if progress else None
+        tuned = tuning.tune(key, make, engine.config.batch, min(511, engine.max_context - 1), log)
+    return make(tuned or {})
+
+
+# how each backend builds its executor from the Engine: (engine, kernel options, autotune, progress) -> executor
+BACKENDS = {"reference": reference_executor, "triton": triton_executor}
+
+
 class Engine:
     def __init__(self, model: str, *, tp: int = 1, rank: int = 0, comm=None, dtype=torch.float32,
                  device="cpu", backend: str = "reference", config: GraphConfig | None = None,
                  max_context: int | None = None, block_size: int = 16, seed: int = 0, progress: bool = False,
                  kernel_options: dict | None = None, autotune: bool = True, max_seqs: int | None = None):
-        if backend not in ("reference", "triton"):
-            raise DistmkError(f"unknown backend {backend!r}: use reference or triton")
+        if backend not in BACKENDS:
+            raise DistmkError(f"unknown backend {backend!r}: use {' or '.join(BACKENDS)}")
         self.comm = comm or SingleRank()
         if self.comm.world != tp:
             raise DistmkError(f"tp={tp} but the communicator has {self.comm.world} ranks")
@@ -58,28 +86,7 @@ class Engine:
         # KV-cache room: max_seqs sequences of max_context tokens (default: one per row of a step)
         self.kv = KVCache(self.spec.num_layers, max_seqs or self.config.batch, -(-max_context // block_size),
                           block_size, self.plan.num_kv_heads, self.spec.head_dim, dtype, device)
-        if backend == "triton":
-            self.executor = self._triton_executor(kernel_options or {}, autotune, progress)
-        else:
-            self.executor = ReferenceExecutor(self.table, self.spec, self.weights, self.kv, self.comm, dtype)
-
-    def _triton_executor(self, options: dict, autotune: bool, progress: bool):
-        """The megakernel executor with tuned options: explicit options win, then the on-disk choice for this
-        GPU and shape, then (autotune, on a GPU) a fresh measurement, else the defaults."""
-        from distmk.kernels import autotune as tuning
-        from distmk.kernels.executor import TritonExecutor
-
-        def make(extra):
-            return TritonExecutor(self.table, self.spec, self.weights, self.kv, self.comm, self.dtype,
-                                  **{**extra, **options})
-
-        key = tuning.tuning_key(self.spec, self.plan, self.table, self.dtype, self.device)
-        tuned = tuning.cached_options(key)
-        # tensor-parallel ranks take the cached or default options: tuning them would need a common choice
-        if tuned is None and autotune and self.device.type == "cuda" and self.comm.world == 1:
-            log = print if progress else None
-            tuned = tuning.tune(key, make, self.config.batch, min(511, self.max_context - 1), log)
-        return make(tuned or {})
+        self.executor = BACKENDS[backend](self, kernel_options or {}, autotune, progress)
 
     def step(self, tokens, positions, block_tables):
         """Run one step: tokens[i] at positions[i] of the sequence whose blocks are block_tables[i].
