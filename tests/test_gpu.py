@@ -59,8 +59,9 @@ def test_ring_megakernel_matches_tl_megakernel(name, batch):
     assert engine.executor.kernel_name == "ring"
     tl_kernel = TritonExecutor(engine.table, engine.spec, engine.weights, engine.kv, engine.comm, engine.dtype,
                                kernel="tl")
-    engine.kv.k.normal_()
-    engine.kv.v.normal_()
+    kv_values = torch.Generator(device="cuda").manual_seed(0)
+    engine.kv.k.normal_(generator=kv_values)
+    engine.kv.v.normal_(generator=kv_values)
     tokens = torch.randint(0, engine.spec.vocab_size, (batch,), generator=torch.Generator().manual_seed(1)).tolist()
     positions = [5 + 13 * b for b in range(batch)]          # < max_context
     blocks = [engine.kv.allocate([], 256) for _ in range(batch)]
@@ -75,7 +76,12 @@ def test_ring_megakernel_matches_tl_megakernel(name, batch):
     (ring_tokens, ring_logits), (tl_tokens, tl_logits) = outs
     # the two differ in rounding only (the ring's attention products are exact float32, the tl one's tf32)
     assert ((ring_logits - tl_logits).norm() / tl_logits.norm()).item() < 2e-2
-    assert sum(a == b for a, b in zip(ring_tokens, tl_tokens)) >= batch - batch // 8, (ring_tokens, tl_tokens)
+    # so where their greedy tokens differ, the tl logits of the two are a tie within that rounding (random weights
+    # leave top-2 gaps of 0.007 on logits of 5: an unseeded KV cache once flipped 2 of 8 rows of qwen3-0.6b)
+    for b, (ring_token, tl_token) in enumerate(zip(ring_tokens, tl_tokens)):
+        rounding = (ring_logits[b] - tl_logits[b]).abs().max().item()
+        gap = (tl_logits[b, tl_token] - tl_logits[b, ring_token]).item()
+        assert ring_token == tl_token or gap <= 2 * rounding, (b, ring_token, tl_token, gap, rounding)
 
 
 def test_graph_replay_equals_plain_launches():
