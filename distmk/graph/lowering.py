@@ -142,7 +142,7 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
             head_group = slot // group if slot < hq else (slot - hq) % hkv
             raw = g.event(f"L{layer}.qkv.raw{slot}", P) if finish and slot < hq + hkv else None
             for part in range(P):
-                g.task("qkv", layer, (slot, part, P), wait=x_ready, signal=qkv_done[head_group] if raw is None else raw)
+                g.task("qkv", layer, (slot, part), wait=x_ready, signal=qkv_done[head_group] if raw is None else raw)
             if raw is not None:
                 g.task("qk_finish", layer, (slot,), wait=raw, signal=qkv_done[head_group])
         attn_done = g.event(f"L{layer}.attn", B * hkv)
@@ -180,7 +180,7 @@ def compile_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> TaskT
     builder = lower_decode_step(spec, plan, config)
     tasks, need = builder.tensors(plan.tp)
     shape = StepShape(spec, plan, config.batch, config.kv_splits, config.context,
-                      config.dtype_bytes, config.dtype_bytes)
+                      config.dtype_bytes, config.dtype_bytes, config.qkv_parts)
     cost = torch.tensor([TASK_KINDS[t[0]].cost(shape, t[1], tuple(t[2:6])) for t in builder.rows],
                         dtype=torch.int64)
     table = schedule(tasks, need, cost, builder.event_names, config)

@@ -28,6 +28,7 @@ class StepContext:
     v_cache: torch.Tensor
     block_size: int
     kv_splits: int
+    qkv_parts: int                    # column slices of a QKV head (GraphConfig.qkv_parts)
     comm: object
     dtype: torch.dtype
     tokens: torch.Tensor = None       # [rows] int64
@@ -48,7 +49,7 @@ class ReferenceExecutor:
             spec=spec, plan=plan, weights=weights,
             buf=allocate_workspace(spec, plan, config, dtype, device),
             k_cache=kv_cache.k, v_cache=kv_cache.v, block_size=kv_cache.block_size,
-            kv_splits=config.kv_splits, comm=comm, dtype=dtype, published={})
+            kv_splits=config.kv_splits, qkv_parts=config.qkv_parts, comm=comm, dtype=dtype, published={})
         self.rows = [(TASK_KINDS[r[TYPE]], r[LAYER], tuple(r[A0:A0 + len(TASK_KINDS[r[TYPE]].args)]),
                       r[WAIT], r[SIGNAL]) for r in table.tasks.tolist()]
         # an exchange's event counts one signal per rank; here the other ranks meet inside comm.gather

@@ -50,6 +50,7 @@ class StepShape:
     context: int            # expected context length (cost model only; the table works for any length)
     weight_bytes: int = 2
     act_bytes: int = 2
+    qkv_parts: int = 1      # column slices of a QKV head (GraphConfig.qkv_parts)
 
     def matmul_bytes(self, rows: int, cols: int) -> int:
         """A [batch, cols] x [rows, cols]^T tile: weights once, input and output activations."""

@@ -203,19 +203,19 @@ def qkv_ring(layer, head_slot, part, n, worker, x, xn, norms, bqkv, qk_norm, inv
 
 class QKV(TaskKind):
     name = "qkv"
-    # head_slot 0..hq-1: query heads, then hkv key heads, then hkv value heads (local); part of parts: the
-    # columns [part, part + 1) * D / (2 * parts) of both halves of the head
-    args = ("head_slot", "part", "parts")
+    # head_slot 0..hq-1: query heads, then hkv key heads, then hkv value heads (local); part of the graph's
+    # qkv_parts (QKV_PARTS on the GPU): the columns [part, part + 1) * D / (2 * qkv_parts) of both halves
+    args = ("head_slot", "part")
     gpu = qkv_gpu
     gpu_prefetch = qkv_prefetch
     ring = qkv_ring
     ring_weights = qkv_weights
 
     def cost(self, shape, layer, a):
-        return shape.matmul_bytes(shape.spec.head_dim // a[2], shape.spec.hidden_size)
+        return shape.matmul_bytes(shape.spec.head_dim // shape.qkv_parts, shape.spec.hidden_size)
 
     def run(self, ctx, layer, a):
-        slot, part, parts = a[:3]
+        (slot, part), parts = a, ctx.qkv_parts
         spec, plan, lw = ctx.spec, ctx.plan, ctx.weights.layers[layer]
         d, n = spec.head_dim, ctx.num_rows
         cols = slice_columns(d, part, parts)
