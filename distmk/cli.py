@@ -103,6 +103,9 @@ def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str
     p.add_argument("--max-context", type=COUNT, default=None,
                    help="tokens per sequence, prompt + output (default: the model's, at most 2048)")
     p.add_argument("--seed", type=SEED, default=0, help="seed of a preset's random weights")
+    p.add_argument("--prefill-chunk", type=NON_NEGATIVE, default=512,
+                   help="prompt tokens a prefill chunk takes, by matrix products rather than the decode steps' rows "
+                        "(0: every prompt through the steps)")
     add_graph_args(p, f"one per SM with --device cuda, 1 under Triton's interpreter, else {GraphConfig.workers}")
     add_kernel_args(p)
     p.add_argument("--no-autotune", action="store_true",
@@ -137,4 +140,4 @@ def build_engine(args, launch: LaunchEnv, comm, device: str, *, progress: bool, 
     return Engine(args.model, tp=launch.world, rank=launch.rank, comm=comm, dtype=dtype, device=device,
                   backend=args.backend, config=config, max_context=args.max_context, seed=args.seed,
                   progress=progress, kernel_options=kernel_options, autotune=not args.no_autotune,
-                  max_seqs=max_seqs)
+                  max_seqs=max_seqs, prefill_chunk=args.prefill_chunk)

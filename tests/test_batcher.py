@@ -30,16 +30,21 @@ def test_joining_and_leaving_sequences_match_generating_alone(engine):
     assert len(engine.kv.free) == engine.kv.num_blocks          # every block came back
 
 
-def test_long_prompt_is_chunked_while_a_stream_keeps_decoding(engine):
+@pytest.mark.parametrize("prefill_chunk, steps_at_least", [(0, 5), (8, 3)])
+def test_long_prompt_is_chunked_while_a_stream_keeps_decoding(engine, monkeypatch, prefill_chunk, steps_at_least):
+    """A 30-token prompt is read through the steps' free rows (prefill_chunk 0), or by prefill chunks of 8 tokens,
+    one before each step, beside those rows: either way the running stream gets a token every step."""
+    monkeypatch.setattr(engine, "prefill_chunk", prefill_chunk)
     batcher = Batcher(engine)
     stream = batcher.submit(Sequence([5, 6], 20))
     batcher.step()
     batcher.step()
     long = batcher.submit(Sequence(list(range(200, 230)), 2))      # 30 prompt tokens, 6 rows a step
-    before = len(stream.output)
+    before, steps = len(stream.output), 0
     while long.output == []:
         batcher.step()
-    assert len(stream.output) - before >= 5                         # a token every step of the prefill
+        steps += 1
+    assert len(stream.output) - before == steps >= steps_at_least
     batcher.cancel(stream)
     while batcher.busy:
         batcher.step()

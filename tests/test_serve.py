@@ -98,6 +98,14 @@ def test_greedy_completion_equals_distmk_generate(server):
     assert complete(server, "Hello, wörld", 12) == complete(server, list("Hello, wörld".encode()), 12)
 
 
+def test_long_prompt_prefilled_by_both_ranks_gives_transformers_tokens(server):
+    """A prompt longer than a step's 16 rows is prefilled by matrix products on both ranks (the PREFILL message
+    of serve/lockstep.py), then decoded: transformers' greedy tokens."""
+    prompt = [(7 * i + 3) % 50 for i in range(40)]
+    _, tokens, finish = complete(server, prompt, 16, ignore_eos=True)
+    assert tokens == hf_greedy(MODEL, tuple(prompt), 16)[0] and finish == "length"
+
+
 def test_chat_streamed_and_whole_agree(server):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     whole = complete(server, messages, 10, chat=True)

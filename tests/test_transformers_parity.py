@@ -7,10 +7,11 @@ from distmk.runtime.engine import Engine
 from conftest import PROMPT, SMALL, TINY, hf_generate, hf_greedy
 
 
-def generate_tp(name, tp, config=SMALL, new_tokens=32, **kw):
-    """Every simulated rank's (tokens, logits)."""
-    return run_simulated_ranks(tp, lambda rank, comm: Engine(name, tp=tp, rank=rank, comm=comm, config=config, **kw)
-                               .generate(PROMPT, new_tokens, return_logits=True))
+def generate_tp(name, tp, config=SMALL, new_tokens=32, prompt=PROMPT, prefill_chunk=0, **kw):
+    """Every simulated rank's (tokens, logits); the prompt through the decode graph's steps unless prefill_chunk."""
+    return run_simulated_ranks(tp, lambda rank, comm: Engine(name, tp=tp, rank=rank, comm=comm, config=config,
+                                                             prefill_chunk=prefill_chunk, **kw)
+                               .generate(prompt, new_tokens, return_logits=True))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -25,6 +26,20 @@ def test_greedy_and_logits_match_transformers(name, tp):
     for other_tokens, other_logits in results[1:]:       # every rank holds bit-identical results
         assert other_tokens == tokens
         assert torch.equal(other_logits, logits)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", TINY)
+def test_prefill_chunks_match_transformers(name, tp):
+    """A 40-token prompt prefilled by matrix products (runtime/prefill.py) in chunks of 16, 16 and 7 tokens (its last
+    token goes through a step): transformers' tokens, and every rank bit-identical."""
+    prompt = [(7 * i + 3) % 50 for i in range(40)]
+    ref_tokens, ref_logits = hf_greedy(name, tuple(prompt), 16)
+    results = generate_tp(name, tp, new_tokens=16, prompt=prompt, prefill_chunk=16)
+    tokens, logits = results[0]
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max() / ref_logits.abs().max() < 1e-4
+    assert all(t == tokens and torch.equal(lg, logits) for t, lg in results[1:])
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])

@@ -2,7 +2,9 @@
 
 Each step first gives every decoding sequence one row (its last token), then fills the remaining rows with
 a chunk of the oldest prompt still being read (chunked prefill), so a long prompt never stalls the
-streams already running. A sequence's KV blocks are reserved when it is admitted (prompt + max_tokens)
+streams already running. A prompt longer than a step's rows goes, chunk by chunk (one chunk before each
+step), through the prefill path instead (runtime/prefill.py: GEMMs rather than the decode graph's GEMVs),
+all but its last token: that one runs in a step, which gives the sequence its first token. A sequence's KV blocks are reserved when it is admitted (prompt + max_tokens)
 and returned the moment it finishes or is cancelled.
 
 A step is planned as plain data (StepInputs) and run by a function the caller may replace: under tensor
@@ -18,6 +20,7 @@ from typing import Callable
 import torch
 
 from distmk.errors import DistmkError
+from distmk.runtime.prefill import prefill_chunk
 from distmk.runtime.sampling import SamplingParams, sample
 
 
@@ -52,6 +55,19 @@ class StepInputs:
     needs_logits: bool
 
 
+@dataclass
+class PrefillInputs:
+    """A chunk of one sequence's prompt for the prefill path, as every rank must run it: tokens at positions
+    start, start + 1, ... of the sequence whose KV blocks are `blocks`."""
+    tokens: list[int]
+    start: int
+    blocks: list[int]
+
+
+def run_prefill(engine, chunk: PrefillInputs) -> None:
+    prefill_chunk(engine, chunk.tokens, chunk.start, chunk.blocks)
+
+
 def run_step(engine, step: StepInputs) -> tuple[list[int], torch.Tensor | None]:
     """Run a planned step on this rank: the greedy token of every row, and the [rows, vocab] logits when
     the step needs them."""
@@ -63,17 +79,20 @@ def run_step(engine, step: StepInputs) -> tuple[list[int], torch.Tensor | None]:
 
 class Batcher:
     """max_running: sequences decoding at once (default and at most: the rows of a step, one each);
-    fewer leaves rows of every step for prompt chunks. run: how a planned step is run (default: on this
-    rank only)."""
+    fewer leaves rows of every step for prompt chunks. run, prefill: how a planned step and a prefill chunk
+    are run (default: on this rank only). Prefill chunks hold up to engine.prefill_chunk tokens (0: every
+    prompt goes through the steps)."""
 
     def __init__(self, engine, max_running: int | None = None,
-                 run: Callable[[StepInputs], tuple[list[int], torch.Tensor | None]] | None = None):
+                 run: Callable[[StepInputs], tuple[list[int], torch.Tensor | None]] | None = None,
+                 prefill: Callable[[PrefillInputs], None] | None = None):
         self.engine = engine
         rows = engine.config.batch
         if max_running is not None and not 1 <= max_running <= rows:
             raise DistmkError(f"max_running must be in 1..{rows} (the rows of a step), got {max_running}")
         self.max_running = max_running or rows
         self.run = run or (lambda step: run_step(engine, step))
+        self.prefill = prefill or (lambda chunk: run_prefill(engine, chunk))
         self.waiting: list[Sequence] = []     # admitted in arrival order once their KV blocks fit
         self.running: list[Sequence] = []
 
@@ -126,6 +145,19 @@ class Batcher:
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def plan_prefill(self) -> PrefillInputs | None:
+        """The next prefill chunk: of the oldest running sequence whose unread prompt, its last token aside,
+        is more than a step's rows; None if there is none (or the engine prefills through its steps)."""
+        self._admit()
+        size, rows = self.engine.prefill_chunk, self.engine.config.batch
+        for seq in self.running:
+            if size and len(seq.prompt) - 1 - seq.fed > rows:
+                n = min(size, len(seq.prompt) - 1 - seq.fed)
+                chunk = PrefillInputs(seq.prompt[seq.fed:seq.fed + n], seq.fed, seq.blocks)
+                seq.fed += n
+                return chunk
+        return None
+
     def plan(self) -> tuple[list[tuple[Sequence, int]], StepInputs] | None:
         """Admit what fits and lay out the next step: (sequence, index into its tokens) per row, and the
         step's inputs; None when no sequence has a row to run."""
@@ -149,7 +181,11 @@ class Batcher:
     def step(self) -> list[tuple[Sequence, int | None]]:
         """One engine step; returns the (sequence, new token) pairs it produced. Finished sequences have
         finish_reason set and are out of the batch. A sequence whose token cannot be sampled fails alone:
-        its pair has no token, its finish_reason is "error" and its error says why."""
+        its pair has no token, its finish_reason is "error" and its error says why. A prefill chunk, if a
+        prompt needs one, runs first."""
+        chunk = self.plan_prefill()
+        if chunk is not None:
+            self.prefill(chunk)
         planned = self.plan()
         if planned is None:
             return []

@@ -1,9 +1,10 @@
 """Engine: one rank's model shard, its compiled step, its KV cache, and the generation loop on top.
 
-Prefill runs through the same task table as decode: a step is a batch of rows, each a token at a
-position of some sequence, so a prompt chunk is just several rows of one sequence (row b attends to the
-keys rows < b of the same step wrote). Every rank runs the same loop; greedy tokens come from the
-in-graph distributed argmax, sampled ones from logits gathered across ranks.
+A step is a batch of rows, each a token at a position of some sequence, so a short prompt chunk is just
+several rows of one sequence (row b attends to the keys rows < b of the same step wrote); a long prompt is
+prefilled in chunks of `prefill_chunk` tokens by matrix products (runtime/prefill.py). Every rank runs the
+same loop; greedy tokens come from the in-graph distributed argmax, sampled ones from logits gathered across
+ranks.
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ class Engine:
     def __init__(self, model: str, *, tp: int = 1, rank: int = 0, comm=None, dtype=torch.float32,
                  device="cpu", backend: str = "reference", config: GraphConfig | None = None,
                  max_context: int | None = None, block_size: int = 16, seed: int = 0, progress: bool = False,
-                 kernel_options: dict | None = None, autotune: bool = True, max_seqs: int | None = None):
+                 kernel_options: dict | None = None, autotune: bool = True, max_seqs: int | None = None,
+                 prefill_chunk: int = 0):
         if backend not in BACKENDS:
             raise DistmkError(f"unknown backend {backend!r}: use {' or '.join(BACKENDS)}")
         self.comm = comm or SingleRank()
@@ -77,6 +79,12 @@ class Engine:
         if max_context > self.spec.max_position_embeddings:
             raise DistmkError(f"max_context {max_context} exceeds the model's max_position_embeddings "
                               f"{self.spec.max_position_embeddings}")
+        if prefill_chunk < 0:
+            raise DistmkError(f"prefill_chunk must be >= 0 (0: prompts go through the decode steps), got "
+                              f"{prefill_chunk}")
+        # prompt tokens per prefill chunk (runtime/prefill.py); 0 here, 512 from the CLIs (--prefill-chunk): the
+        # path is checked against transformers on the CPU but not yet measured on a GPU
+        self.prefill_chunk = prefill_chunk
         self.plan = plan_shard(self.spec, tp, rank)
         self.dtype, self.device, self.max_context = dtype, torch.device(device), max_context
         self.weights = load_shard(self.spec, source, self.plan, dtype=dtype, device=device, progress=progress)

@@ -7,7 +7,8 @@ broadcast, which sleeps in gloo instead of spinning. Rank 0 sends something at l
 (steps, or heartbeats while idle), so a follower that hears nothing for CONTROL_TIMEOUT knows rank 0 is
 gone, even when no connection reset tells it; and rank 0 notices a dead rank while idle, without
 waiting for the next request. A message is a header [op, rows, block-table width, needs_logits] and, for
-a step, an int64 [rows, 2 + width] tensor: token, position and block table of each row.
+a step, an int64 [rows, 2 + width] tensor: token, position and block table of each row; for a prefill chunk
+the header is [PREFILL, tokens, blocks, start] and the tensor the chunk's tokens, then its sequence's blocks.
 """
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import datetime
 import torch
 
 from distmk.errors import DistmkError
-from distmk.runtime.batcher import StepInputs, run_step
+from distmk.runtime.batcher import PrefillInputs, StepInputs, run_prefill, run_step
 
-STEP, HEARTBEAT, SHUTDOWN = 1, 2, 3
+STEP, HEARTBEAT, SHUTDOWN, PREFILL = 1, 2, 3, 4
 CONTROL_TIMEOUT = datetime.timedelta(seconds=120)   # >> the scheduler's HEARTBEAT_S and one warm-up step
 
 
@@ -63,8 +64,14 @@ class Leader:
             for i, blocks in enumerate(step.block_tables):
                 rows[i, 2:2 + len(blocks)] = torch.as_tensor(blocks, dtype=torch.int64)
             _broadcast(rows, self.group)
-            return _run_with_peers(self.engine, step)
+            return _with_peers(run_step, self.engine, step)
         return run_step(self.engine, step)
+
+    def prefill(self, chunk: PrefillInputs) -> None:
+        if self.group is not None:
+            self._send(PREFILL, len(chunk.tokens), len(chunk.blocks), chunk.start)
+            _broadcast(torch.tensor(chunk.tokens + chunk.blocks, dtype=torch.int64), self.group)
+        _with_peers(run_prefill, self.engine, chunk)
 
     def heartbeat(self) -> None:
         if self.group is not None:
@@ -74,8 +81,8 @@ class Leader:
         if self.group is not None:
             self._send(SHUTDOWN)
 
-    def _send(self, op: int, rows: int = 0, width: int = 0, needs_logits: bool = False) -> None:
-        _broadcast(torch.tensor([op, rows, width, int(needs_logits)], dtype=torch.int64), self.group)
+    def _send(self, op: int, rows: int = 0, width: int = 0, flag: int = 0) -> None:
+        _broadcast(torch.tensor([op, rows, width, int(flag)], dtype=torch.int64), self.group)
 
 
 def follow(engine, group) -> None:
@@ -84,19 +91,25 @@ def follow(engine, group) -> None:
     header = torch.zeros(4, dtype=torch.int64)
     while True:
         _broadcast(header, group)
-        op, n, width, needs_logits = header.tolist()
+        op, n, width, flag = header.tolist()
         if op == SHUTDOWN:
             return
         if op == HEARTBEAT:
             continue
+        if op == PREFILL:
+            chunk = torch.empty(n + width, dtype=torch.int64)
+            _broadcast(chunk, group)
+            _with_peers(run_prefill, engine, PrefillInputs(chunk[:n].tolist(), flag, chunk[n:].tolist()))
+            continue
         rows = torch.empty(n, 2 + width, dtype=torch.int64)
         _broadcast(rows, group)
-        _run_with_peers(engine, StepInputs(rows[:, 0].tolist(), rows[:, 1].tolist(), rows[:, 2:].tolist(),
-                                           bool(needs_logits)))
+        _with_peers(run_step, engine, StepInputs(rows[:, 0].tolist(), rows[:, 1].tolist(), rows[:, 2:].tolist(),
+                                                 bool(flag)))
 
 
-def _run_with_peers(engine, step: StepInputs):
+def _with_peers(run, engine, inputs):
+    """run(engine, inputs): a step or a prefill chunk, whose exchanges need every rank."""
     try:
-        return run_step(engine, step)
+        return run(engine, inputs)
     except RuntimeError as e:            # the step's own exchanges fail like this when a peer is gone
         raise RankLost(f"a tensor-parallel step failed ({str(e).splitlines()[0]})") from e

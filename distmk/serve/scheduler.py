@@ -29,7 +29,7 @@ class Listener(Protocol):
 class Scheduler:
     def __init__(self, engine, leader, metrics, max_running: int | None = None):
         self.leader, self.metrics = leader, metrics
-        self.batcher = Batcher(engine, max_running, run=self._run)
+        self.batcher = Batcher(engine, max_running, run=self._run, prefill=leader.prefill)
         self.cond = threading.Condition()
         self.inbox: list[tuple[str, Sequence, Listener | None]] = []
         self.listeners: dict[int, Listener] = {}
