@@ -42,6 +42,33 @@ def test_prefill_chunks_match_transformers(name, tp):
     assert all(t == tokens and torch.equal(lg, logits) for t, lg in results[1:])
 
 
+WINDOW_PROMPT = [(5 * i + 1) % 60 for i in range(20)]
+
+
+@pytest.fixture(scope="module")
+def sliding_window_checkpoint(tmp_path_factory):
+    """tiny-mistral with a sliding window of 8 positions, far shorter than prompt and output, saved by
+    transformers: (path, its greedy tokens after WINDOW_PROMPT)."""
+    import dataclasses
+    from conftest import hf_model
+    from distmk.models.presets import preset
+    model = hf_model(dataclasses.replace(preset("tiny-mistral"), sliding_window=8))
+    path = tmp_path_factory.mktemp("window") / "tiny-mistral-window"
+    model.save_pretrained(path)
+    return str(path), hf_generate(model, WINDOW_PROMPT, 16)[0, len(WINDOW_PROMPT):].tolist()
+
+
+@pytest.mark.parametrize("prefill_chunk", [0, 8])
+def test_sliding_window_matches_transformers(sliding_window_checkpoint, prefill_chunk):
+    """Attention over the last 8 positions only, in the decode graph and in prefill chunks, at tp 1 and 2."""
+    path, expected = sliding_window_checkpoint
+    for tp in (1, 2):
+        results = run_simulated_ranks(tp, lambda rank, comm: Engine(path, tp=tp, rank=rank, comm=comm, config=SMALL,
+                                                                    prefill_chunk=prefill_chunk)
+                                      .generate(WINDOW_PROMPT, 16, stop_on_eos=False))
+        assert results[0] == expected and all(r == expected for r in results)
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
 def test_default_tiles_and_one_row_steps_match(name):
     """Default tile sizes (one tile per row-parallel output here) and prefill one token per step."""
