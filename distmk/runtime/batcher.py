@@ -4,8 +4,9 @@ Each step first gives every decoding sequence one row (its last token), then fil
 a chunk of the oldest prompt still being read (chunked prefill), so a long prompt never stalls the
 streams already running. A prompt longer than a step's rows goes, chunk by chunk (one chunk before each
 step), through the prefill path instead (runtime/prefill.py: GEMMs rather than the decode graph's GEMVs),
-all but its last token: that one runs in a step, which gives the sequence its first token. A sequence's KV blocks are reserved when it is admitted (prompt + max_tokens)
-and returned the moment it finishes or is cancelled.
+all but its last token: that one runs in a step, which gives the sequence its first token. A sequence's
+KV blocks are reserved when it is admitted (prompt + max_tokens) and returned the moment it finishes or is
+cancelled.
 
 A step is planned as plain data (StepInputs) and run by a function the caller may replace: under tensor
 parallelism the server's rank 0 plans every step and sends it to the other ranks before running it, so
