@@ -3,7 +3,8 @@
 Its source is generated from the task registry and the interface (kernels/interface.py): every TaskKind's
 `gpu` device function is called by the names of its parameters, which must come from the kernel's vocabulary
 (runtime values, buffers, compile-time shapes, all declared there), and the signature is the interface's.
-Adding a task type therefore touches its own file and the registry, never this one. The generated module is written next to Triton's cache (Triton reads source from files).
+Adding a task type therefore touches its own file and the registry, never this one. The generated module is
+written next to Triton's cache (Triton reads source from files).
 """
 from __future__ import annotations
 

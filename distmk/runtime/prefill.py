@@ -5,8 +5,9 @@ the decode graph's tasks read it. The decode megakernel is a GEMV machine of at 
 
 Numerics follow the graph's tasks (tasks/): the residual stream in float32, activations rounded to the model's
 dtype where a task stores them, RMSNorm and RoPE in float32; the products run in the model's dtype (in bf16,
-cuBLAS accumulates in float32 and rounds each output once, where the tasks keep float32 until they store). Under tensor parallelism every rank runs its shard
-and the row-parallel outputs are summed in rank order (comm.gather), so the ranks stay bit-identical.
+cuBLAS accumulates in float32 and rounds each output once, where the tasks keep float32 until they store).
+Under tensor parallelism every rank runs its shard and the row-parallel outputs are summed in rank order
+(comm.gather), so the ranks stay bit-identical.
 """
 from __future__ import annotations
 

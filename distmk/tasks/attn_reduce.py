@@ -34,8 +34,8 @@ def attn_reduce_gpu(row, kv_head, n, attn_o, attn_m, attn_l, attn, D: tl.constex
 
 
 @gluon.jit
-def attn_reduce_ring(row, kv_head, n, attn_o, attn_m, attn_l, attn, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
-                     G: gl.constexpr, S: gl.constexpr, num_warps: gl.constexpr):
+def attn_reduce_ring(row, kv_head, n, attn_o, attn_m, attn_l, attn, D: gl.constexpr, HQ: gl.constexpr,
+                     HKV: gl.constexpr, G: gl.constexpr, S: gl.constexpr, num_warps: gl.constexpr):
     G_PAD: gl.constexpr = next_power_of_2(G)
     if row < n:
         layout: gl.constexpr = rows_layout(num_warps)

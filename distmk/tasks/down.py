@@ -32,7 +32,8 @@ def down_weights(layer, row0, nrows, w_down_desc, ring, ready, empty, c, H: gl.c
 def down_ring(row0, nrows, n, x, h_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr, INTER: gl.constexpr,
               num_warps: gl.constexpr):
     """The tp=1 tile (ADD_RESIDUAL: the ring megakernel runs only there)."""
-    return rg.add_residual_rows(h_desc, 0, INTER, row0, nrows, n, x, H, ring, ready, empty, xring, xready, c, cx, num_warps)
+    return rg.add_residual_rows(h_desc, 0, INTER, row0, nrows, n, x, H, ring, ready, empty, xring, xready, c, cx,
+                                num_warps)
 
 
 class Down(TaskKind):

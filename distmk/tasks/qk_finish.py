@@ -41,8 +41,8 @@ def qk_finish_ring(layer, head_slot, n, qk_raw, qk_norm, inv_freq, positions, bl
     src = qk_raw + (rb[None, :] * (HQ + HKV) + head_slot) * D + rd[:, None]
     lo = gl.load(src, mask=mask, other=0.0)
     hi = gl.load(src + HALF, mask=mask, other=0.0)
-    norm_rope_store_ring(lo, hi, layer, head_slot, 0, HALF, rd, rb, n, qk_norm, inv_freq, positions, block_table, q, k_cache,
-                         D, HQ, HKV, MAXB, BS, NBLK, EPS, QK_NORM)
+    norm_rope_store_ring(lo, hi, layer, head_slot, 0, HALF, rd, rb, n, qk_norm, inv_freq, positions, block_table, q,
+                         k_cache, D, HQ, HKV, MAXB, BS, NBLK, EPS, QK_NORM)
 
 
 class QKFinish(TaskKind):
