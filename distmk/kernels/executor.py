@@ -128,7 +128,6 @@ class TritonExecutor:
         self.error = torch.zeros(len(ERROR_FIELDS), **i64)
         self.trace = torch.zeros(table.num_tasks if o.trace else 1, len(TRACE_FIELDS), **i64)
         self.symmetric = SymmetricBuffers(comm, len(table.event_need), config.batch, spec.hidden_size, device)
-        self.counters = self.symmetric.counters
         self.transport = choose_transport(o.transport, comm)
         self.launch_options = dict(num_warps=o.num_warps, num_stages=1 if self.interpret else o.num_stages)
         signal_add = -1                         # only the NVSHMEM transport uses it
@@ -230,9 +229,9 @@ class TritonExecutor:
             return
         # one rank cannot restart its counters while peers still signal into them: tp>1 stays failed
         self.failed = self.comm_world > 1
-        counters = self.counters.to("cpu", copy=True)     # the device counters are reset below
+        counters = self.symmetric.counters.to("cpu", copy=True)     # the device counters are reset below
         self.error.zero_()
-        self.counters.zero_()               # the aborted step left counters mid-way: start over
+        self.symmetric.counters.zero_()               # the aborted step left counters mid-way: start over
         self.epoch.zero_()
         targets = self.dev_table.event_need.long().cpu() * err["epoch"]
         root = stalled_event(self.table, counters.cpu() < targets)

@@ -74,6 +74,8 @@ SCALARS = (
 )
 
 # Values inside the kernel: a task's columns of its table row (graph/table.py), the step's rows, the worker.
+# the kernels' variables of a row's COLUMNS, in order (`type` is a Python builtin: the task's kind)
+ROW_VARIABLES = tuple("kind" if c == "type" else c for c in COLUMNS)
 ROW = tuple(c for c in COLUMNS if c not in ("type", "wait"))
 RUNTIME = (*ROW, "n", "worker", "rank", "vocab0", "vocab_valid")
 

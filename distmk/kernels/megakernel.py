@@ -15,7 +15,7 @@ import os
 
 from distmk.errors import DistmkError
 from distmk.graph.table import COLUMNS
-from distmk.kernels.interface import CONSTANTS, CONTROL, FLAGS, NAMES, RUNTIME, SCALARS
+from distmk.kernels.interface import CONSTANTS, CONTROL, FLAGS, NAMES, ROW_VARIABLES, RUNTIME, SCALARS
 
 BUFFERS, CONSTANT_NAMES = NAMES["buffers"], NAMES["constants"]
 ROW_ARGS = tuple(c for c in COLUMNS if c.startswith("a"))      # the row's columns a task type names in `args`
@@ -124,15 +124,15 @@ def generate_source(kinds) -> str:
     prefetch = _dispatch(kinds, "gpu_prefetch", " " * 12, imports)
     broadcast = " | ".join(f"(kind == {i})" for i, k in enumerate(kinds) if k.signals_all_ranks) or "(kind < 0)"
     return _TEMPLATE.format(imports="\n".join(imports), scalars=[a.name for a in SCALARS],
-                            parameters=signature("tl"), row_width=len(COLUMNS), row_loads=row_loads("tl", " " * 8),
+                            parameters=signature(), row_width=len(COLUMNS), row_loads=row_loads(" " * 8),
                             dispatch=dispatch, prefetch=prefetch, broadcast=broadcast,
                             error_report=error_report("tl", " " * 20))
 
 
-def signature(lang: str) -> str:
+def signature() -> str:
     """The tl megakernel's parameters, in interface order."""
     return parameter_list([*CONTROL, *(a.name for a in SCALARS), *BUFFERS,
-                           *(f"{a.name}: {lang}.constexpr" for a in CONSTANTS + FLAGS)], 15)
+                           *(f"{a.name}: tl.constexpr" for a in CONSTANTS + FLAGS)], 15)
 
 
 def parameter_list(names, indent: int) -> str:
@@ -146,9 +146,9 @@ def parameter_list(names, indent: int) -> str:
     return ("\n" + " " * indent).join(lines + [line.rstrip(", ")])
 
 
-def row_loads(lang: str, indent: str) -> str:
-    """The loads of a task's table row into the variables named by table.py's COLUMNS (`type` as kind)."""
-    return "\n".join(f"{indent}{'kind' if c == 'type' else c} = {lang}.load(row + {i})" for i, c in enumerate(COLUMNS))
+def row_loads(indent: str) -> str:
+    """The loads of a task's table row into ROW_VARIABLES."""
+    return "\n".join(f"{indent}{name} = tl.load(row + {i})" for i, name in enumerate(ROW_VARIABLES))
 
 
 _LOADED = {}      # source digest -> kernel, one per process

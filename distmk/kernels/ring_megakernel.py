@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from distmk.errors import DistmkError
 from distmk.graph.table import COLUMNS
-from distmk.kernels.interface import CONTROL, SCALARS
+from distmk.kernels.interface import CONTROL, ROW_VARIABLES, SCALARS
 from distmk.kernels.megakernel import (BUFFERS, CONSTANT_NAMES, RUNTIME, _dispatch, device_call, error_report,
                                        load_generated, parameter_list)
 
@@ -157,7 +157,7 @@ def generate_source(kinds) -> str:
                             kernel_params=parameter_list([*control, *scalars, *BUFFERS, *DESCRIPTORS, *constants,
                                                           *ring, *flags], 20),
                             dispatch=dispatch, weights=weights,
-                            row_names=", ".join("kind" if c == "type" else c for c in COLUMNS),
+                            row_names=", ".join(ROW_VARIABLES),
                             row_width=len(COLUMNS),
                             waits_here=waits_here, reads_weights=reads_weights or "kind < 0", wait=wait(" " * 12),
                             error_report=error_report("gl", " " * 16), registers=PRODUCER_REGISTERS)

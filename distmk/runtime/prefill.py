@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from distmk.comm import sum_in_rank_order
 from distmk.tasks.base import rms_norm, rope
 
 
@@ -46,17 +47,8 @@ def prefill_chunk(engine, tokens: list[int], start: int, blocks: list[int]) -> N
         attn = F.scaled_dot_product_attention(q.transpose(0, 1), kv.k[layer][seen].transpose(0, 1),
                                               kv.v[layer][seen].transpose(0, 1), attn_mask=keep, enable_gqa=True)
         attn = attn.transpose(0, 1).reshape(n, hq * d)
-        x = x + _all_reduce(engine.comm, F.linear(attn, lw.wo).float())
+        x = x + sum_in_rank_order(engine.comm, F.linear(attn, lw.wo).float())
         xn = rms_norm(x, lw.post_norm, spec.rms_norm_eps).to(dtype)
         h = (F.silu(F.linear(xn, lw.w_gate).float()) * F.linear(xn, lw.w_up).float()).to(dtype)
-        x = x + _all_reduce(engine.comm, F.linear(h, lw.w_down).float())
+        x = x + sum_in_rank_order(engine.comm, F.linear(h, lw.w_down).float())
 
-
-def _all_reduce(comm, partial: torch.Tensor) -> torch.Tensor:
-    """The sum of every rank's row-parallel partial, in rank order (bit-identical on every rank)."""
-    if comm.world == 1:
-        return partial
-    total = torch.zeros_like(partial)
-    for part in comm.gather(partial):
-        total += part.to(partial.device)
-    return total

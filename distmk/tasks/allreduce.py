@@ -1,10 +1,10 @@
 """Second half of the all-reduce of one row tile: once every rank's partial of the rows has arrived (the
 push event completes with one signal per rank), x[:, rows] += their sum, taken in rank order so that all
 ranks hold bit-identical results. The exchange layout is ar_push's."""
-import torch
 import triton
 import triton.language as tl
 
+from distmk.comm import sum_in_rank_order
 from distmk.tasks.ar_push import exchange_region
 from distmk.tasks.base import TaskKind
 
@@ -38,8 +38,5 @@ class AllReduce(TaskKind):
     def run(self, ctx, layer, a):
         row0, nrows, _slot = a
         n, x = ctx.num_rows, ctx.buf["x"]
-        parts = ctx.comm.gather(ctx.published.pop(ctx.wait))
-        total = torch.zeros_like(parts[0])
-        for p in parts:
-            total += p
+        total = sum_in_rank_order(ctx.comm, ctx.published.pop(ctx.wait))
         x[:n, row0:row0 + nrows] = (x[:n, row0:row0 + nrows].float() + total).to(x.dtype)
