@@ -28,6 +28,19 @@ def test_tiny_float32_tokens_equal_transformers(name):
     assert (logits.cpu() - ref_logits).abs().max() / ref_logits.abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_prefill_chunks_on_the_gpu_equal_transformers(name):
+    """A 40-token prompt prefilled on the GPU by matrix products in chunks of 16, 16 and 7 tokens, then decoded by
+    the megakernel from the KV cache the chunks wrote: transformers' tokens (float32)."""
+    prompt = [(7 * i + 3) % 50 for i in range(40)]
+    config = GraphConfig(**{**SMALL.__dict__, "workers": sms()})
+    engine = Engine(name, backend="triton", device="cuda", config=config, autotune=False, prefill_chunk=16)
+    tokens, logits = engine.generate(prompt, 16, return_logits=True)
+    ref_tokens, ref_logits = hf_greedy(name, tuple(prompt), 16, weights_device="cuda")
+    assert tokens == ref_tokens
+    assert (logits.cpu() - ref_logits).abs().max() / ref_logits.abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
 def test_tiny_bfloat16_matches_reference_executor(name):
     """One 16-row step (teacher forcing): bf16 rounding may flip near-ties, so agreement, not identity."""

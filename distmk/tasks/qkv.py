@@ -160,8 +160,7 @@ def qkv_weights(layer, head_slot, part, wqkv_desc, ring, ready, empty, c, H: gl.
                 HQ: gl.constexpr, HKV: gl.constexpr, QKV_PARTS: gl.constexpr):
     PART: gl.constexpr = D // 2 // QKV_PARTS
     row = layer * (HQ + 2 * HKV) * D + head_slot * D + part * PART
-    c = rg.load_block(wqkv_desc, row, PART, H, ring, ready, empty, c)
-    return rg.load_block(wqkv_desc, row + D // 2, PART, H, ring, ready, empty, c)
+    return rg.load_pair(wqkv_desc, row, row + D // 2, PART, H, ring, ready, empty, c)
 
 
 @gluon.jit
@@ -170,17 +169,16 @@ def qkv_ring(layer, head_slot, part, n, worker, x, xn, norms, bqkv, qk_norm, inv
              D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, B_PAD: gl.constexpr, QKV_PARTS: gl.constexpr,
              MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr, EPS: gl.constexpr, HAS_BIAS: gl.constexpr,
              QK_NORM: gl.constexpr, num_warps: gl.constexpr):
-    """qkv_gpu on the weight ring: the two halves of the slice are two blocks of the ring."""
+    """qkv_gpu on the weight ring: the two halves of the slice share the slots of one block (load_pair), a
+    half-empty slot each would halve the bytes in flight."""
     HALF: gl.constexpr = D // 2
     PART: gl.constexpr = HALF // QKV_PARTS
     slot = head_slot
     col0 = part * PART
     rg.rms_norm_rows(x, n, norms + 2 * layer * H, xn + worker * B_PAD * H, H, EPS, num_warps)
-    lo, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, False, True,
-                             num_warps)
-    hi, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, True, False,
-                             num_warps)
-    rd, rb = rg.block_index(ring, xring, num_warps)
+    acc, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, False, False,
+                              num_warps)
+    lo, hi, rd, rb = rg.split_halves(acc, ring, xring, num_warps)
     dmask = rd < PART
     if HAS_BIAS:
         bias = bqkv + layer * (HQ + 2 * HKV) * D + slot * D + col0
