@@ -58,7 +58,10 @@ def parse_args(argv=None):
 
 
 def git_commit() -> str | None:
-    """The distmk commit this ran (with '+' if the tree had changes), or None outside a git checkout."""
+    """The distmk commit this ran (with '+' if the tree had changes), or None outside a git checkout;
+    $DISTMK_COMMIT when set (a copy of the tree whose own git history is not the source's)."""
+    if os.environ.get("DISTMK_COMMIT"):
+        return os.environ["DISTMK_COMMIT"]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         commit = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True,
