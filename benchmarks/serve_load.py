@@ -219,7 +219,11 @@ def main(argv=None) -> int:
         write_json(result, args.out)
     if args.matrix:
         png = os.path.splitext(args.out)[0] + ".png"
-        plot_matrix(result, png)
+        try:
+            plot_matrix(result, png)
+        except ImportError:
+            print(f"error: the PNG needs matplotlib (pip install -e '.[bench]'); {args.out} is written", file=sys.stderr)
+            return 1
         log(f"wrote {args.out} and {png}")
     return 0 if result["failed"] == 0 else 1
 
