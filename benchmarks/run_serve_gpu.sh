@@ -5,6 +5,7 @@
 # LOAD=matrix: --max-context ${MAX_CONTEXT:-4096} and serve_load.py --matrix $MATRIX_ARGS (default: 1 and 8
 # streams x 256- and 2000-token prompts, 128 tokens out, 8 requests per stream) into serve_matrix_MODEL_tpTP.json
 # and .png; else 64 requests, 8 at once, 256-token prompts into serve_load_MODEL_tpTP.json.
+# SERVE_ARGS: more flags for the server (e.g. --kv-splits 16).
 # Usage, from the repository root: OUT=dir [LOAD=matrix] bash benchmarks/run_serve_gpu.sh TP [MODEL]
 # (BACKEND=reference DEVICE=cpu runs the same on the CPU, for a tiny preset)
 set -u
@@ -20,7 +21,7 @@ else
   max_context=1024 result="$OUT/serve_load_${model}_tp${tp}.json"
   load=(--concurrency 8 --requests 64 --max-tokens 128 --prompt-len 256)
 fi
-args=(-m distmk.serve --model "$model" --backend "${BACKEND:-triton}" --device "${DEVICE:-cuda}" --max-batch 16 --max-context "$max_context" --port "$port")
+args=(-m distmk.serve --model "$model" --backend "${BACKEND:-triton}" --device "${DEVICE:-cuda}" --max-batch 16 --max-context "$max_context" --port "$port" ${SERVE_ARGS:-})
 if [ "$tp" -gt 1 ]; then
   setsid "$DISTMK_PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$tp" "${args[@]}" > "$log" 2>&1 &
 else
