@@ -1,6 +1,7 @@
 """Continuous batching: sequences that join and leave between steps get the tokens they would get alone."""
 import pytest
 
+from conftest import hf_greedy
 from distmk.errors import DistmkError
 from distmk.graph import GraphConfig
 from distmk.runtime.engine import Engine
@@ -50,6 +51,21 @@ def test_long_prompt_is_chunked_while_a_stream_keeps_decoding(engine, monkeypatc
         batcher.step()
     assert stream.finish_reason == "cancelled" and long.finish_reason == "length"
     assert len(engine.kv.free) == engine.kv.num_blocks
+
+
+def test_a_lone_long_prompt_is_prefilled_without_steps_between_its_chunks(engine, monkeypatch):
+    """With no stream decoding, a step of prompt rows alone would only delay the next chunk: the chunks of a
+    30-token prompt run back to back, then one step reads its last 6 tokens and gives the first token."""
+    monkeypatch.setattr(engine, "prefill_chunk", 8)
+    batcher = Batcher(engine)
+    steps, run = [], batcher.run
+    batcher.run = lambda step: steps.append(step) or run(step)
+    prompt = list(range(200, 230))
+    seq = batcher.submit(Sequence(prompt, 3))
+    while batcher.busy:
+        batcher.step()
+    assert [step.positions for step in steps] == [list(range(24, 30)), [30], [31]]
+    assert seq.output == hf_greedy("tiny-qwen2", tuple(prompt), 3)[0]
 
 
 def test_admission_is_bounded_by_rows_and_by_free_blocks(engine):

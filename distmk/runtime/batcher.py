@@ -4,9 +4,10 @@ Each step first gives every decoding sequence one row (its last token), then fil
 a chunk of the oldest prompt still being read (chunked prefill), so a long prompt never stalls the
 streams already running. A prompt longer than a step's rows goes, chunk by chunk (one chunk before each
 step), through the prefill path instead (runtime/prefill.py: GEMMs rather than the decode graph's GEMVs),
-all but its last token: that one runs in a step, which gives the sequence its first token. A sequence's
-KV blocks are reserved when it is admitted (prompt + max_tokens) and returned the moment it finishes or is
-cancelled.
+all but its last token (or last few, at most a step's rows): those run in a step, which gives the sequence its
+first token. While no sequence decodes the chunks run back to back; while some do, their steps' free rows read
+the prompt too. A sequence's KV blocks are reserved when it is admitted (prompt + max_tokens) and returned the
+moment it finishes or is cancelled.
 
 A step is planned as plain data (StepInputs) and run by a function the caller may replace: under tensor
 parallelism the server's rank 0 plans every step and sends it to the other ranks before running it, so
@@ -44,6 +45,11 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    def token(self, i: int) -> int:
+        """tokens[i], without copying the whole list as `tokens` does (the batcher asks for one a row, every
+        step: 14 us for a 2000-token prompt)."""
+        return self.prompt[i] if i < len(self.prompt) else self.output[i - len(self.prompt)]
 
 
 @dataclass
@@ -146,14 +152,18 @@ class Batcher:
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _prefills(self, seq: Sequence) -> bool:
+        """Whether the sequence's unread prompt, its last token aside, still goes to a prefill chunk: it is
+        more than a step's rows (and the engine prefills by chunks)."""
+        return bool(self.engine.prefill_chunk) and len(seq.prompt) - 1 - seq.fed > self.engine.config.batch
+
     def plan_prefill(self) -> PrefillInputs | None:
-        """The next prefill chunk: of the oldest running sequence whose unread prompt, its last token aside,
-        is more than a step's rows; None if there is none (or the engine prefills through its steps)."""
+        """The next prefill chunk: of the oldest running sequence whose unread prompt still goes to one; None
+        if there is none."""
         self._admit()
-        size, rows = self.engine.prefill_chunk, self.engine.config.batch
         for seq in self.running:
-            if size and len(seq.prompt) - 1 - seq.fed > rows:
-                n = min(size, len(seq.prompt) - 1 - seq.fed)
+            if self._prefills(seq):
+                n = min(self.engine.prefill_chunk, len(seq.prompt) - 1 - seq.fed)
                 chunk = PrefillInputs(seq.prompt[seq.fed:seq.fed + n], seq.fed, seq.blocks)
                 seq.fed += n
                 return chunk
@@ -169,6 +179,8 @@ class Batcher:
             if seq.output:
                 batch.append((seq, seq.fed))
                 seq.fed += 1
+        if not batch and all(self._prefills(seq) for seq in self.running if seq.fed < len(seq.prompt)):
+            return None          # a step of prompt rows alone would only delay the prompts' next chunks
         for seq in self.running:                          # then prompt chunks, oldest first
             while seq.fed < len(seq.prompt) and len(batch) < rows:
                 batch.append((seq, seq.fed))
@@ -176,7 +188,7 @@ class Batcher:
         if not batch:
             return None
         needs_logits = any(seq.keep_logits or not seq.params.greedy for seq, _ in batch)
-        return batch, StepInputs([seq.tokens[i] for seq, i in batch], [i for _, i in batch],
+        return batch, StepInputs([seq.token(i) for seq, i in batch], [i for _, i in batch],
                                  [seq.blocks for seq, _ in batch], needs_logits)
 
     def step(self) -> list[tuple[Sequence, int | None]]:
@@ -194,7 +206,7 @@ class Batcher:
         greedy, logits = self.run(inputs)
         produced = []
         for row, (seq, i) in enumerate(batch):
-            if i != len(seq.tokens) - 1:                   # a prompt row that is not the prompt's last
+            if i != len(seq.prompt) + len(seq.output) - 1:     # a prompt row that is not the prompt's last
                 continue
             try:
                 token = greedy[row] if seq.params.greedy else sample(logits[row], seq.params, seq.generator)
