@@ -54,6 +54,17 @@ SEED = int_in(0, 2 ** 32 - 1)
 PROBABILITY = float_in(0, 1, lo_open=True)
 
 
+def step_batches(text: str) -> tuple[int, ...] | None:
+    """An argparse type: 'auto' (None: powers of two below the step's rows), 'none', or comma-separated counts."""
+    if text in ("auto", "none"):
+        return None if text == "auto" else ()
+    return tuple(COUNT(part) for part in text.split(","))
+
+
+def powers_of_two_below(rows: int) -> tuple[int, ...]:
+    return tuple(2 ** i for i in range(rows.bit_length()) if 2 ** i < rows)
+
+
 def add_graph_args(p: argparse.ArgumentParser, workers_default: str) -> None:
     """GraphConfig's tiling flags (their help is the fields'), and --workers (`workers_default` says what its
     default is): one declaration for generate, serve and `python -m distmk.graph`."""
@@ -103,6 +114,10 @@ def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str
     p.add_argument("--max-context", type=COUNT, default=None,
                    help="tokens per sequence, prompt + output (default: the model's, at most 2048)")
     p.add_argument("--seed", type=SEED, default=0, help="seed of a preset's random weights")
+    p.add_argument("--step-batches", type=step_batches, default=None, metavar="auto|none|B,B,...",
+                   help=f"row counts of smaller step tables, compiled beside the full one: a step runs the smallest "
+                        f"that holds its rows, so a lone stream's attention is split over every SM and rows that are "
+                        f"not there cost nothing (default auto: the powers of two below {batch_flag})")
     p.add_argument("--prefill-chunk", type=NON_NEGATIVE, default=512,
                    help="prompt tokens a prefill chunk takes, by matrix products rather than the decode steps' rows "
                         "(0: every prompt through the steps)")
@@ -140,4 +155,5 @@ def build_engine(args, launch: LaunchEnv, comm, device: str, *, progress: bool, 
     return Engine(args.model, tp=launch.world, rank=launch.rank, comm=comm, dtype=dtype, device=device,
                   backend=args.backend, config=config, max_context=args.max_context, seed=args.seed,
                   progress=progress, kernel_options=kernel_options, autotune=not args.no_autotune,
-                  max_seqs=max_seqs, prefill_chunk=args.prefill_chunk)
+                  max_seqs=max_seqs, prefill_chunk=args.prefill_chunk,
+                  step_batches=powers_of_two_below(args.batch) if args.step_batches is None else args.step_batches)

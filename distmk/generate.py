@@ -70,9 +70,10 @@ def run_with(args, launch, comm, device) -> dict:
     t2 = time.perf_counter()
     if args.trace:
         from distmk.kernels.trace import breakdown, write_trace
-        timings = engine.executor.timings()
-        write_trace(args.trace, engine.table, timings, launch.rank)
-        print(breakdown(engine.table, timings), file=sys.stderr)
+        executor = engine.last_executor                  # the last step's table
+        timings = executor.timings()
+        write_trace(args.trace, executor.table, timings, launch.rank)
+        print(breakdown(executor.table, timings), file=sys.stderr)
     return {"tokens": tokens, "text": tokenizer.decode(tokens), "prompt_tokens": len(prompt),
             "model": args.model, "tp": launch.world, "backend": args.backend, "device": args.device,
             "dtype": str(engine.dtype).removeprefix("torch."), "load_s": round(t1 - t0, 3),

@@ -94,6 +94,7 @@ def test_graph_summary_for_8b_model():
     (["--model", "tiny-llama", "--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1, got 0"),
     (["--model", "tiny-llama", "--max-new-tokens", "5000"], "exceeds the context"),
     (["--model", "tiny-llama", "--temperature", "-1"], "argument --temperature: must be a finite number >= 0"),
+    (["--model", "tiny-llama", "--batch", "4", "--step-batches", "2,8"], "step_batches [8] must lie in 1..4"),
 ])
 def test_bad_input_is_a_clear_error(argv, message):
     if "--prompt-ids" not in argv:
@@ -122,6 +123,7 @@ def test_bad_input_is_a_clear_error(argv, message):
     ("serve", ["--max-seqs", "0"], "argument --max-seqs: must be an integer >= 1, got 0"),
     ("serve", ["--max-batch", "4", "--max-seqs", "5"], "argument --max-seqs: must be at most --max-batch (4), got 5"),
     ("serve", ["--max-queue", "-1"], "argument --max-queue: must be an integer >= 0, got -1"),
+    ("serve", ["--step-batches", "1,0"], "argument --step-batches: must be an integer >= 1, got 0"),
     ("serve", ["--api-key", ""], "argument --api-key: must not be empty"),
     ("graph", ["--tp", "0"], "argument --tp: must be an integer >= 1, got 0"),
 ])

@@ -4,9 +4,12 @@ A step is a batch of rows, each a token at a position of some sequence, so a sho
 several rows of one sequence (row b attends to the keys rows < b of the same step wrote); a long prompt is
 prefilled in chunks of `prefill_chunk` tokens by matrix products (runtime/prefill.py). Every rank runs the
 same loop; greedy tokens come from the in-graph distributed argmax, sampled ones from logits gathered across
-ranks.
+ranks. Besides the table of a full step, the engine may hold tables lowered for fewer rows (step_batches);
+each step runs the smallest one that holds its rows.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -33,31 +36,31 @@ def device_fields(backend: str, device, workers: int | None = None) -> dict:
     return {"workers": workers, "hbm_bytes_per_s": hbm_bytes_per_s(device)}
 
 
-def reference_executor(engine, options: dict, autotune: bool, progress: bool):
+def reference_executor(engine, table, options: dict, autotune: bool, progress: bool):
     """The CPU reference executor: kernel options and autotuning do not apply to it."""
-    return ReferenceExecutor(engine.table, engine.spec, engine.weights, engine.kv, engine.comm, engine.dtype)
+    return ReferenceExecutor(table, engine.spec, engine.weights, engine.kv, engine.comm, engine.dtype)
 
 
-def triton_executor(engine, options: dict, autotune: bool, progress: bool):
+def triton_executor(engine, table, options: dict, autotune: bool, progress: bool):
     """The megakernel executor with tuned options: explicit options win, then the on-disk choice for this GPU
     and shape, then (autotune, on a GPU) a fresh measurement, else the defaults."""
     from distmk.kernels import autotune as tuning
     from distmk.kernels.executor import TritonExecutor
 
     def make(extra):
-        return TritonExecutor(engine.table, engine.spec, engine.weights, engine.kv, engine.comm, engine.dtype,
+        return TritonExecutor(table, engine.spec, engine.weights, engine.kv, engine.comm, engine.dtype,
                               **{**extra, **options})
 
-    key = tuning.tuning_key(engine.spec, engine.plan, engine.table, engine.dtype, engine.device)
+    key = tuning.tuning_key(engine.spec, engine.plan, table, engine.dtype, engine.device)
     tuned = tuning.cached_options(key)
     # tensor-parallel ranks take the cached or default options: tuning them would need a common choice
     if tuned is None and autotune and engine.device.type == "cuda" and engine.comm.world == 1:
         log = print if progress else None
-        tuned = tuning.tune(key, make, engine.config.batch, min(511, engine.max_context - 1), log)
+        tuned = tuning.tune(key, make, table.config.batch, min(511, engine.max_context - 1), log)
     return make(tuned or {})
 
 
-# how each backend builds its executor from the Engine: (engine, kernel options, autotune, progress) -> executor
+# how each backend builds the executor of one step table: (engine, table, kernel options, autotune, progress)
 BACKENDS = {"reference": reference_executor, "triton": triton_executor}
 
 
@@ -66,7 +69,7 @@ class Engine:
                  device="cpu", backend: str = "reference", config: GraphConfig | None = None,
                  max_context: int | None = None, block_size: int = 16, seed: int = 0, progress: bool = False,
                  kernel_options: dict | None = None, autotune: bool = True, max_seqs: int | None = None,
-                 prefill_chunk: int = 0):
+                 prefill_chunk: int = 0, step_batches: tuple[int, ...] = ()):
         if backend not in BACKENDS:
             raise DistmkError(f"unknown backend {backend!r}: use {' or '.join(BACKENDS)}")
         self.comm = comm or SingleRank()
@@ -82,30 +85,48 @@ class Engine:
         if prefill_chunk < 0:
             raise DistmkError(f"prefill_chunk must be >= 0 (0: prompts go through the decode steps), got "
                               f"{prefill_chunk}")
-        # prompt tokens per prefill chunk (runtime/prefill.py); 0 here, 512 from the CLIs (--prefill-chunk): the
-        # path is checked against transformers on the CPU but not yet measured on a GPU
+        # prompt tokens per prefill chunk (runtime/prefill.py); 0 here, 512 from the CLIs (--prefill-chunk). On an
+        # H200 the chunks give transformers' tokens but run at a third of a compiled PyTorch prefill's speed
+        # (benchmarks/results/h200-2026-12-01-s5)
         self.prefill_chunk = prefill_chunk
+        config = config or GraphConfig(**device_fields(backend, device))
+        bad = [b for b in step_batches if not 1 <= b <= config.batch]
+        if bad:
+            raise DistmkError(f"step_batches {bad} must lie in 1..{config.batch} (the rows of a step)")
         self.plan = plan_shard(self.spec, tp, rank)
         self.dtype, self.device, self.max_context = dtype, torch.device(device), max_context
         self.weights = load_shard(self.spec, source, self.plan, dtype=dtype, device=device, progress=progress)
-        config = config or GraphConfig(**device_fields(backend, device))
         self.table = compile_step(self.spec, self.plan, config)
         self.config = self.table.config
         # KV-cache room: max_seqs sequences of max_context tokens (default: one per row of a step)
         self.kv = KVCache(self.spec.num_layers, max_seqs or self.config.batch, -(-max_context // block_size),
                           block_size, self.plan.num_kv_heads, self.spec.head_dim, dtype, device)
-        self.executor = BACKENDS[backend](self, kernel_options or {}, autotune, progress)
+        self.executor = BACKENDS[backend](self, self.table, kernel_options or {}, autotune, progress)
+        # A step runs the smallest table that holds its rows: a table lowered for fewer rows splits attention
+        # over more workers (GraphConfig.resolved) and has no tasks for rows that are not there. The smaller
+        # tables take the cached or default kernel options (tuning each would multiply the start-up time).
+        self.executors = {b: BACKENDS[backend](self, compile_step(self.spec, self.plan,
+                                                                   dataclasses.replace(config, batch=b)),
+                                               kernel_options or {}, False, progress)
+                          for b in sorted(set(step_batches) - {self.config.batch})}
+        self.executors[self.config.batch] = self.executor
+        self.last_executor = self.executor
 
     def step(self, tokens, positions, block_tables):
         """Run one step: tokens[i] at positions[i] of the sequence whose blocks are block_tables[i].
         Returns the workspace: next_token (greedy, all ranks agree) and this rank's logits slice."""
         n = len(tokens)
+        self.last_executor = self.executor_for(n)
         table = torch.zeros(n, self.kv.blocks_per_seq, dtype=torch.int64)
         for i, blocks in enumerate(block_tables):
             table[i, :len(blocks)] = torch.as_tensor(blocks)
         dev = self.device
-        return self.executor.step(torch.as_tensor(tokens, dtype=torch.int64, device=dev),
+        return self.last_executor.step(torch.as_tensor(tokens, dtype=torch.int64, device=dev),
                                   torch.as_tensor(positions, dtype=torch.int64, device=dev), table.to(dev))
+
+    def executor_for(self, rows: int):
+        """The executor of the smallest step table that holds `rows` rows (the full one if none is smaller)."""
+        return self.executors[min((b for b in self.executors if b >= rows), default=self.config.batch)]
 
     def full_logits(self, buf, n: int) -> torch.Tensor:
         """[n, vocab] float32 logits of the last step, gathered from every rank's vocabulary slice."""

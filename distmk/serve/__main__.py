@@ -96,11 +96,11 @@ def main(argv=None) -> int:
 
 
 def warm_up(leader: Leader, engine) -> None:
-    """A one-row step and a full one before serving, so that compilation (and the CUDA-graph capture) happen
-    now rather than in the first request. What they write to the KV cache is free space: a sequence writes
-    every position before it reads it."""
+    """A one-row step, then a full step of every step table, before serving, so that compilation (and the
+    CUDA-graph captures) happen now rather than in the first requests. What they write to the KV cache is free
+    space: a sequence writes every position before it reads it."""
     bs, context = engine.kv.block_size, engine.max_context
-    for rows in tqdm([1, engine.config.batch], desc="compiling and warming up the step", leave=False):
+    for rows in tqdm(sorted({1, *engine.executors}), desc="compiling and warming up the step tables", leave=False):
         positions = [i % context for i in range(rows)]
         blocks = list(range(-(-(max(positions) + 1) // bs)))
         leader.run(StepInputs([0] * rows, positions, [blocks] * rows, needs_logits=True))
@@ -172,7 +172,8 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
         print(f"distmk.serve: {name} | tp {launch.world}, {args.backend} backend on {args.device}, "
-              f"{str(engine.dtype).removeprefix('torch.')} | {engine.config.batch} rows per step, "
+              f"{str(engine.dtype).removeprefix('torch.')} | {engine.config.batch} rows per step "
+              f"(tables of {', '.join(map(str, sorted(engine.executors)))}), "
               f"{args.max_seqs} sequences at once, context {engine.max_context}, queue {args.max_queue} | {url}"
               f"{' | API key required' if args.api_key else ''}", file=sys.stderr, flush=True)
         if not args.api_key and not ipaddress.ip_address(host).is_loopback:
