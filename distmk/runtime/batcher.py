@@ -121,7 +121,7 @@ class Batcher:
     def submit(self, seq: Sequence) -> Sequence:
         self.check(seq)
         if seq.params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(seq.params.seed)
+            seq.generator = torch.Generator(self.engine.device).manual_seed(seq.params.seed)
         self.waiting.append(seq)
         return seq
 

@@ -1,5 +1,7 @@
 """Sampling from a row of logits: greedy, or temperature with top-k and top-p, from a seeded generator.
-Every rank samples from the same gathered logits with the same generator, so all ranks agree.
+Every rank samples from the same gathered logits with the same generator, so all ranks agree. The draw runs
+where the logits are (on a GPU: no copy of the vocabulary to the host, no host sort; the generator is the
+device's, so a seed draws a different stream on a GPU than on the CPU, as presets' weights do).
 
 Safe for any finite parameters: temperatures under GREEDY_BELOW are greedy (as vLLM treats them), the
 rest scale the logits in float64 after subtracting their maximum (so nothing overflows to inf or nan),
@@ -47,7 +49,7 @@ def resolve_sampling(temperature: float | None, top_p: float | None, top_k: int 
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    logits = logits.double().cpu()
+    logits = logits.double()
     if params.greedy:
         return int(logits.argmax())
     logits = (logits - logits.max()) / params.temperature       # <= 0 everywhere, 0 at the maximum
