@@ -88,16 +88,17 @@ class TorchDecoder:
 
 def prefill_chunk_flops(spec: ModelSpec, plan: ShardPlan, tokens: int, start: int = 0) -> int:
     """FLOPs of one rank's prefill chunk of `tokens` positions from `start` (runtime/prefill.py), 2 per
-    multiply-add: every layer's matmuls (q/k/v, o, gate, up, down; no lm_head, a chunk only writes the KV
-    cache) over the chunk's rows, and attention's QK^T and PV over the keys each position sees (itself and
-    those before it, within the sliding window): what the products must do, not what a masked kernel
-    spends on masked-out keys."""
+    multiply-add, over the chunk's rows: every layer's q/k/v products, and every layer's but the last
+    attention (QK^T and PV over the keys each position sees: itself and those before it, within the sliding
+    window), o, gate, up and down. A chunk only writes the KV cache, so the last layer's rest and the lm_head
+    feed nothing. What the products must do, not what a masked kernel spends on masked-out keys."""
     h, d = spec.hidden_size, spec.head_dim
-    qkv_rows = (plan.num_heads + 2 * plan.num_kv_heads) * d
-    matmul_params = qkv_rows * h + h * plan.num_heads * d + 3 * plan.inter * h
+    qkv_params = (plan.num_heads + 2 * plan.num_kv_heads) * d * h
+    rest_params = h * plan.num_heads * d + 3 * plan.inter * h
     window = spec.sliding_window or start + tokens
     keys = sum(min(p + 1, window) for p in range(start, start + tokens))
-    return spec.num_layers * (2 * matmul_params * tokens + 2 * 2 * plan.num_heads * d * keys)
+    rest = 2 * rest_params * tokens + 2 * 2 * plan.num_heads * d * keys
+    return spec.num_layers * 2 * qkv_params * tokens + (spec.num_layers - 1) * rest
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -144,7 +145,7 @@ def build_torch_decoder(spec: ModelSpec, weights: RankWeights, device, dtype, ma
             visible &= key_positions > positions[:, None] - spec.sliding_window
         mask = visible[:, None, None, :]                                   # [B, 1, 1, T]
         x = F.embedding(tokens, weights.embed)
-        for lw, k_layer, v_layer in zip(weights.layers, k_cache, v_cache):
+        for layer, (lw, k_layer, v_layer) in enumerate(zip(weights.layers, k_cache, v_cache)):
             qkv = F.linear(rms_norm(x, lw.input_norm, eps), lw.wqkv, lw.bqkv)
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
@@ -212,10 +213,9 @@ class TorchPrefill:
 def build_torch_prefill(spec: ModelSpec, weights: RankWeights, max_context: int) -> TorchPrefill:
     """A prompt's first chunk as per-op PyTorch, the way a PyTorch server prefills (gpt-fast style): the
     decoder's products over all the chunk's rows at once, K and V stored in a contiguous cache per layer,
-    causal scaled_dot_product_attention (flash attention on a GPU). Its prefill returns the final residual:
-    that keeps torch.compile from dropping the last layer's products, which distmk's prefill_chunk computes
-    too. One rank (the whole model). The cache is one tensor per layer so
-    that torch.compile sees no aliased inputs mutated."""
+    causal scaled_dot_product_attention (flash attention on a GPU). Like distmk's prefill_chunk it stops at
+    the last layer's K and V: nothing after them feeds the cache. One rank (the whole model). The cache is
+    one tensor per layer so that torch.compile sees no aliased inputs mutated."""
     if weights.plan.tp != 1:
         raise ValueError(f"the PyTorch prefill baseline runs one rank, got a shard of tp={weights.plan.tp}")
     d, eps, hq, hkv = spec.head_dim, spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads
@@ -228,13 +228,13 @@ def build_torch_prefill(spec: ModelSpec, weights: RankWeights, max_context: int)
     v_cache = [torch.zeros(cache_shape, dtype=embed.dtype, device=embed.device) for _ in range(spec.num_layers)]
     inv_freq = weights.inv_freq.to(device=embed.device, dtype=torch.float32)
 
-    def prefill(tokens: torch.Tensor) -> torch.Tensor:
+    def prefill(tokens: torch.Tensor) -> None:
         n = tokens.shape[0]
         freqs = torch.arange(n, device=tokens.device)[:, None].float() * inv_freq
         angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]
         cos, sin = angles.cos().to(embed.dtype), angles.sin().to(embed.dtype)
         x = F.embedding(tokens, embed)
-        for lw, k_layer, v_layer in zip(weights.layers, k_cache, v_cache):
+        for layer, (lw, k_layer, v_layer) in enumerate(zip(weights.layers, k_cache, v_cache)):
             qkv = F.linear(rms_norm(x, lw.input_norm, eps), lw.wqkv, lw.bqkv)
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             q, k, v = q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
@@ -243,12 +243,13 @@ def build_torch_prefill(spec: ModelSpec, weights: RankWeights, max_context: int)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             k_layer[0, :, :n] = k.transpose(0, 1)
             v_layer[0, :, :n] = v.transpose(0, 1)
+            if layer == spec.num_layers - 1:
+                return
             attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_layer[:, :, :n], v_layer[:, :, :n],
                                                   is_causal=True, enable_gqa=True)
             x = x + F.linear(attn[0].transpose(0, 1).reshape(n, hq * d), lw.wo)
             h = rms_norm(x, lw.post_norm, eps)
             x = x + F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down)
-        return x
 
     return TorchPrefill(prefill, k_cache, v_cache)
 

@@ -20,14 +20,16 @@ from baselines import build_torch_prefill, prefill_chunk_flops
 
 def test_prefill_chunk_flops_llama3_8b():
     spec = preset("llama-3-8b")
-    layer_matmul_params = (4096 + 2 * 1024) * 4096 + 4096 * 4096 + 3 * 14336 * 4096
-    attention = 32 * 2 * 2 * 32 * 128 * (2048 * 2049 // 2)      # causal: position p sees p + 1 keys
+    qkv_params, rest_params = (4096 + 2 * 1024) * 4096, 4096 * 4096 + 3 * 14336 * 4096
+    attention = 2 * 2 * 32 * 128 * (2048 * 2049 // 2)            # a layer's; causal: position p sees p + 1 keys
     flops = prefill_chunk_flops(spec, plan_shard(spec, 1, 0), 2048)
-    assert flops == 32 * 2 * layer_matmul_params * 2048 + attention
-    assert flops == pytest.approx(29.7e12, rel=1e-2)              # 30 ms at an H200's 989 TFLOP/s
+    # the last layer's products past its K and V feed nothing
+    assert flops == 32 * 2 * qkv_params * 2048 + 31 * (2 * rest_params * 2048 + attention)
+    assert flops == pytest.approx(28.8e12, rel=1e-2)              # 29 ms at an H200's 989 TFLOP/s
     # a later chunk sees the positions before it; tensor parallel ranks split the products
     later = prefill_chunk_flops(spec, plan_shard(spec, 1, 0), 512, start=1536)
-    assert later - 32 * 2 * layer_matmul_params * 512 == 32 * 4 * 32 * 128 * sum(range(1537, 2049))
+    matmuls = 32 * 2 * qkv_params * 512 + 31 * 2 * rest_params * 512
+    assert later - matmuls == 31 * 4 * 32 * 128 * sum(range(1537, 2049))
     assert prefill_chunk_flops(spec, plan_shard(spec, 2, 1), 2048) * 2 == flops
 
 
@@ -35,7 +37,7 @@ def test_prefill_chunk_flops_sliding_window():
     """A position sees at most the window's keys: past it, attention's FLOPs grow linearly."""
     window = 8
     spec = dataclasses.replace(preset("tiny-mistral"), sliding_window=window)
-    plan, per_key = plan_shard(spec, 1, 0), spec.num_layers * 4 * spec.num_heads * spec.head_dim
+    plan, per_key = plan_shard(spec, 1, 0), (spec.num_layers - 1) * 4 * spec.num_heads * spec.head_dim
     matmuls_per_token = prefill_chunk_flops(spec, plan, 1) - per_key
     n = 3 * window
     keys = window * (window + 1) // 2 + (n - window) * window
@@ -52,8 +54,7 @@ def test_torch_prefill_writes_the_kv_cache_prefill_chunk_writes(name):
     baseline = build_torch_prefill(engine.spec, engine.weights, engine.max_context)
     with torch.inference_mode():
         prefill_chunk(engine, tokens.tolist(), 0, blocks)
-        residual = baseline.prefill(tokens)
-    assert residual.shape == (n, engine.spec.hidden_size) and residual.isfinite().all()
+        baseline.prefill(tokens)
     kv_heads, d = engine.plan.num_kv_heads, engine.spec.head_dim
     for layer in range(engine.spec.num_layers):
         for ours, theirs in ((engine.kv.k, baseline.k_cache), (engine.kv.v, baseline.v_cache)):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from distmk.comm import sum_in_rank_order
 from distmk.tasks.base import rms_norm, rope
@@ -28,9 +29,13 @@ def prefill_chunk(engine, tokens: list[int], start: int, blocks: list[int]) -> N
     table = torch.as_tensor(blocks, dtype=torch.int64, device=device)
     cached = torch.arange(start + n, device=device)                       # every position the chunk may see
     page, slot = table[positions // kv.block_size], positions % kv.block_size
-    keep = cached[None, :] <= positions[:, None]                          # causal
     if spec.sliding_window:
-        keep &= cached[None, :] > positions[:, None] - spec.sliding_window
+        keep = (cached[None, :] <= positions[:, None]) & (cached[None, :] > positions[:, None] - spec.sliding_window)
+    else:
+        # causal from the chunk's last row back (query i sees the keys up to start + i): a bias object, not a
+        # tensor, so that scaled_dot_product_attention runs a fused kernel; a boolean mask sends it to its
+        # math kernel, which materialises every score (in float32 for bf16 inputs)
+        keep = causal_lower_right(n, start + n)
     x = weights.embed[torch.as_tensor(tokens, device=device)].float()     # [n, H] residual stream
     for layer, lw in enumerate(weights.layers):
         qkv = F.linear(rms_norm(x, lw.input_norm, spec.rms_norm_eps).to(dtype), lw.wqkv).float()
@@ -43,10 +48,15 @@ def prefill_chunk(engine, tokens: list[int], start: int, blocks: list[int]) -> N
         q = rope(q, positions, weights.inv_freq).to(dtype)
         kv.k[layer, page, slot] = rope(k, positions, weights.inv_freq).to(dtype)
         kv.v[layer, page, slot] = v.to(dtype)
+        if layer == len(weights.layers) - 1:
+            break                       # the chunk's output is its KV entries: the last layer's end feeds nothing
         seen = table[cached // kv.block_size], cached % kv.block_size
-        attn = F.scaled_dot_product_attention(q.transpose(0, 1), kv.k[layer][seen].transpose(0, 1),
-                                              kv.v[layer][seen].transpose(0, 1), attn_mask=keep, enable_gqa=True)
-        attn = attn.transpose(0, 1).reshape(n, hq * d)
+        # the kv heads repeated for their query heads: the fused kernels that take a causal bias do not take GQA
+        # ([1, heads, positions, D]: the fused kernels take the batch dimension)
+        keys, values = (cache[layer][seen].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)[None]
+                        for cache in (kv.k, kv.v))
+        attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=keep)
+        attn = attn[0].transpose(0, 1).reshape(n, hq * d)
         x = x + sum_in_rank_order(engine.comm, F.linear(attn, lw.wo).float())
         xn = rms_norm(x, lw.post_norm, spec.rms_norm_eps).to(dtype)
         h = (F.silu(F.linear(xn, lw.w_gate).float()) * F.linear(xn, lw.w_up).float()).to(dtype)
