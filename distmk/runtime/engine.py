@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from distmk.errors import DistmkError
@@ -117,12 +118,14 @@ class Engine:
         Returns the workspace: next_token (greedy, all ranks agree) and this rank's logits slice."""
         n = len(tokens)
         self.last_executor = self.executor_for(n)
-        table = torch.zeros(n, self.kv.blocks_per_seq, dtype=torch.int64)
+        # one host array and one copy to the device: a row's token, position and block table (built in numpy:
+        # per-row tensors took 0.54 ms for 16 rows of 133 blocks on a CPU, this 0.06 ms)
+        packed = np.zeros((n, 2 + self.kv.blocks_per_seq), dtype=np.int64)
+        packed[:, 0], packed[:, 1] = tokens, positions
         for i, blocks in enumerate(block_tables):
-            table[i, :len(blocks)] = torch.as_tensor(blocks)
-        dev = self.device
-        return self.last_executor.step(torch.as_tensor(tokens, dtype=torch.int64, device=dev),
-                                  torch.as_tensor(positions, dtype=torch.int64, device=dev), table.to(dev))
+            packed[i, 2:2 + len(blocks)] = blocks
+        rows = torch.from_numpy(packed).to(self.device)
+        return self.last_executor.step(rows[:, 0], rows[:, 1], rows[:, 2:])
 
     def executor_for(self, rows: int):
         """The executor of the smallest step table that holds `rows` rows (the full one if none is smaller)."""
