@@ -113,6 +113,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, 1, D] of the rotate-half RoPE at positions [B]."""
+    freqs = positions[:, None].float() * inv_freq
+    angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotated_qkv(spec: ModelSpec, lw, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int):
+    """A layer's q, k, v [B, heads, D] of the residual rows x [B, H]: input RMSNorm, the fused projection
+    (+bias), q/k-norm where the model has it, RoPE of q and k."""
+    d, eps, b = spec.head_dim, spec.rms_norm_eps, x.shape[0]
+    qkv = F.linear(rms_norm(x, lw.input_norm, eps), lw.wqkv, lw.bqkv)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
+    if spec.qk_norm:
+        q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
 def build_torch_decoder(spec: ModelSpec, weights: RankWeights, device, dtype, max_batch: int,
                         max_context: int) -> TorchDecoder:
     """The decode step as plain per-op PyTorch kernels over one rank's shard, the way a well-written
@@ -137,21 +156,14 @@ def build_torch_decoder(spec: ModelSpec, weights: RankWeights, device, dtype, ma
     def step(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         b = tokens.shape[0]
         rows = all_rows[:b]
-        freqs = positions[:, None].float() * inv_freq
-        angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = rope_angles(positions, inv_freq, dtype)
         visible = key_positions <= positions[:, None]
         if spec.sliding_window:
             visible &= key_positions > positions[:, None] - spec.sliding_window
         mask = visible[:, None, None, :]                                   # [B, 1, 1, T]
         x = F.embedding(tokens, weights.embed)
         for layer, (lw, k_layer, v_layer) in enumerate(zip(weights.layers, k_cache, v_cache)):
-            qkv = F.linear(rms_norm(x, lw.input_norm, eps), lw.wqkv, lw.bqkv)
-            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-            q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
-            if spec.qk_norm:
-                q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v = rotated_qkv(spec, lw, x, cos, sin, hq, hkv)
             k_layer[rows, :, positions] = k
             v_layer[rows, :, positions] = v
             # GQA without copying the cache: the query heads sharing a KV head become its query rows.
@@ -230,17 +242,10 @@ def build_torch_prefill(spec: ModelSpec, weights: RankWeights, max_context: int)
 
     def prefill(tokens: torch.Tensor) -> None:
         n = tokens.shape[0]
-        freqs = torch.arange(n, device=tokens.device)[:, None].float() * inv_freq
-        angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]
-        cos, sin = angles.cos().to(embed.dtype), angles.sin().to(embed.dtype)
+        cos, sin = rope_angles(torch.arange(n, device=tokens.device), inv_freq, embed.dtype)
         x = F.embedding(tokens, embed)
         for layer, (lw, k_layer, v_layer) in enumerate(zip(weights.layers, k_cache, v_cache)):
-            qkv = F.linear(rms_norm(x, lw.input_norm, eps), lw.wqkv, lw.bqkv)
-            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-            q, k, v = q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
-            if spec.qk_norm:
-                q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v = rotated_qkv(spec, lw, x, cos, sin, hq, hkv)
             k_layer[0, :, :n] = k.transpose(0, 1)
             v_layer[0, :, :n] = v.transpose(0, 1)
             if layer == spec.num_layers - 1:
