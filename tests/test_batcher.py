@@ -1,11 +1,13 @@
 """Continuous batching: sequences that join and leave between steps get the tokens they would get alone."""
+import dataclasses
+
 import pytest
 
 from conftest import hf_greedy
 from distmk.errors import DistmkError
 from distmk.graph import GraphConfig
 from distmk.runtime.engine import Engine
-from distmk.runtime.batcher import Batcher, Sequence
+from distmk.runtime.batcher import Batcher, Sequence, run_step
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +68,38 @@ def test_a_lone_long_prompt_is_prefilled_without_steps_between_its_chunks(engine
         batcher.step()
     assert [step.positions for step in steps] == [list(range(24, 30)), [30], [31]]
     assert seq.output == hf_greedy("tiny-qwen2", tuple(prompt), 3)[0]
+
+
+def test_steps_back_to_back_give_the_tokens_of_single_steps(engine, monkeypatch):
+    """steps_per_launch=4: once every sequence decodes, up to 4 steps run per launch (fewer where a sequence
+    has fewer tokens left); each sequence gets its tokens alone, one arriving mid-way included, an end of
+    sequence mid-launch ends it there, and every KV block comes back."""
+    prompts, max_tokens = [list(range(1, 12)), [7, 8, 9], [42]], [10, 6, 9]
+    alone = [engine.generate(p, m) for p, m in zip(prompts, max_tokens)]
+    launches = []
+
+    def run(step):
+        launches.append(step.steps)
+        return run_step(engine, step)
+
+    batcher = Batcher(engine, run=run, steps_per_launch=4)
+    seqs = [batcher.submit(Sequence(p, m)) for p, m in zip(prompts[:2], max_tokens[:2])]
+    while batcher.busy:
+        if len(launches) == 3:
+            seqs.append(batcher.submit(Sequence(prompts[2], max_tokens[2])))
+        batcher.step()
+    assert [s.output for s in seqs] == alone and all(s.finish_reason == "length" for s in seqs)
+    assert max(launches) == 4 and sum(launches) < sum(max_tokens)
+    assert len(engine.kv.free) == engine.kv.num_blocks
+    eos = alone[0][4]                        # the fifth token ends the first sequence, inside a launch
+    monkeypatch.setattr(engine, "spec", dataclasses.replace(engine.spec, eos_token_id=(eos,)))
+    batcher = Batcher(engine, steps_per_launch=4)
+    seq = batcher.submit(Sequence(prompts[0], 10))
+    while batcher.busy:
+        batcher.step()
+    assert seq.output == alone[0][:alone[0].index(eos) + 1] and seq.finish_reason == "stop"
+    with pytest.raises(DistmkError, match="steps_per_launch must be >= 1"):
+        Batcher(engine, steps_per_launch=0)
 
 
 def test_admission_is_bounded_by_rows_and_by_free_blocks(engine):

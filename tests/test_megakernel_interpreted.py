@@ -86,6 +86,34 @@ def test_interpreted_toy_task_type():
     assert json.loads(proc.stdout.splitlines()[-1]) == {"reference": True, "triton": True}
 
 
+DECODE_SCRIPT = """
+import json
+from distmk.graph import GraphConfig
+from distmk.runtime.engine import Engine
+engine = Engine("tiny-llama", backend="triton", config=GraphConfig(batch=8, workers=1), max_seqs=2)
+blocks = [engine.kv.allocate([], 12), engine.kv.allocate([], 12)]
+engine.step([1, 2, 3, 4, 5], range(5), [blocks[0]] * 5)
+engine.step([9, 8, 7], range(3), [blocks[1]] * 3)
+tokens, positions, single = [11, 12], [5, 3], []
+for _ in range(4):                               # one step at a time, each waited for
+    buf = engine.step(tokens, positions, blocks)
+    tokens, positions = buf["next_token"][:2].tolist(), [p + 1 for p in positions]
+    single.append(tokens)
+# four steps in one go from the same prompt state (they rewrite the same KV entries with the same values)
+print(json.dumps({"single": single, "back_to_back": engine.decode([11, 12], [5, 3], blocks, 4)}))
+"""
+
+
+def test_interpreted_steps_back_to_back_match_single_steps():
+    """Engine.decode feeds each step's tokens to the next on the device and waits once, after the last: the
+    megakernel's tokens equal those of steps waited for one by one."""
+    proc = subprocess.run([sys.executable, "-c", DECODE_SCRIPT], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env=INTERPRETED)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert len(result["single"]) == 4 and result["back_to_back"] == result["single"]
+
+
 TENSOR_PARALLEL_SCRIPT = """
 import json, sys
 sys.path.insert(0, "tests")

@@ -1,6 +1,7 @@
 """distmk.serve for real: torchrun starts 2 CPU ranks (gloo), or one process serves alone, and the tests talk
 HTTP to rank 0. (Fuzzing it: test_serve_fuzz.py.)"""
 import asyncio
+import concurrent.futures
 import json
 import os
 import random
@@ -348,6 +349,25 @@ def test_a_rank_that_dies_is_noticed(tmp_path):
         for pair in pairs:
             for srv in pair:
                 srv.kill()
+
+
+def test_steps_per_launch_give_the_tokens_of_single_steps(tmp_path):
+    """--steps-per-launch 4 at tp=2: two streams decoding together, and one alone, get transformers' tokens;
+    a streamed reply still has a chunk per token and its finish reason on the last one only."""
+    srv = serve_torchrun(tmp_path, "multi", "--max-batch", "4", "--steps-per-launch", "4")
+    try:
+        srv.wait_ready()
+        jobs = [([1, 2, 3, 4, 5, 6, 7], 11), ([9, 8, 7], 6)]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(lambda job: complete(srv, job[0], job[1])[1], jobs))
+        assert together == [hf_greedy(MODEL, tuple(p), n)[0] for p, n in jobs]
+        body = {"model": MODEL, "prompt": jobs[0][0], "max_tokens": 11, "temperature": 0, "return_token_ids": True,
+                "stream": True}
+        chunks = sse_chunks(srv, "/v1/completions", body)
+        assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == together[0]
+        assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    finally:
+        srv.kill()
 
 
 def test_single_process_server(tmp_path):

@@ -206,7 +206,9 @@ class TritonExecutor:
             return                          # capture recorded the launch without running it
         self.graph.replay()
 
-    def step(self, tokens, positions, block_table) -> dict:
+    def step(self, tokens, positions, block_table, wait: bool = True) -> dict:
+        """Run a step of len(tokens) rows; with wait, also wait for it and raise if a worker gave up (else the
+        next step with wait does, for both)."""
         if self.failed:
             raise WatchdogTimeout("an earlier step timed out on this tensor-parallel rank: restart the job")
         n = len(tokens)
@@ -219,7 +221,8 @@ class TritonExecutor:
         if self.use_graph and self.graph is None:
             self.launch()                   # first call: warm-up run + capture; now run the step itself
         self.launch()
-        self.check()
+        if wait:
+            self.check()
         return self.buf
 
     def check(self) -> None:

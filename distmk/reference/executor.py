@@ -58,8 +58,10 @@ class ReferenceExecutor:
         self.queues = [table.worker_queue(w) for w in range(table.num_workers)]
         self.counters = [0] * len(self.need)
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor) -> dict:
-        """Run one step over len(tokens) active rows; returns the workspace (next_token, logits, ...)."""
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+             wait: bool = True) -> dict:
+        """Run one step over len(tokens) active rows; returns the workspace (next_token, logits, ...). It runs
+        to the end whatever `wait` says (the triton executor's may return before the device is done)."""
         n = len(tokens)
         if not 1 <= n <= self.table.config.batch:
             raise DistmkError(f"a step takes 1..{self.table.config.batch} rows, got {n}")

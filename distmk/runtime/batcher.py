@@ -55,11 +55,13 @@ class Sequence:
 @dataclass
 class StepInputs:
     """One step as every tensor-parallel rank must run it: row i feeds tokens[i] at positions[i] of the
-    sequence whose KV blocks are block_tables[i]; needs_logits asks for the gathered logits (a collective)."""
+    sequence whose KV blocks are block_tables[i]; needs_logits asks for the gathered logits (a collective).
+    steps > 1: that many greedy decode steps back to back (Engine.decode), without logits."""
     tokens: list[int]
     positions: list[int]
     block_tables: list[list[int]]
     needs_logits: bool
+    steps: int = 1
 
 
 @dataclass
@@ -75,29 +77,35 @@ def run_prefill(engine, chunk: PrefillInputs) -> None:
     prefill_chunk(engine, chunk.tokens, chunk.start, chunk.blocks)
 
 
-def run_step(engine, step: StepInputs) -> tuple[list[int], torch.Tensor | None]:
-    """Run a planned step on this rank: the greedy token of every row, and the [rows, vocab] logits when
-    the step needs them."""
+def run_step(engine, step: StepInputs) -> tuple[list[list[int]], torch.Tensor | None]:
+    """Run a planned step on this rank: the greedy token of every row in each of its steps (a list a step),
+    and the [rows, vocab] logits when the step needs them."""
+    if step.steps > 1:
+        return engine.decode(step.tokens, step.positions, step.block_tables, step.steps), None
     buf = engine.step(step.tokens, step.positions, step.block_tables)
     rows = len(step.tokens)
-    greedy = buf["next_token"][:rows].tolist()
-    return greedy, engine.full_logits(buf, rows) if step.needs_logits else None
+    return [buf["next_token"][:rows].tolist()], engine.full_logits(buf, rows) if step.needs_logits else None
 
 
 class Batcher:
     """max_running: sequences decoding at once (default and at most: the rows of a step, one each);
     fewer leaves rows of every step for prompt chunks. run, prefill: how a planned step and a prefill chunk
     are run (default: on this rank only). Prefill chunks hold up to engine.prefill_chunk tokens (0: every
-    prompt goes through the steps)."""
+    prompt goes through the steps). steps_per_launch > 1: while every running sequence decodes greedily and
+    no request waits, up to that many steps run back to back with no host round trip between them (their
+    tokens then arrive together)."""
 
     def __init__(self, engine, max_running: int | None = None,
-                 run: Callable[[StepInputs], tuple[list[int], torch.Tensor | None]] | None = None,
-                 prefill: Callable[[PrefillInputs], None] | None = None):
+                 run: Callable[[StepInputs], tuple[list[list[int]], torch.Tensor | None]] | None = None,
+                 prefill: Callable[[PrefillInputs], None] | None = None, steps_per_launch: int = 1):
         self.engine = engine
         rows = engine.config.batch
         if max_running is not None and not 1 <= max_running <= rows:
             raise DistmkError(f"max_running must be in 1..{rows} (the rows of a step), got {max_running}")
         self.max_running = max_running or rows
+        if steps_per_launch < 1:
+            raise DistmkError(f"steps_per_launch must be >= 1, got {steps_per_launch}")
+        self.steps_per_launch = steps_per_launch
         self.run = run or (lambda step: run_step(engine, step))
         self.prefill = prefill or (lambda chunk: run_prefill(engine, chunk))
         self.waiting: list[Sequence] = []     # admitted in arrival order once their KV blocks fit
@@ -188,12 +196,16 @@ class Batcher:
         if not batch:
             return None
         needs_logits = any(seq.keep_logits or not seq.params.greedy for seq, _ in batch)
+        steps = 1
+        if self.steps_per_launch > 1 and not needs_logits and not self.waiting and all(s.output for s, _ in batch):
+            # every row decodes: a sequence's reserved blocks hold its max_tokens, so none steps past them
+            steps = min(self.steps_per_launch, *(s.max_tokens - len(s.output) for s, _ in batch))
         return batch, StepInputs([seq.token(i) for seq, i in batch], [i for _, i in batch],
-                                 [seq.blocks for seq, _ in batch], needs_logits)
+                                 [seq.blocks for seq, _ in batch], needs_logits, steps)
 
     def step(self) -> list[tuple[Sequence, int | None]]:
-        """One engine step; returns the (sequence, new token) pairs it produced. Finished sequences have
-        finish_reason set and are out of the batch. A sequence whose token cannot be sampled fails alone:
+        """One engine step (or several back to back, see steps_per_launch); returns the (sequence, new token)
+        pairs it produced, in order. Finished sequences have finish_reason set and are out of the batch. A sequence whose token cannot be sampled fails alone:
         its pair has no token, its finish_reason is "error" and its error says why. A prefill chunk, if a
         prompt needs one, runs first."""
         chunk = self.plan_prefill()
@@ -209,18 +221,26 @@ class Batcher:
             if i != len(seq.prompt) + len(seq.output) - 1:     # a prompt row that is not the prompt's last
                 continue
             try:
-                token = greedy[row] if seq.params.greedy else sample(logits[row], seq.params, seq.generator)
+                token = greedy[0][row] if seq.params.greedy else sample(logits[row], seq.params, seq.generator)
             except Exception as e:  # noqa: BLE001 - whatever it was, it concerns this sequence only
                 seq.error = f"sampling failed: {e}"
                 self._finish(seq, "error")
                 produced.append((seq, None))
                 continue
-            seq.output.append(token)
             if seq.keep_logits:
                 seq.logits.append(logits[row])
-            produced.append((seq, token))
-            if seq.stop_on_eos and token in self.engine.spec.eos_token_id:
-                self._finish(seq, "stop")
-            elif len(seq.output) >= seq.max_tokens:
-                self._finish(seq, "length")
+            self._produce(seq, token, produced)
+        for later in greedy[1:]:                # back-to-back steps: every row a greedy decoding sequence
+            for row, (seq, _) in enumerate(batch):
+                if seq.finish_reason is None:
+                    seq.fed += 1                # the token the step before chose went in at its position
+                    self._produce(seq, later[row], produced)
         return produced
+
+    def _produce(self, seq: Sequence, token: int, produced: list) -> None:
+        seq.output.append(token)
+        produced.append((seq, token))
+        if seq.stop_on_eos and token in self.engine.spec.eos_token_id:
+            self._finish(seq, "stop")
+        elif len(seq.output) >= seq.max_tokens:
+            self._finish(seq, "length")

@@ -40,6 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--max-seqs", type=COUNT, default=None,
                    help="sequences generating at once (default and at most: --max-batch); each has KV-cache "
                         "room for --max-context tokens")
+    p.add_argument("--steps-per-launch", type=COUNT, default=1,
+                   help="while every running stream decodes greedily and no request waits, run up to this many "
+                        "steps back to back without the host between them; their tokens are sent together")
     p.add_argument("--max-queue", type=NON_NEGATIVE, default=256,
                    help="requests waiting for a place in the batch; beyond: 429")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
@@ -138,7 +141,7 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
         leader.shutdown()
         print(f"distmk.serve: rank 0: stopped by {signal.Signals(early_exit[0]).name} during warm-up", file=sys.stderr)
         return 0
-    scheduler = Scheduler(engine, leader, Metrics(engine.kv.num_blocks), args.max_seqs)
+    scheduler = Scheduler(engine, leader, Metrics(engine.kv.num_blocks), args.max_seqs, args.steps_per_launch)
     name = args.served_model_name or args.model
     served = Served(name, load_tokenizer(engine.tokenizer_dir, engine.spec.vocab_size), scheduler,
                     scheduler.metrics, engine.max_context, capacity=args.max_seqs + args.max_queue,

@@ -6,9 +6,10 @@ Messages travel on a gloo process group of their own: an idle server is every ot
 broadcast, which sleeps in gloo instead of spinning. Rank 0 sends something at least every few seconds
 (steps, or heartbeats while idle), so a follower that hears nothing for CONTROL_TIMEOUT knows rank 0 is
 gone, even when no connection reset tells it; and rank 0 notices a dead rank while idle, without
-waiting for the next request. A message is a header [op, rows, block-table width, needs_logits] and, for
-a step, an int64 [rows, 2 + width] tensor: token, position and block table of each row; for a prefill chunk
-the header is [PREFILL, tokens, blocks, start] and the tensor the chunk's tokens, then its sequence's blocks.
+waiting for the next request. A message is a header [op, rows, block-table width, needs_logits, steps] and,
+for a step, an int64 [rows, 2 + width] tensor: token, position and block table of each row; for a prefill
+chunk the header is [PREFILL, tokens, blocks, start, 0] and the tensor the chunk's tokens, then its sequence's
+blocks.
 """
 from __future__ import annotations
 
@@ -55,10 +56,10 @@ class Leader:
     def __init__(self, engine, group=None):
         self.engine, self.group = engine, group
 
-    def run(self, step: StepInputs) -> tuple[list[int], torch.Tensor | None]:
+    def run(self, step: StepInputs) -> tuple[list[list[int]], torch.Tensor | None]:
         if self.group is not None:
             width = max(len(blocks) for blocks in step.block_tables)
-            self._send(STEP, len(step.tokens), width, step.needs_logits)
+            self._send(STEP, len(step.tokens), width, step.needs_logits, step.steps)
             # filled through numpy, whose list assignments are about 3x faster than a torch.as_tensor per row
             # (16 rows of 133 blocks: 0.1 against 0.3 ms on rank 0, before every rank's step can start)
             rows = np.zeros((len(step.tokens), 2 + width), dtype=np.int64)
@@ -83,17 +84,17 @@ class Leader:
         if self.group is not None:
             self._send(SHUTDOWN)
 
-    def _send(self, op: int, rows: int = 0, width: int = 0, flag: int = 0) -> None:
-        _broadcast(torch.tensor([op, rows, width, int(flag)], dtype=torch.int64), self.group)
+    def _send(self, op: int, rows: int = 0, width: int = 0, flag: int = 0, steps: int = 0) -> None:
+        _broadcast(torch.tensor([op, rows, width, int(flag), steps], dtype=torch.int64), self.group)
 
 
 def follow(engine, group) -> None:
     """A rank other than 0: run every step rank 0 sends, until it sends the shutdown."""
     on_engine_device(engine)
-    header = torch.zeros(4, dtype=torch.int64)
+    header = torch.zeros(5, dtype=torch.int64)
     while True:
         _broadcast(header, group)
-        op, n, width, flag = header.tolist()
+        op, n, width, flag, steps = header.tolist()
         if op == SHUTDOWN:
             return
         if op == HEARTBEAT:
@@ -106,7 +107,7 @@ def follow(engine, group) -> None:
         rows = torch.empty(n, 2 + width, dtype=torch.int64)
         _broadcast(rows, group)
         _with_peers(run_step, engine, StepInputs(rows[:, 0].tolist(), rows[:, 1].tolist(), rows[:, 2:].tolist(),
-                                                 bool(flag)))
+                                                 bool(flag), steps))
 
 
 def _with_peers(run, engine, inputs):

@@ -27,9 +27,10 @@ class Listener(Protocol):
 
 
 class Scheduler:
-    def __init__(self, engine, leader, metrics, max_running: int | None = None):
+    def __init__(self, engine, leader, metrics, max_running: int | None = None, steps_per_launch: int = 1):
         self.leader, self.metrics = leader, metrics
-        self.batcher = Batcher(engine, max_running, run=self._run, prefill=leader.prefill)
+        self.batcher = Batcher(engine, max_running, run=self._run, prefill=leader.prefill,
+                               steps_per_launch=steps_per_launch)
         self.cond = threading.Condition()
         self.inbox: list[tuple[str, Sequence, Listener | None]] = []
         self.listeners: dict[int, Listener] = {}
@@ -118,10 +119,12 @@ class Scheduler:
                 produced = self.batcher.step()
             self.metrics.batcher_state(self.batcher)
             if produced:
-                deliveries = [(self.listeners[seq.id], token, seq.finish_reason, seq.error) for seq, token in produced]
-                for seq, _ in produced:
-                    if seq.finish_reason is not None:
-                        del self.listeners[seq.id]
+                last = {seq.id: i for i, (seq, _) in enumerate(produced)}    # a sequence may get several tokens
+                deliveries = [(self.listeners[seq.id], token, seq.finish_reason if last[seq.id] == i else None,
+                               seq.error) for i, (seq, token) in enumerate(produced)]
+                for i in last.values():
+                    if produced[i][0].finish_reason is not None:
+                        del self.listeners[produced[i][0].id]
                 self.loop.call_soon_threadsafe(_deliver, deliveries)
 
     def _run(self, step: StepInputs):
