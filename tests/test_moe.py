@@ -1,16 +1,28 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral): config import, experts sharded along their intermediate
-dimension."""
+dimension, and the router / expert / combine tasks giving transformers' greedy tokens from checkpoints that
+transformers wrote."""
 import dataclasses
+import functools
 
 import pytest
 import torch
 
+from distmk.comm.cpu import run_simulated_ranks
 from distmk.errors import ModelError, ShardingError
+from distmk.graph.lowering import compile_step
 from distmk.models.presets import PRESETS, preset
 from distmk.models.shard import load_shard, plan_shard
 from distmk.models.spec import spec_from_hf_config
 from distmk.models.weights import RandomWeights, open_model
-from conftest import TINY_MOE, hf_model
+from distmk.runtime.batcher import Batcher, Sequence
+from distmk.runtime.engine import Engine
+from distmk.tasks import TASK_KINDS
+from distmk.tasks.router import leading_expert
+from conftest import PROMPT, SMALL, TINY_MOE, hf_generate, hf_model
+
+BATCH_1 = dataclasses.replace(SMALL, batch=1)
+# decoded together, one row each in every step: rows that often choose the same experts
+PROMPTS = [tuple(PROMPT), (9, 8, 7), (100, 200, 300, 400, 500), (42,)]
 
 # config.json of Qwen/Qwen3-30B-A3B and mistralai/Mixtral-8x7B-v0.1 on the Hugging Face Hub (the fields distmk
 # reads, and the training-only ones it accepts)
@@ -39,6 +51,15 @@ def checkpoints(tmp_path_factory):
     for name in TINY_MOE:
         hf_model(name).save_pretrained(root / name)
     return {name: str(root / name) for name in TINY_MOE}
+
+
+@functools.lru_cache(maxsize=None)
+def transformers_greedy(path: str, prompt: tuple = tuple(PROMPT), new_tokens: int = 32):
+    """(tokens, [new_tokens, vocab] logits) of transformers' greedy generate from the checkpoint, eos ignored."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = hf_generate(model, prompt, new_tokens, output_logits=True, return_dict_in_generate=True, eos_token_id=None)
+    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0]
 
 
 def test_presets_have_transformers_parameter_counts_and_real_sizes():
@@ -109,3 +130,88 @@ def test_tp_that_does_not_divide_the_experts_is_refused():
     spec = dataclasses.replace(preset("tiny-mixtral"), moe_intermediate_size=30)
     with pytest.raises(ShardingError, match="tp=4 does not divide the experts' intermediate size 30"):
         plan_shard(spec, 4, 0)
+
+
+def test_sparse_layers_are_lowered_to_router_expert_and_combine_tiles():
+    """tiny-qwen3-moe: its sparse layers have a router, each of a step's batch * top_k slots its expert tiles
+    and combine tiles in the place of the down tiles (all-reduced at tp 2); its dense layer 1 a dense MLP."""
+    spec = preset("tiny-qwen3-moe")
+    for tp in (1, 2):
+        plan = plan_shard(spec, tp, 0)
+        table = compile_step(spec, plan, SMALL)
+        kinds = [(TASK_KINDS[t].name, layer) for t, layer in table.tasks[:, :2].tolist()]
+        slots = SMALL.batch * spec.experts_per_token
+        for layer in spec.moe_layers:
+            count = {k: kinds.count((k, layer)) for k in ("router", "expert_gate_up", "expert_down", "moe_combine",
+                                                          "gate_up", "down", "allreduce")}
+            row_tiles = spec.hidden_size // SMALL.tile_rows
+            up_tiles = plan.expert_inter // SMALL.tile_rows
+            assert count == {"router": 1, "expert_gate_up": slots * up_tiles, "expert_down": slots * row_tiles,
+                             "moe_combine": row_tiles, "gate_up": 0, "down": 0,
+                             "allreduce": 2 * row_tiles * (tp > 1)}, (tp, layer)
+        assert kinds.count(("gate_up", 1)) > 0 and kinds.count(("router", 1)) == 0
+
+
+@pytest.mark.parametrize("config", [BATCH_1, SMALL], ids=["batch1", "batch4"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("name", TINY_MOE)
+def test_greedy_and_logits_match_transformers(checkpoints, name, tp, config):
+    path = checkpoints[name]
+    ref_tokens, ref_logits = transformers_greedy(path)
+    results = run_simulated_ranks(tp, lambda rank, comm: Engine(path, tp=tp, rank=rank, comm=comm, config=config)
+                                  .generate(PROMPT, 32, stop_on_eos=False, return_logits=True))
+    tokens, logits = results[0]
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max() / ref_logits.abs().max() < 1e-4
+    for other_tokens, other_logits in results[1:]:       # the combine and all-reduce leave ranks bit-identical
+        assert other_tokens == tokens and torch.equal(other_logits, logits)
+
+
+def decode_together(engine, prompts, new_tokens: int) -> list[list[int]]:
+    """Every prompt's greedy tokens, all sequences in the batcher at once (a row each per decode step)."""
+    batcher = Batcher(engine)
+    seqs = [batcher.submit(Sequence(list(p), new_tokens, stop_on_eos=False)) for p in prompts]
+    while batcher.busy:
+        batcher.step()
+    return [seq.output for seq in seqs]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", TINY_MOE)
+def test_rows_of_four_sequences_in_one_step_match_transformers(checkpoints, name, tp):
+    path = checkpoints[name]
+    expected = [transformers_greedy(path, p, 16)[0] for p in PROMPTS]
+    results = run_simulated_ranks(tp, lambda rank, comm: decode_together(
+        Engine(path, tp=tp, rank=rank, comm=comm, config=SMALL, max_seqs=4), PROMPTS, 16))
+    assert all(r == expected for r in results)
+
+
+def test_rows_that_choose_one_expert_share_its_tiles():
+    """A step of four rows in tiny-mixtral (top 2 of 4 experts: 8 choices, so some expert is chosen twice): each
+    chosen expert is run by exactly one slot, the first to choose it, and no other expert is run."""
+    engine = Engine("tiny-mixtral", config=SMALL, max_seqs=4)
+    blocks = [engine.kv.allocate([], 1) for _ in range(4)]
+    engine.step([3, 50, 100, 7], [0, 0, 0, 0], blocks)
+    ctx = engine.executor.ctx                          # the last sparse layer's routing
+    chosen = ctx.buf["route_expert"][:4].flatten().tolist()
+    run = [leading_expert(ctx, slot) for slot in range(len(chosen))]
+    assert sorted(e for e in run if e is not None) == sorted(set(chosen))
+    assert all(run[slot] == chosen[slot] for slot in range(len(chosen)) if chosen.index(chosen[slot]) == slot)
+    assert len(set(chosen)) < len(chosen)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", TINY_MOE)
+def test_prefill_chunks_match_transformers(checkpoints, name, tp):
+    """A 40-token prompt prefilled by matrix products in chunks of 16, 16 and 7 (runtime/prefill.py routes and
+    combines as the tasks do)."""
+    path = checkpoints[name]
+    prompt = tuple((7 * i + 3) % 50 for i in range(40))
+    ref_tokens, ref_logits = transformers_greedy(path, prompt, 16)
+    results = run_simulated_ranks(tp, lambda rank, comm: Engine(path, tp=tp, rank=rank, comm=comm, config=SMALL,
+                                                                prefill_chunk=16)
+                                  .generate(list(prompt), 16, stop_on_eos=False, return_logits=True))
+    tokens, logits = results[0]
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max() / ref_logits.abs().max() < 1e-4
+    assert all(t == tokens and torch.equal(lg, logits) for t, lg in results[1:])

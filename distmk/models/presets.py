@@ -38,14 +38,15 @@ PRESETS: dict[str, ModelSpec] = {
     "tiny-qwen2": ModelSpec("Qwen2ForCausalLM", 512, 128, 384, 2, 4, 2, 32, 1e-6, 1000000.0, 1024,
                             qkv_bias=True),
     "tiny-mistral": ModelSpec("MistralForCausalLM", 512, 128, 256, 2, 8, 8, 16, 1e-5, 1000000.0, 1024),
-    # Under 2 MB each. tiny-qwen3-moe: a dense layer between two sparse ones (mlp_only_layers), top 4 of 8
+    # A few MB each. tiny-qwen3-moe: a dense layer between two sparse ones (mlp_only_layers), top 4 of 8
     # experts without renormalisation; tiny-mixtral: top 2 of 4 experts (rows of a batch often share one),
-    # renormalised. Expert widths of 32 split into 8 rows a rank at tp=4.
-    "tiny-qwen3-moe": ModelSpec("Qwen3MoeForCausalLM", 512, 64, 128, 3, 4, 2, 16, 1e-6, 1000000.0, 1024,
+    # renormalised. Shapes as the dense tiny presets' (hidden 128, MLP width 256): smaller matmuls than a
+    # kernel's load step made Triton's sm_90 build overrun shared memory.
+    "tiny-qwen3-moe": ModelSpec("Qwen3MoeForCausalLM", 512, 128, 128, 3, 4, 2, 32, 1e-6, 1000000.0, 1024,
                                 qk_norm=True, moe_layers=(0, 2), num_experts=8, experts_per_token=4,
-                                moe_intermediate_size=32),
-    "tiny-mixtral": ModelSpec("MixtralForCausalLM", 512, 64, 32, 2, 4, 4, 16, 1e-5, 1000000.0, 1024,
-                              moe_layers=(0, 1), num_experts=4, experts_per_token=2, moe_intermediate_size=32,
+                                moe_intermediate_size=256),
+    "tiny-mixtral": ModelSpec("MixtralForCausalLM", 512, 128, 256, 2, 4, 4, 32, 1e-5, 1000000.0, 1024,
+                              moe_layers=(0, 1), num_experts=4, experts_per_token=2, moe_intermediate_size=256,
                               norm_topk_prob=True),
 }
 
