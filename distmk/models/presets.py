@@ -40,8 +40,7 @@ PRESETS: dict[str, ModelSpec] = {
     "tiny-mistral": ModelSpec("MistralForCausalLM", 512, 128, 256, 2, 8, 8, 16, 1e-5, 1000000.0, 1024),
     # A few MB each. tiny-qwen3-moe: a dense layer between two sparse ones (mlp_only_layers), top 4 of 8
     # experts without renormalisation; tiny-mixtral: top 2 of 4 experts (rows of a batch often share one),
-    # renormalised. Shapes as the dense tiny presets' (hidden 128, MLP width 256): smaller matmuls than a
-    # kernel's load step made Triton's sm_90 build overrun shared memory.
+    # renormalised. Hidden size and MLP width as the dense tiny presets' (128, 256).
     "tiny-qwen3-moe": ModelSpec("Qwen3MoeForCausalLM", 512, 128, 128, 3, 4, 2, 32, 1e-6, 1000000.0, 1024,
                                 qk_norm=True, moe_layers=(0, 2), num_experts=8, experts_per_token=4,
                                 moe_intermediate_size=256),

@@ -10,7 +10,8 @@ from distmk.tasks.base import TaskKind
 from distmk.tasks.router import leading_expert, slot_expert
 
 
-@triton.jit
+# noinline: its shared memory is not added to the other tasks' (see tasks/router.py)
+@triton.jit(noinline=True)
 def expert_down_gpu(layer, slot, row0, nrows, sparse_layer, n, expert_h, expert_down, route_expert, route_slot,
                     expert_out, H: tl.constexpr, EXPERTS: tl.constexpr, EXPERT_INTER: tl.constexpr,
                     TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BATCH: tl.constexpr, B_PAD: tl.constexpr,

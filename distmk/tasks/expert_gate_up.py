@@ -13,7 +13,8 @@ from distmk.tasks.base import TaskKind, normed_stream
 from distmk.tasks.router import leading_expert, slot_expert
 
 
-@triton.jit
+# noinline: its shared memory is not added to the other tasks' (see tasks/router.py)
+@triton.jit(noinline=True)
 def expert_gate_up_gpu(layer, slot, row0, nrows, sparse_layer, n, worker, x, xn, norms, expert_gate, expert_up,
                        route_expert, route_slot, expert_h, H: tl.constexpr, EXPERTS: tl.constexpr,
                        EXPERT_INTER: tl.constexpr, TOP_K: tl.constexpr, BATCH: tl.constexpr, B_PAD: tl.constexpr,
