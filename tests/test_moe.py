@@ -215,3 +215,15 @@ def test_prefill_chunks_match_transformers(checkpoints, name, tp):
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max() / ref_logits.abs().max() < 1e-4
     assert all(t == tokens and torch.equal(lg, logits) for t, lg in results[1:])
+
+
+def test_autotuned_options_are_cached_per_expert_shape():
+    """Two models that differ only in their number of experts compile the same table: the key of their tuned
+    kernel options still tells them apart."""
+    from distmk.kernels.autotune import tuning_key
+    spec = preset("tiny-mixtral")
+    keys = set()
+    for s in (spec, dataclasses.replace(spec, num_experts=8)):
+        plan = plan_shard(s, 1, 0)
+        keys.add(tuning_key(s, plan, compile_step(s, plan, SMALL), torch.bfloat16, "cpu"))
+    assert len(keys) == 2
