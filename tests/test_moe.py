@@ -227,3 +227,15 @@ def test_autotuned_options_are_cached_per_expert_shape():
         plan = plan_shard(s, 1, 0)
         keys.add(tuning_key(s, plan, compile_step(s, plan, SMALL), torch.bfloat16, "cpu"))
     assert len(keys) == 2
+
+
+def test_ring_megakernel_refuses_moe_steps_naming_the_task_types():
+    """The Gluon ring megakernel has no device functions for the MoE task types yet: it says so, and the
+    executor's automatic choice falls back to the tl megakernel."""
+    from distmk.kernels.ring_megakernel import ring_unsupported
+    spec = preset("tiny-mixtral")
+    plan = plan_shard(spec, 1, 0)
+    table = compile_step(spec, plan, SMALL)
+    kinds = {TASK_KINDS[t] for t in table.tasks[:, 0].tolist()}
+    assert ring_unsupported(spec, plan, table.config, torch.bfloat16, 1, kinds) == (
+        "task types ['expert_down', 'expert_gate_up', 'moe_combine', 'router'] have no ring device function")
