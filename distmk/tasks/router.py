@@ -74,11 +74,17 @@ def router_gpu(layer, sparse_layer, n, worker, x, xn, norms, router, route_exper
     tl.store(route_expert + rb[:, None] * TOP_K + rk[None, :], chosen, mask=live)
     tl.store(route_weight + rb[:, None] * TOP_K + rk[None, :], weight, mask=live)
     tl.debug_barrier()      # the whole CTA reads the choices its threads wrote
+    # each slot's first slot with the same expert, comparing all slots with 16 of them at a time
     rs = tl.arange(0, SLOTS_PAD)
     slots = rs < n * TOP_K
     expert = tl.load(route_expert + rs, mask=slots, other=-1)
-    same = (expert[:, None] == expert[None, :]) & slots[None, :]
-    tl.store(route_slot + rs, tl.min(tl.where(same, rs[None, :], SLOTS_PAD), axis=1).to(tl.int64), mask=slots)
+    first = tl.full((SLOTS_PAD,), SLOTS_PAD, tl.int64)
+    for c0 in range(0, n * TOP_K, 16):
+        cs = c0 + tl.arange(0, 16)
+        other = tl.load(route_expert + cs, mask=cs < n * TOP_K, other=-2)
+        same = expert[:, None] == other[None, :]
+        first = tl.minimum(first, tl.min(tl.where(same, cs[None, :].to(tl.int64), SLOTS_PAD), axis=1))
+    tl.store(route_slot + rs, first, mask=slots)
 
 
 class Router(TaskKind):
