@@ -50,12 +50,7 @@ def _stack(weights: RankWeights) -> dict[str, torch.Tensor]:
         else:
             out[name] = placeholder
     for name in ("router", "expert_gate", "expert_up", "expert_down"):
-        if sparse:
-            out[name] = torch.stack([getattr(lw, name) for lw in sparse])      # [sparse layers, experts, ...]
-            for lw, view in zip(sparse, out[name]):
-                setattr(lw, name, view)
-        else:
-            out[name] = placeholder
+        out[name] = stack_in_place(sparse, name) if sparse else placeholder   # [sparse layers, experts, ...]
     if layers[0].bqkv is not None:
         stack("bqkv", ["bqkv"])
     else:
@@ -67,3 +62,15 @@ def _stack(weights: RankWeights) -> dict[str, torch.Tensor]:
     out["norms"] = torch.stack([n for lw in layers for n in (lw.input_norm, lw.post_norm)] + [weights.final_norm])
     out.update(embed=weights.embed, lm_head=weights.lm_head, inv_freq=weights.inv_freq)
     return out
+
+
+def stack_in_place(layers, name: str) -> torch.Tensor:
+    """getattr(lw, name) of every layer stacked into one tensor, each layer's field rebound to its view as it is
+    copied, so its own tensor is freed then: the experts (most of a MoE model) are held once and a layer's worth
+    more, where torch.stack would hold them twice until it returned (mixtral-8x7b: 2 x 90 GB in bf16)."""
+    first = getattr(layers[0], name)
+    stacked = first.new_empty((len(layers), *first.shape))
+    for lw, view in zip(layers, stacked):
+        view.copy_(getattr(lw, name))
+        setattr(lw, name, view)
+    return stacked
