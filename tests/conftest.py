@@ -20,6 +20,7 @@ from distmk.models.spec import ModelSpec
 from distmk.models.weights import RandomWeights
 
 TINY = ["tiny-llama", "tiny-qwen3", "tiny-qwen2", "tiny-mistral"]
+TINY_MOE = ["tiny-qwen3-moe", "tiny-mixtral"]
 PROMPT = [1, 2, 3, 4, 5, 6, 7]
 # Small tiles so that every row-parallel output and the lm_head are cut into several tiles.
 SMALL = GraphConfig(batch=4, kv_splits=3, tile_rows=32, lm_tile_rows=48, workers=5)
@@ -34,6 +35,8 @@ def hf_model(name: str | ModelSpec, weights_device: str = "cpu"):
     weights for it as drawn on `weights_device` (CPU and CUDA generators draw different numbers)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     spec = preset(name) if isinstance(name, str) else name
+    if spec.moe_layers:
+        return hf_model_from_files(spec, weights_device)
     cfg = spec.to_hf_config()
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg),
                                              dtype=torch.float32)
@@ -43,6 +46,21 @@ def hf_model(name: str | ModelSpec, weights_device: str = "cpu"):
     if spec.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     return model.eval()
+
+
+def hf_model_from_files(spec: ModelSpec, weights_device: str = "cpu"):
+    """transformers' model of `spec` read by from_pretrained from distmk's random weights written under their
+    checkpoint names: transformers >= 5 holds a layer's experts fused ([experts, ...] parameters), and fuses a
+    checkpoint's per-expert tensors itself as it loads them."""
+    import tempfile
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    with tempfile.TemporaryDirectory() as path:
+        weights = RandomWeights(spec, device=weights_device).state_dict()
+        save_file({k: v.cpu().contiguous() for k, v in weights.items()}, os.path.join(path, "model.safetensors"))
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(spec.to_hf_config(), f)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def hf_generate(model, prompt, new_tokens: int, **kw):

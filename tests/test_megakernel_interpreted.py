@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import threaded_interpreter
-from conftest import REPO, TINY
+from conftest import REPO, TINY, TINY_MOE
 from test_gpu import run_watchdog_script
 
 INTERPRETED = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -30,12 +30,15 @@ for name in sys.argv[1:]:
 """
 
 
-def test_interpreted_megakernel_matches_reference():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, *TINY], cwd=REPO, capture_output=True, text=True,
+@pytest.mark.parametrize("models", [TINY, TINY_MOE], ids=["dense", "moe"])
+def test_interpreted_megakernel_matches_reference(models):
+    """Every task type's tl device function against its reference semantics; for the mixture-of-experts presets
+    the router, the expert tiles of the slots that lead and the combine (prompt steps of 4 and 3 rows)."""
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, *models], cwd=REPO, capture_output=True, text=True,
                           timeout=900, env=INTERPRETED)
     assert proc.returncode == 0, proc.stderr
     results = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert [r["model"] for r in results] == TINY
+    assert [r["model"] for r in results] == models
     for r in results:
         assert r["equal"] and r["rel_err"] < 1e-4, r
 
@@ -135,7 +138,7 @@ print(json.dumps({"equal": [t[0] for t in tri] == [r[0] for r in ref],
 """
 
 
-@pytest.mark.parametrize("name, tp", [("tiny-qwen2", 2), ("tiny-llama", 4)])
+@pytest.mark.parametrize("name, tp", [("tiny-qwen2", 2), ("tiny-llama", 4), ("tiny-mixtral", 2)])
 def test_interpreted_tensor_parallel_megakernel(name, tp):
     """Exchanges through peers' buffers and events signalled on every rank, against the reference."""
     if not threaded_interpreter.SUPPORTED:

@@ -22,6 +22,8 @@ def summary(table, spec, plan) -> str:
         f"/{spec.num_kv_heads} head_dim={spec.head_dim}",
         f"rank {plan.rank}/{plan.tp}: q heads {plan.num_heads}, kv heads {plan.num_kv_heads}, "
         f"intermediate {plan.inter}, vocab rows {plan.vocab}",
+        *([f"sparse layers {len(spec.moe_layers)}: top {spec.experts_per_token} of {spec.num_experts} experts, "
+           f"{plan.expert_inter} rows of each on this rank"] if spec.moe_layers else []),
         f"config: batch={c.batch} kv_splits={c.kv_splits} tile_rows={c.tile_rows} "
         f"lm_tile_rows={c.lm_tile_rows} qkv_parts={c.qkv_parts} workers={c.workers} context={c.context}",
         f"tasks: {table.num_tasks}   events: {len(table.event_need)}   "

@@ -3,8 +3,10 @@
 A consumer waits only on the event of the producer tiles it reads: attention for a KV head waits for
 that head group's q/k/v tiles, an all-reduce tile for the one matmul tile that produced its slice. The
 tiles that read the RMSNorm of the residual stream (QKV, gate/up, lm_head) normalise it themselves, so
-they wait for every tile of the stream and no single norm task stands between two phases. Tasks are
-emitted in a topological order, which the scheduler keeps within each worker queue.
+they wait for every tile of the stream and no single norm task stands between two phases. A sparse
+(mixture-of-experts) layer's MLP is a router task, expert tiles per slot (a row's k-th choice) and combine
+tiles in the place of the down tiles, all-reduced the same way. Tasks are emitted in a topological order,
+which the scheduler keeps within each worker queue.
 """
 from __future__ import annotations
 
@@ -116,7 +118,7 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
     hq, hkv, group = plan.num_heads, plan.num_kv_heads, plan.group
 
     def row_parallel(kind: str, layer: int, wait: int, name: str) -> int:
-        """o_proj/down tiles, each followed (tp>1) by the all-reduce of its slice; returns 'x updated'."""
+        """o_proj/down/moe_combine tiles, each followed (tp>1) by the all-reduce of its slice; returns 'x updated'."""
         row_tiles = tiles(H, config.rows_per_tile(H, config.tile_rows))
         done = g.event(f"L{layer}.{name}.x", len(row_tiles))
         for row0, nrows in row_tiles:
@@ -125,11 +127,29 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
             else:
                 tile_done = g.event(f"L{layer}.{name}.tile{row0}", 1)
                 g.task(kind, layer, (row0, nrows, WRITE_PARTIAL), wait=wait, signal=tile_done)
-                slot = 2 * layer + (kind == "down")
+                slot = 2 * layer + (kind != "o_proj")      # the MLP's output (down, moe_combine): odd
                 arrived = g.event(f"L{layer}.{name}.ar{row0}", plan.tp)    # one push from every rank
                 g.task("ar_push", layer, (row0, nrows, slot), wait=tile_done, signal=arrived)
                 g.task("allreduce", layer, (row0, nrows, slot), wait=arrived, signal=done)
         return done
+
+    def sparse_mlp(layer: int, wait: int) -> int:
+        """The router, then each slot's expert tiles (tasks/router.py): gate/up, and down once the slot's gate/up
+        tiles are done; returns 'every expert output stored', which the combine tiles wait for. Tiles are cut so
+        that a step's slots together give about one per worker."""
+        sparse, slots = spec.moe_layers.index(layer), B * spec.experts_per_token
+        routed = g.event(f"L{layer}.route", 1)
+        g.task("router", layer, (sparse,), wait=wait, signal=routed)
+        up_tiles = tiles(plan.expert_inter, config.rows_per_tile(plan.expert_inter * slots, config.tile_rows))
+        down_tiles = tiles(H, config.rows_per_tile(H * slots, config.tile_rows))
+        stored = g.event(f"L{layer}.experts", slots * len(down_tiles))
+        for slot in range(slots):
+            h_done = g.event(f"L{layer}.expert_h.slot{slot}", len(up_tiles))
+            for row0, nrows in up_tiles:
+                g.task("expert_gate_up", layer, (slot, row0, nrows, sparse), wait=routed, signal=h_done)
+            for row0, nrows in down_tiles:
+                g.task("expert_down", layer, (slot, row0, nrows, sparse), wait=h_done, signal=stored)
+        return stored
 
     x_ready = g.event("x.embed", B)
     for b in range(B):
@@ -153,6 +173,9 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
                     g.task("attention", layer, (b, h, s), wait=qkv_done[h], signal=parts)
                 g.task("attn_reduce", layer, (b, h), wait=parts, signal=attn_done)
         x_mid = row_parallel("o_proj", layer, attn_done, "attn")
+        if layer in spec.moe_layers:
+            x_ready = row_parallel("moe_combine", layer, sparse_mlp(layer, x_mid), "moe")
+            continue
         mlp_tiles = tiles(plan.inter, config.rows_per_tile(plan.inter, config.tile_rows))
         h_done = g.event(f"L{layer}.h", len(mlp_tiles))
         for row0, nrows in mlp_tiles:

@@ -24,6 +24,8 @@ class Dims:
     vocab: int          # this rank's vocabulary slice
     kv_splits: int
     lm_tiles: int
+    top_k: int = 0          # experts each token picks (0: a dense model)
+    expert_inter: int = 0   # this rank's rows of each expert
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,15 @@ WORKSPACE = (
     Buffer("tile_max", lambda d: (d.batch, d.lm_tiles), "float32", "each lm_head tile's maximum logit"),
     Buffer("tile_arg", lambda d: (d.batch, d.lm_tiles), "int64", "and its token id"),
     Buffer("next_token", lambda d: (d.batch,), "int64", "the greedy token of each row"),
+    # mixture of experts (tasks/router.py): slot b * top_k + k is row b's k-th choice
+    Buffer("route_expert", lambda d: (d.batch, max(1, d.top_k)), "int64", "the expert of each slot"),
+    Buffer("route_weight", lambda d: (d.batch, max(1, d.top_k)), "float32", "its routing weight"),
+    Buffer("route_slot", lambda d: (d.batch, max(1, d.top_k)), "int64",
+           "the first slot of the step that chose the same expert, whose tiles run it for every row"),
+    Buffer("expert_h", lambda d: (d.batch * max(1, d.top_k), d.batch, max(1, d.expert_inter)), "act",
+           "silu(gate) * up of a first slot's expert, for every row"),
+    Buffer("expert_out", lambda d: (d.batch, max(1, d.top_k), d.hidden), "float32",
+           "each slot's expert output (this rank's partial sum), before the weighted combine"),
 )
 
 
@@ -56,6 +67,7 @@ def allocate_workspace(spec, plan, config, dtype, device) -> dict:
     """WORKSPACE's buffers for a table compiled with `config` (its batch, attention splits and lm_head tiles)."""
     dims = Dims(batch=config.batch, hidden=spec.hidden_size, head_dim=spec.head_dim, heads=plan.num_heads,
                 kv_heads=plan.num_kv_heads, group=plan.group, inter=plan.inter, vocab=plan.vocab,
-                kv_splits=config.kv_splits, lm_tiles=num_lm_tiles(plan, config))
+                kv_splits=config.kv_splits, lm_tiles=num_lm_tiles(plan, config), top_k=spec.experts_per_token,
+                expert_inter=plan.expert_inter)
     dtypes = {"float32": torch.float32, "int64": torch.int64, "act": dtype}
     return {b.name: torch.zeros(b.shape(dims), dtype=dtypes[b.dtype], device=device) for b in WORKSPACE}

@@ -36,6 +36,8 @@ def tuning_key(spec, plan, table, dtype, device) -> str:
     gpu = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu"
     shape = (f"h{spec.hidden_size}-i{plan.inter}-q{plan.num_heads}-kv{plan.num_kv_heads}-d{spec.head_dim}"
              f"-v{plan.vocab}-L{spec.num_layers}-bias{int(spec.qkv_bias)}-qkn{int(spec.qk_norm)}")
+    if spec.moe_layers:          # experts, each one's rows on this rank, top k (dense keys stay as they were)
+        shape += f"-moe{spec.num_experts}x{plan.expert_inter}k{spec.experts_per_token}"
     dtype = str(dtype).removeprefix("torch.")
     return f"{gpu}|{shape}|tp{plan.tp}|b{table.config.batch}|{dtype}|tasks{table.digest():08x}"
 

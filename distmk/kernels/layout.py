@@ -1,6 +1,10 @@
 """The weight layout the megakernel reads: each per-layer weight stacked into one [layers, ...] tensor, so
 a task finds layer l's matrix at a fixed offset from one kernel argument. The rank's LayerWeights are
-rebound to views of the stacked tensors, so the reference executor and the kernel share one copy."""
+rebound to views of the stacked tensors, so the reference executor and the kernel share one copy.
+
+The router and experts are stacked over the sparse layers only ([sparse layers, experts, ...]: a sparse
+layer's tasks carry its index among them), the dense MLP over every layer, with zeros in the sparse ones
+where a model has both kinds (Qwen3-MoE's mlp_only_layers), so the dense tiles keep their offsets."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +13,8 @@ from distmk.models.shard import RankWeights
 
 
 # the tensors stack_layers returns, by name (kernels/interface.py declares them as kernel arguments)
-STACKED = ("embed", "wqkv", "bqkv", "qk_norm", "wo", "w_gate", "w_up", "w_down", "norms", "lm_head", "inv_freq")
+STACKED = ("embed", "wqkv", "bqkv", "qk_norm", "wo", "w_gate", "w_up", "w_down", "norms", "lm_head", "inv_freq",
+           "router", "expert_gate", "expert_up", "expert_down")
 
 
 def stack_layers(weights: RankWeights) -> dict[str, torch.Tensor]:
@@ -30,9 +35,22 @@ def _stack(weights: RankWeights) -> dict[str, torch.Tensor]:
                 setattr(lw, f, view)
         out[name] = stacked
 
-    for name in ("wqkv", "wo", "w_gate", "w_up", "w_down"):
+    for name in ("wqkv", "wo"):
         stack(name, [name])
     placeholder = torch.zeros(1, dtype=weights.embed.dtype, device=weights.embed.device)
+    dense = [lw for lw in layers if lw.router is None]
+    sparse = [lw for lw in layers if lw.router is not None]
+    for name in ("w_gate", "w_up", "w_down"):
+        if dense:
+            zeros = torch.zeros_like(getattr(dense[0], name))
+            out[name] = torch.stack([zeros if lw.router is not None else getattr(lw, name) for lw in layers])
+            for lw, view in zip(layers, out[name]):
+                if lw.router is None:
+                    setattr(lw, name, view)
+        else:
+            out[name] = placeholder
+    for name in ("router", "expert_gate", "expert_up", "expert_down"):
+        out[name] = stack_in_place(sparse, name) if sparse else placeholder   # [sparse layers, experts, ...]
     if layers[0].bqkv is not None:
         stack("bqkv", ["bqkv"])
     else:
@@ -44,3 +62,15 @@ def _stack(weights: RankWeights) -> dict[str, torch.Tensor]:
     out["norms"] = torch.stack([n for lw in layers for n in (lw.input_norm, lw.post_norm)] + [weights.final_norm])
     out.update(embed=weights.embed, lm_head=weights.lm_head, inv_freq=weights.inv_freq)
     return out
+
+
+def stack_in_place(layers, name: str) -> torch.Tensor:
+    """getattr(lw, name) of every layer stacked into one tensor, each layer's field rebound to its view as it is
+    copied, so its own tensor is freed then: the experts (most of a MoE model) are held once and a layer's worth
+    more, where torch.stack would hold them twice until it returned (mixtral-8x7b: 2 x 90 GB in bf16)."""
+    first = getattr(layers[0], name)
+    stacked = first.new_empty((len(layers), *first.shape))
+    for lw, view in zip(layers, stacked):
+        view.copy_(getattr(lw, name))
+        setattr(lw, name, view)
+    return stacked

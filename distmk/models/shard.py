@@ -4,6 +4,11 @@ q/k/v and gate/up are column-parallel (heads and intermediate rows split), o_pro
 row-parallel (their outputs are partial sums, all-reduced), lm_head is vocab-parallel (padded so each
 rank holds the same number of rows). With fewer KV heads than ranks each rank keeps the one KV head its
 query heads use (replication). The embedding table is replicated: a step reads only B rows of it.
+
+Experts are split as the dense MLP is, along their intermediate dimension: every rank holds the same rows
+of every expert's gate/up and columns of its down, so a sparse layer's output is a row-parallel partial
+sum like a dense one's and the same all-reduce tiles combine it. The router is replicated: every rank
+routes every token itself, to the same experts (its input, the residual stream, is bit-identical).
 """
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ class ShardPlan:
     vocab: int          # local lm_head rows (padded: equal on every rank)
     vocab0: int         # global id of local row 0
     vocab_valid: int    # rows that are real vocabulary entries (the rest are zero padding)
+    expert_inter: int = 0   # local intermediate rows of each expert
+    expert_inter0: int = 0
 
     @property
     def group(self) -> int:
@@ -44,6 +51,8 @@ def plan_shard(spec: ModelSpec, tp: int, rank: int) -> ShardPlan:
                             f"use a tp that divides it ({_divisors(spec.num_heads)})")
     if spec.intermediate_size % tp:
         raise ShardingError(f"tp={tp} does not divide intermediate_size={spec.intermediate_size}")
+    if spec.moe_intermediate_size % tp:
+        raise ShardingError(f"tp={tp} does not divide the experts' intermediate size {spec.moe_intermediate_size}")
     hq = spec.num_heads // tp
     group = spec.num_heads // spec.num_kv_heads
     if spec.num_kv_heads >= tp:
@@ -58,8 +67,9 @@ def plan_shard(spec: ModelSpec, tp: int, rank: int) -> ShardPlan:
     inter = spec.intermediate_size // tp
     vocab = -(-spec.vocab_size // tp)
     vocab0 = rank * vocab
+    expert_inter = spec.moe_intermediate_size // tp
     return ShardPlan(tp, rank, hq, rank * hq, hkv, kv0, inter, rank * inter, vocab, vocab0,
-                     max(0, min(vocab, spec.vocab_size - vocab0)))
+                     max(0, min(vocab, spec.vocab_size - vocab0)), expert_inter, rank * expert_inter)
 
 
 def _divisors(n: int) -> str:
@@ -75,9 +85,13 @@ class LayerWeights:
     k_norm: torch.Tensor | None   # [D]
     wo: torch.Tensor              # [H, hq * D]
     post_norm: torch.Tensor       # [H]
-    w_gate: torch.Tensor          # [I_local, H]
-    w_up: torch.Tensor            # [I_local, H]
-    w_down: torch.Tensor          # [H, I_local]
+    w_gate: torch.Tensor | None   # [I_local, H] (a dense MLP; None in a sparse layer)
+    w_up: torch.Tensor | None     # [I_local, H]
+    w_down: torch.Tensor | None   # [H, I_local]
+    router: torch.Tensor | None = None       # [experts, H] replicated (a sparse layer; None in a dense one)
+    expert_gate: torch.Tensor | None = None  # [experts, I_expert_local, H]
+    expert_up: torch.Tensor | None = None    # [experts, I_expert_local, H]
+    expert_down: torch.Tensor | None = None  # [experts, H, I_expert_local]
 
 
 @dataclass
@@ -102,6 +116,20 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
     q_rows = (plan.head0 * d, (plan.head0 + plan.num_heads) * d)
     kv_rows = (plan.kv_head0 * d, (plan.kv_head0 + plan.num_kv_heads) * d)
     inter = (plan.inter0, plan.inter0 + plan.inter)
+    expert_inter = (plan.expert_inter0, plan.expert_inter0 + plan.expert_inter)
+
+    def mlp(i: int) -> dict:
+        """Layer i's MLP weights: this rank's rows of the dense MLP, or the router and every expert's rows."""
+        p = f"model.layers.{i}."
+        if i not in spec.moe_layers:
+            return dict(w_gate=rd(p + "mlp.gate_proj.weight", 0, *inter), w_up=rd(p + "mlp.up_proj.weight", 0, *inter),
+                        w_down=rd(p + "mlp.down_proj.weight", 1, *inter))
+        names = [spec.moe_names(i, j) for j in range(spec.num_experts)]
+        return dict(w_gate=None, w_up=None, w_down=None, router=rd(names[0][0]),
+                    expert_gate=torch.stack([rd(gate, 0, *expert_inter) for _, gate, _, _ in names]),
+                    expert_up=torch.stack([rd(up, 0, *expert_inter) for _, _, up, _ in names]),
+                    expert_down=torch.stack([rd(down, 1, *expert_inter) for *_, down in names]))
+
     layers = []
     for i in tqdm(range(spec.num_layers), desc="loading layers", disable=not progress, leave=False):
         p = f"model.layers.{i}."
@@ -117,9 +145,7 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
             k_norm=rd(a + "k_norm.weight") if spec.qk_norm else None,
             wo=rd(a + "o_proj.weight", 1, *q_rows),
             post_norm=rd(p + "post_attention_layernorm.weight"),
-            w_gate=rd(p + "mlp.gate_proj.weight", 0, *inter),
-            w_up=rd(p + "mlp.up_proj.weight", 0, *inter),
-            w_down=rd(p + "mlp.down_proj.weight", 1, *inter),
+            **mlp(i),
         ))
     head_name = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
     lm_head = torch.zeros(plan.vocab, spec.hidden_size, dtype=dtype, device=device)

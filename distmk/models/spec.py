@@ -1,7 +1,8 @@
 """ModelSpec: the shapes and numerics of a decoder-only LLM, read from a Hugging Face config.
 
-Every family quirk (qkv bias, q/k-norm, explicit head_dim, rope scaling, tied embeddings) is decided
-here and nowhere else: the rest of distmk reads flags off the spec.
+Every family quirk (qkv bias, q/k-norm, explicit head_dim, rope scaling, tied embeddings, which layers are
+mixture-of-experts and what their tensors are called) is decided here and nowhere else: the rest of distmk
+reads flags off the spec.
 """
 from __future__ import annotations
 
@@ -18,6 +19,15 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+# the checkpoint names of a sparse MLP's router and of expert j's (gate, up, down), per family
+_MOE_NAMES = {
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight",
+                  "mlp.experts.{j}.down_proj.weight"),
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.w1.weight",
+                "block_sparse_moe.experts.{j}.w3.weight", "block_sparse_moe.experts.{j}.w2.weight"),
 }
 
 
@@ -43,10 +53,28 @@ class ModelSpec:
     bos_token_id: int | None = None
     # the sampling defaults a checkpoint ships (generation_config.json): temperature, top_p, top_k (0 = none)
     generation_defaults: dict = field(default_factory=dict)
+    # mixture of experts: the layers whose MLP is sparse (the others are dense, of intermediate_size), each with
+    # num_experts experts of moe_intermediate_size and a router picking experts_per_token of them per token;
+    # norm_topk_prob: the chosen experts' probabilities are renormalised to sum to 1
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """The layers with a dense MLP."""
+        return tuple(i for i in range(self.num_layers) if i not in self.moe_layers)
+
+    def moe_names(self, layer: int, expert: int) -> tuple[str, str, str, str]:
+        """Checkpoint names of sparse layer `layer`'s router and of its expert's gate, up and down weights."""
+        p = f"model.layers.{layer}."
+        return tuple(p + name.format(j=expert) for name in _MOE_NAMES[self.family])
 
     @property
     def q_size(self) -> int:
@@ -88,10 +116,17 @@ class ModelSpec:
                 p + "self_attn.k_proj.weight": (self.kv_size, h),
                 p + "self_attn.v_proj.weight": (self.kv_size, h),
                 p + "self_attn.o_proj.weight": (h, self.q_size),
-                p + "mlp.gate_proj.weight": (self.intermediate_size, h),
-                p + "mlp.up_proj.weight": (self.intermediate_size, h),
-                p + "mlp.down_proj.weight": (h, self.intermediate_size),
             })
+            if i in self.moe_layers:
+                inter = self.moe_intermediate_size
+                shapes[self.moe_names(i, 0)[0]] = (self.num_experts, h)
+                for j in range(self.num_experts):
+                    _, gate, up, down = self.moe_names(i, j)
+                    shapes.update({gate: (inter, h), up: (inter, h), down: (h, inter)})
+            else:
+                shapes.update({p + "mlp.gate_proj.weight": (self.intermediate_size, h),
+                               p + "mlp.up_proj.weight": (self.intermediate_size, h),
+                               p + "mlp.down_proj.weight": (h, self.intermediate_size)})
             if self.qkv_bias:
                 shapes.update({p + "self_attn.q_proj.bias": (self.q_size,),
                                p + "self_attn.k_proj.bias": (self.kv_size,),
@@ -127,6 +162,13 @@ class ModelSpec:
             "eos_token_id": list(self.eos_token_id) or None,
             "bos_token_id": self.bos_token_id,
         }
+        if self.family == "qwen3_moe":
+            cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
+                       moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                       decoder_sparse_step=1, mlp_only_layers=list(self.dense_layers))
+        elif self.family == "mixtral":
+            cfg.update(num_local_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
+                       intermediate_size=self.moe_intermediate_size)
         return cfg
 
 
@@ -171,16 +213,19 @@ def spec_from_hf_config(cfg: dict, source: str = "config.json") -> ModelSpec:
         raise ModelError(f"{source}: attention_bias=true is not supported for {arch}")
     if cfg.get("mlp_bias"):
         raise ModelError(f"{source}: mlp_bias=true is not supported")
-    if family != "mistral" and cfg.get("use_sliding_window"):
+    windowed = family in ("mistral", "mixtral")          # a window over every layer, as sliding_window says
+    if not windowed and cfg.get("use_sliding_window"):
         raise ModelError(f"{source}: use_sliding_window=true is not supported for {arch} (its window applies "
                          f"from layer max_window_layers on only)")
-    window = cfg.get("sliding_window") if family == "mistral" else None
+    window = cfg.get("sliding_window") if windowed else None
+    num_layers = int(need("num_hidden_layers"))
+    moe = _moe_fields(cfg, family, num_layers, need, source) if family in _MOE_NAMES else {}
     spec = ModelSpec(
         architecture=arch,
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
         intermediate_size=int(need("intermediate_size")),
-        num_layers=int(need("num_hidden_layers")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
         head_dim=int(head_dim),
@@ -189,16 +234,44 @@ def spec_from_hf_config(cfg: dict, source: str = "config.json") -> ModelSpec:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2",  # Qwen2 always has q/k/v bias
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         rope_scaling=rope,
         sliding_window=int(window) if window else None,
         eos_token_id=eos,
         bos_token_id=cfg.get("bos_token_id"),
+        **moe,
     )
     if spec.num_heads % spec.num_kv_heads:
         raise ModelError(f"{source}: num_attention_heads {spec.num_heads} is not a multiple of "
                          f"num_key_value_heads {spec.num_kv_heads}")
     return spec
+
+
+def _moe_fields(cfg: dict, family: str, num_layers: int, need, source: str) -> dict:
+    """ModelSpec's mixture-of-experts fields from a Qwen3-MoE or Mixtral config. Qwen3-MoE names its expert count
+    num_experts (transformers >= 5 writes num_local_experts, as Mixtral does), its experts' width
+    moe_intermediate_size (intermediate_size is its dense layers'), and picks its sparse layers by
+    decoder_sparse_step and mlp_only_layers; Mixtral's layers are all sparse, its experts intermediate_size wide,
+    its top-k probabilities always renormalised."""
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ModelError(f"{source}: shared experts (shared_expert_intermediate_size) are not supported")
+    experts = int(need("num_experts" if family == "qwen3_moe" and "num_experts" in cfg else "num_local_experts"))
+    top_k = int(need("num_experts_per_tok"))
+    if not 1 <= top_k <= experts:
+        raise ModelError(f"{source}: num_experts_per_tok={top_k} must be in 1..{experts} (the number of experts)")
+    if family == "mixtral":
+        return dict(moe_layers=tuple(range(num_layers)), num_experts=experts, experts_per_token=top_k,
+                    moe_intermediate_size=int(need("intermediate_size")), norm_topk_prob=True)
+    step = int(cfg.get("decoder_sparse_step", 1))
+    dense = cfg.get("mlp_only_layers") or []
+    if step < 1:
+        raise ModelError(f"{source}: decoder_sparse_step must be >= 1, got {step}")
+    if not all(isinstance(i, int) and 0 <= i < num_layers for i in dense):
+        raise ModelError(f"{source}: mlp_only_layers must list layers in 0..{num_layers - 1}, got {dense!r}")
+    return dict(moe_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+                num_experts=experts, experts_per_token=top_k,
+                moe_intermediate_size=int(need("moe_intermediate_size")),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
 
 
 def with_generation_config(spec: ModelSpec, gen: dict, source: str = "generation_config.json") -> ModelSpec:

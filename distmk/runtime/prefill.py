@@ -7,7 +7,7 @@ Numerics follow the graph's tasks (tasks/): the residual stream in float32, acti
 dtype where a task stores them, RMSNorm and RoPE in float32; the products run in the model's dtype (in bf16,
 cuBLAS accumulates in float32 and rounds each output once, where the tasks keep float32 until they store).
 Under tensor parallelism every rank runs its shard and the row-parallel outputs are summed in rank order
-(comm.gather), so the ranks stay bit-identical.
+(comm.gather), so the ranks stay bit-identical. A sparse layer routes and combines as its tasks do.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 from distmk.comm import sum_in_rank_order
 from distmk.tasks.base import rms_norm, rope
+from distmk.tasks.moe_combine import weighted_sum
+from distmk.tasks.router import route
 
 
 def prefill_chunk(engine, tokens: list[int], start: int, blocks: list[int]) -> None:
@@ -59,6 +61,24 @@ def prefill_chunk(engine, tokens: list[int], start: int, blocks: list[int]) -> N
         attn = attn[0].transpose(0, 1).reshape(n, hq * d)
         x = x + sum_in_rank_order(engine.comm, F.linear(attn, lw.wo).float())
         xn = rms_norm(x, lw.post_norm, spec.rms_norm_eps).to(dtype)
-        h = (F.silu(F.linear(xn, lw.w_gate).float()) * F.linear(xn, lw.w_up).float()).to(dtype)
-        x = x + sum_in_rank_order(engine.comm, F.linear(h, lw.w_down).float())
+        if lw.router is None:
+            h = (F.silu(F.linear(xn, lw.w_gate).float()) * F.linear(xn, lw.w_up).float()).to(dtype)
+            mlp = F.linear(h, lw.w_down).float()
+        else:
+            mlp = sparse_mlp(xn, lw, spec)
+        x = x + sum_in_rank_order(engine.comm, mlp)
+
+
+def sparse_mlp(xn: torch.Tensor, lw, spec) -> torch.Tensor:
+    """A sparse layer's MLP output (this rank's partial sum, float32) for normed rows `xn`, as its tasks compute
+    it: the router's choices, each chosen expert's products over the rows that chose it, and the weighted sum
+    in the order of the choices."""
+    weights, experts = route(xn, lw.router, spec.experts_per_token, spec.norm_topk_prob)
+    outs = torch.zeros(*experts.shape, spec.hidden_size, dtype=torch.float32, device=xn.device)
+    for expert in experts.unique().tolist():
+        rows, choices = (experts == expert).nonzero(as_tuple=True)
+        h = (F.silu(F.linear(xn[rows], lw.expert_gate[expert]).float())
+             * F.linear(xn[rows], lw.expert_up[expert]).float()).to(xn.dtype)
+        outs[rows, choices] = F.linear(h, lw.expert_down[expert]).float()
+    return weighted_sum(weights, outs)
 

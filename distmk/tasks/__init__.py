@@ -10,14 +10,19 @@ from distmk.tasks.attn_reduce import AttnReduce
 from distmk.tasks.base import TaskKind
 from distmk.tasks.down import Down
 from distmk.tasks.embed import Embed
+from distmk.tasks.expert_down import ExpertDown
+from distmk.tasks.expert_gate_up import ExpertGateUp
 from distmk.tasks.gate_up import GateUp
 from distmk.tasks.lm_head import LMHead
+from distmk.tasks.moe_combine import MoeCombine
 from distmk.tasks.o_proj import OProj
 from distmk.tasks.qk_finish import QKFinish
 from distmk.tasks.qkv import QKV
+from distmk.tasks.router import Router
 
 TASK_KINDS: list[TaskKind] = [Embed(), QKV(), QKFinish(), Attention(), AttnReduce(), OProj(), ArPush(), AllReduce(),
-                              GateUp(), Down(), LMHead(), ArgmaxPush(), Argmax()]
+                              GateUp(), Down(), LMHead(), ArgmaxPush(), Argmax(),
+                              Router(), ExpertGateUp(), ExpertDown(), MoeCombine()]
 TYPE_ID = {kind.name: i for i, kind in enumerate(TASK_KINDS)}
 
 

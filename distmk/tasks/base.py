@@ -59,8 +59,13 @@ class StepShape:
 
 def row_parallel_tile(ctx, inp: torch.Tensor, weight: torch.Tensor, row0: int, nrows: int, mode: int) -> None:
     """out[:, rows] = inp @ weight[rows]^T, added to the residual stream or kept as this rank's partial sum."""
+    store_row_parallel(ctx, inp[:ctx.num_rows].float() @ weight[row0:row0 + nrows].float().t(), row0, nrows, mode)
+
+
+def store_row_parallel(ctx, out: torch.Tensor, row0: int, nrows: int, mode: int) -> None:
+    """A row-parallel output's columns [row0, row0 + nrows) (float32, [rows, nrows]) by `mode`: added to the
+    residual stream, or kept as this rank's partial sum."""
     n = ctx.num_rows
-    out = inp[:n].float() @ weight[row0:row0 + nrows].float().t()
     if mode == ADD_RESIDUAL:
         x = ctx.buf["x"]
         x[:n, row0:row0 + nrows] = (x[:n, row0:row0 + nrows].float() + out).to(x.dtype)

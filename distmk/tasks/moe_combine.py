@@ -1,0 +1,54 @@
+"""A row tile of a sparse layer's output: the routing-weighted sum of each row's expert outputs,
+sum_k weight[b, k] * expert_out[b, k, rows], in float32 and in the fixed order k = 0, 1, ... (so a run is
+reproducible whatever order the expert tiles ran in), added to the residual stream (tp=1) or kept as this
+rank's partial sum for the all-reduce tiles (tp>1), as a dense down tile's output is."""
+import torch
+import triton
+import triton.language as tl
+
+from distmk.tasks.base import TaskKind, _ADD_RESIDUAL, store_row_parallel
+
+
+@triton.jit
+def moe_combine_gpu(row0, nrows, mode, n, route_weight, expert_out, x, partial, H: tl.constexpr, TOP_K: tl.constexpr,
+                    B_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    rb = tl.arange(0, B_PAD)
+    rn = tl.arange(0, BLOCK_N)
+    for j in range(0, nrows, BLOCK_N):
+        cols = row0 + j + rn
+        mask = (rb < n)[:, None] & (rn < nrows - j)[None, :]
+        total = tl.zeros((B_PAD, BLOCK_N), dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            weight = tl.load(route_weight + rb * TOP_K + k, mask=rb < n, other=0.0)
+            out = tl.load(expert_out + (rb * TOP_K + k)[:, None] * H + cols[None, :], mask=mask, other=0.0)
+            total += weight[:, None] * out
+        offs = rb[:, None] * H + cols[None, :]
+        if mode == _ADD_RESIDUAL:
+            residual = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(x + offs, (residual + total).to(x.dtype.element_ty), mask=mask)
+        else:
+            tl.store(partial + offs, total, mask=mask)
+
+
+class MoeCombine(TaskKind):
+    name = "moe_combine"
+    args = ("row0", "nrows", "mode")
+    gpu = moe_combine_gpu
+
+    def cost(self, shape, layer, a):
+        return shape.batch * a[1] * 4 * (shape.spec.experts_per_token + 2)
+
+    def run(self, ctx, layer, a):
+        row0, nrows, mode = a
+        n = ctx.num_rows
+        total = weighted_sum(ctx.buf["route_weight"][:n], ctx.buf["expert_out"][:n, :, row0:row0 + nrows])
+        store_row_parallel(ctx, total, row0, nrows, mode)
+
+
+def weighted_sum(weights: torch.Tensor, outs: torch.Tensor) -> torch.Tensor:
+    """sum_k weights[:, k] * outs[:, k] of [rows, top_k] weights and [rows, top_k, cols] expert outputs, in
+    float32, k = 0 first (the combine tiles' semantics, and the prefill path's)."""
+    total = outs.new_zeros(outs.shape[0], outs.shape[2], dtype=torch.float32)
+    for k in range(outs.shape[1]):
+        total += weights[:, k, None].float() * outs[:, k].float()
+    return total

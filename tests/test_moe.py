@@ -1,0 +1,241 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral): config import, experts sharded along their intermediate
+dimension, and the router / expert / combine tasks giving transformers' greedy tokens from checkpoints that
+transformers wrote."""
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from distmk.comm.cpu import run_simulated_ranks
+from distmk.errors import ModelError, ShardingError
+from distmk.graph.lowering import compile_step
+from distmk.models.presets import PRESETS, preset
+from distmk.models.shard import load_shard, plan_shard
+from distmk.models.spec import spec_from_hf_config
+from distmk.models.weights import RandomWeights, open_model
+from distmk.runtime.batcher import Batcher, Sequence
+from distmk.runtime.engine import Engine
+from distmk.tasks import TASK_KINDS
+from distmk.tasks.router import leading_expert
+from conftest import PROMPT, SMALL, TINY_MOE, hf_generate, hf_model
+
+BATCH_1 = dataclasses.replace(SMALL, batch=1)
+# decoded together, one row each in every step: rows that often choose the same experts
+PROMPTS = [tuple(PROMPT), (9, 8, 7), (100, 200, 300, 400, 500), (42,)]
+
+# config.json of Qwen/Qwen3-30B-A3B and mistralai/Mixtral-8x7B-v0.1 on the Hugging Face Hub (the fields distmk
+# reads, and the training-only ones it accepts)
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "bos_token_id": 151643,
+    "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+    "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32,
+    "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False, "use_sliding_window": False,
+    "vocab_size": 151936}
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+    "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "num_local_experts": 8, "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.02, "router_jitter_noise": 0.0, "sliding_window": None, "tie_word_embeddings": False,
+    "vocab_size": 32000}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Each tiny MoE preset written by transformers' save_pretrained (per-expert tensors, as on the Hub)."""
+    root = tmp_path_factory.mktemp("moe")
+    for name in TINY_MOE:
+        hf_model(name).save_pretrained(root / name)
+    return {name: str(root / name) for name in TINY_MOE}
+
+
+@functools.lru_cache(maxsize=None)
+def transformers_greedy(path: str, prompt: tuple = tuple(PROMPT), new_tokens: int = 32):
+    """(tokens, [new_tokens, vocab] logits) of transformers' greedy generate from the checkpoint, eos ignored."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = hf_generate(model, prompt, new_tokens, output_logits=True, return_dict_in_generate=True, eos_token_id=None)
+    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0]
+
+
+def test_presets_have_transformers_parameter_counts_and_real_sizes():
+    for name in TINY_MOE:
+        assert PRESETS[name].num_parameters() == sum(p.numel() for p in hf_model(name).parameters())
+    assert PRESETS["qwen3-30b-a3b"].num_parameters() / 1e9 == pytest.approx(30.53, abs=0.01)
+    assert PRESETS["mixtral-8x7b"].num_parameters() / 1e9 == pytest.approx(46.70, abs=0.01)
+
+
+def test_hub_configs_give_the_real_presets():
+    assert dataclasses.replace(spec_from_hf_config(QWEN3_30B_A3B), bos_token_id=None) == PRESETS["qwen3-30b-a3b"]
+    assert spec_from_hf_config(MIXTRAL_8X7B) == PRESETS["mixtral-8x7b"]
+
+
+def test_checkpoint_round_trip(checkpoints):
+    """The config transformers writes (num_local_experts for Qwen3-MoE too) reads back into the preset, and an
+    expert's tensors under the checkpoint's names are the preset's."""
+    for name, path in checkpoints.items():
+        spec, source, _ = open_model(path)
+        assert spec == PRESETS[name]
+        down = spec.moe_names(spec.moe_layers[-1], spec.num_experts - 1)[3]
+        assert torch.equal(source.read(down, 1, 8, 24), RandomWeights(spec).read(down, 1, 8, 24))
+
+
+def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
+    cfg = {**QWEN3_30B_A3B, "num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    spec = spec_from_hf_config(cfg)
+    assert spec.moe_layers == (1, 5) and spec.dense_layers == (0, 2, 3, 4)
+    assert spec_from_hf_config(spec.to_hf_config()).moe_layers == (1, 5)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"shared_expert_intermediate_size": 512}, "shared experts .* not supported"),
+    ({"num_experts_per_tok": 129}, "num_experts_per_tok=129 must be in 1..128"),
+    ({"mlp_only_layers": [48]}, r"mlp_only_layers must list layers in 0..47, got \[48\]"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step must be >= 1"),
+    ({"moe_intermediate_size": None}, "required field 'moe_intermediate_size' is missing"),
+    ({"use_sliding_window": True}, "use_sliding_window=true is not supported"),
+])
+def test_unsupported_or_broken_moe_fields_are_refused_by_name(changes, message):
+    with pytest.raises(ModelError, match=message):
+        spec_from_hf_config({**QWEN3_30B_A3B, **changes})
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("name", TINY_MOE)
+def test_every_rank_holds_its_rows_of_every_expert(name, tp):
+    """Experts split along their intermediate dimension: the ranks' rows of gate/up and columns of down put
+    together are each expert; the router is every rank's."""
+    spec = preset(name)
+    source = RandomWeights(spec)
+    shards = [load_shard(spec, source, plan_shard(spec, tp, rank)) for rank in range(tp)]
+    for i, layer in enumerate(spec.moe_layers):
+        assert all(s.layers[layer].w_gate is None for s in shards)
+        router = spec.moe_names(layer, 0)[0]
+        assert all(torch.equal(s.layers[layer].router, source.full(router)) for s in shards)
+        for expert in range(spec.num_experts):
+            _, gate, up, down = spec.moe_names(layer, expert)
+            for field, name_, dim in (("expert_gate", gate, 0), ("expert_up", up, 0), ("expert_down", down, 1)):
+                joined = torch.cat([getattr(s.layers[layer], field)[expert] for s in shards], dim=dim)
+                assert torch.equal(joined, source.full(name_)), (layer, expert, field)
+    for layer in spec.dense_layers:
+        assert torch.equal(torch.cat([s.layers[layer].w_gate for s in shards]),
+                           source.full(f"model.layers.{layer}.mlp.gate_proj.weight"))
+
+
+def test_tp_that_does_not_divide_the_experts_is_refused():
+    spec = dataclasses.replace(preset("tiny-mixtral"), moe_intermediate_size=30)
+    with pytest.raises(ShardingError, match="tp=4 does not divide the experts' intermediate size 30"):
+        plan_shard(spec, 4, 0)
+
+
+def test_sparse_layers_are_lowered_to_router_expert_and_combine_tiles():
+    """tiny-qwen3-moe: its sparse layers have a router, each of a step's batch * top_k slots its expert tiles
+    and combine tiles in the place of the down tiles (all-reduced at tp 2); its dense layer 1 a dense MLP."""
+    spec = preset("tiny-qwen3-moe")
+    for tp in (1, 2):
+        plan = plan_shard(spec, tp, 0)
+        table = compile_step(spec, plan, SMALL)
+        kinds = [(TASK_KINDS[t].name, layer) for t, layer in table.tasks[:, :2].tolist()]
+        slots = SMALL.batch * spec.experts_per_token
+        for layer in spec.moe_layers:
+            count = {k: kinds.count((k, layer)) for k in ("router", "expert_gate_up", "expert_down", "moe_combine",
+                                                          "gate_up", "down", "allreduce")}
+            row_tiles = spec.hidden_size // SMALL.tile_rows
+            up_tiles = plan.expert_inter // SMALL.tile_rows
+            assert count == {"router": 1, "expert_gate_up": slots * up_tiles, "expert_down": slots * row_tiles,
+                             "moe_combine": row_tiles, "gate_up": 0, "down": 0,
+                             "allreduce": 2 * row_tiles * (tp > 1)}, (tp, layer)
+        assert kinds.count(("gate_up", 1)) > 0 and kinds.count(("router", 1)) == 0
+
+
+@pytest.mark.parametrize("config", [BATCH_1, SMALL], ids=["batch1", "batch4"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("name", TINY_MOE)
+def test_greedy_and_logits_match_transformers(checkpoints, name, tp, config):
+    path = checkpoints[name]
+    ref_tokens, ref_logits = transformers_greedy(path)
+    results = run_simulated_ranks(tp, lambda rank, comm: Engine(path, tp=tp, rank=rank, comm=comm, config=config)
+                                  .generate(PROMPT, 32, stop_on_eos=False, return_logits=True))
+    tokens, logits = results[0]
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max() / ref_logits.abs().max() < 1e-4
+    for other_tokens, other_logits in results[1:]:       # the combine and all-reduce leave ranks bit-identical
+        assert other_tokens == tokens and torch.equal(other_logits, logits)
+
+
+def decode_together(engine, prompts, new_tokens: int) -> list[list[int]]:
+    """Every prompt's greedy tokens, all sequences in the batcher at once (a row each per decode step)."""
+    batcher = Batcher(engine)
+    seqs = [batcher.submit(Sequence(list(p), new_tokens, stop_on_eos=False)) for p in prompts]
+    while batcher.busy:
+        batcher.step()
+    return [seq.output for seq in seqs]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", TINY_MOE)
+def test_rows_of_four_sequences_in_one_step_match_transformers(checkpoints, name, tp):
+    path = checkpoints[name]
+    expected = [transformers_greedy(path, p, 16)[0] for p in PROMPTS]
+    results = run_simulated_ranks(tp, lambda rank, comm: decode_together(
+        Engine(path, tp=tp, rank=rank, comm=comm, config=SMALL, max_seqs=4), PROMPTS, 16))
+    assert all(r == expected for r in results)
+
+
+def test_rows_that_choose_one_expert_share_its_tiles():
+    """A step of four rows in tiny-mixtral (top 2 of 4 experts: 8 choices, so some expert is chosen twice): each
+    chosen expert is run by exactly one slot, the first to choose it, and no other expert is run."""
+    engine = Engine("tiny-mixtral", config=SMALL, max_seqs=4)
+    blocks = [engine.kv.allocate([], 1) for _ in range(4)]
+    engine.step([3, 50, 100, 7], [0, 0, 0, 0], blocks)
+    ctx = engine.executor.ctx                          # the last sparse layer's routing
+    chosen = ctx.buf["route_expert"][:4].flatten().tolist()
+    run = [leading_expert(ctx, slot) for slot in range(len(chosen))]
+    assert sorted(e for e in run if e is not None) == sorted(set(chosen))
+    assert all(run[slot] == chosen[slot] for slot in range(len(chosen)) if chosen.index(chosen[slot]) == slot)
+    assert len(set(chosen)) < len(chosen)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", TINY_MOE)
+def test_prefill_chunks_match_transformers(checkpoints, name, tp):
+    """A 40-token prompt prefilled by matrix products in chunks of 16, 16 and 7 (runtime/prefill.py routes and
+    combines as the tasks do)."""
+    path = checkpoints[name]
+    prompt = tuple((7 * i + 3) % 50 for i in range(40))
+    ref_tokens, ref_logits = transformers_greedy(path, prompt, 16)
+    results = run_simulated_ranks(tp, lambda rank, comm: Engine(path, tp=tp, rank=rank, comm=comm, config=SMALL,
+                                                                prefill_chunk=16)
+                                  .generate(list(prompt), 16, stop_on_eos=False, return_logits=True))
+    tokens, logits = results[0]
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max() / ref_logits.abs().max() < 1e-4
+    assert all(t == tokens and torch.equal(lg, logits) for t, lg in results[1:])
+
+
+def test_autotuned_options_are_cached_per_expert_shape():
+    """Two models that differ only in their number of experts compile the same table: the key of their tuned
+    kernel options still tells them apart."""
+    from distmk.kernels.autotune import tuning_key
+    spec = preset("tiny-mixtral")
+    keys = set()
+    for s in (spec, dataclasses.replace(spec, num_experts=8)):
+        plan = plan_shard(s, 1, 0)
+        keys.add(tuning_key(s, plan, compile_step(s, plan, SMALL), torch.bfloat16, "cpu"))
+    assert len(keys) == 2
+
+
+def test_ring_megakernel_refuses_moe_steps_naming_the_task_types():
+    """The Gluon ring megakernel has no device functions for the MoE task types yet: it says so, and the
+    executor's automatic choice falls back to the tl megakernel."""
+    from distmk.kernels.ring_megakernel import ring_unsupported
+    spec = preset("tiny-mixtral")
+    plan = plan_shard(spec, 1, 0)
+    table = compile_step(spec, plan, SMALL)
+    kinds = {TASK_KINDS[t] for t in table.tasks[:, 0].tolist()}
+    assert ring_unsupported(spec, plan, table.config, torch.bfloat16, 1, kinds) == (
+        "task types ['expert_down', 'expert_gate_up', 'moe_combine', 'router'] have no ring device function")
