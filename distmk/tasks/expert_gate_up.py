@@ -2,7 +2,7 @@
 (tasks/route.py): if the slot is the first to have chosen its expert this step, expert_h[slot, :, rows] =
 silu(xn @ Wgate_e[rows]^T) * (xn @ Wup_e[rows]^T) for every row, in float32, rounded once (xn: the
 post-attention RMSNorm of the residual stream, by each tile). Which expert's weights stream follows the
-router's output; the rows that did not choose it are computed alongside (the weights dominate) and never
+route task's output; the rows that did not choose it are computed alongside (the weights dominate) and never
 combined. Column-parallel, as the dense gate_up: this rank's rows of the expert."""
 import torch
 import triton
