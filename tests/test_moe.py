@@ -17,7 +17,7 @@ from distmk.models.weights import RandomWeights, open_model
 from distmk.runtime.batcher import Batcher, Sequence
 from distmk.runtime.engine import Engine
 from distmk.tasks import TASK_KINDS
-from distmk.tasks.router import leading_expert
+from distmk.tasks.route import leading_expert
 from conftest import PROMPT, SMALL, TINY_MOE, hf_generate, hf_model
 
 BATCH_1 = dataclasses.replace(SMALL, batch=1)
@@ -133,8 +133,9 @@ def test_tp_that_does_not_divide_the_experts_is_refused():
 
 
 def test_sparse_layers_are_lowered_to_router_expert_and_combine_tiles():
-    """tiny-qwen3-moe: its sparse layers have a router, each of a step's batch * top_k slots its expert tiles
-    and combine tiles in the place of the down tiles (all-reduced at tp 2); its dense layer 1 a dense MLP."""
+    """tiny-qwen3-moe: its sparse layers have a router tile (of all 8 experts) and a route task, each of a step's
+    batch * top_k slots its expert tiles, and combine tiles in the place of the down tiles (all-reduced at tp 2);
+    its dense layer 1 a dense MLP."""
     spec = preset("tiny-qwen3-moe")
     for tp in (1, 2):
         plan = plan_shard(spec, tp, 0)
@@ -142,12 +143,12 @@ def test_sparse_layers_are_lowered_to_router_expert_and_combine_tiles():
         kinds = [(TASK_KINDS[t].name, layer) for t, layer in table.tasks[:, :2].tolist()]
         slots = SMALL.batch * spec.experts_per_token
         for layer in spec.moe_layers:
-            count = {k: kinds.count((k, layer)) for k in ("router", "expert_gate_up", "expert_down", "moe_combine",
-                                                          "gate_up", "down", "allreduce")}
+            count = {k: kinds.count((k, layer)) for k in ("router", "route", "expert_gate_up", "expert_down",
+                                                          "moe_combine", "gate_up", "down", "allreduce")}
             row_tiles = spec.hidden_size // SMALL.tile_rows
             up_tiles = plan.expert_inter // SMALL.tile_rows
-            assert count == {"router": 1, "expert_gate_up": slots * up_tiles, "expert_down": slots * row_tiles,
-                             "moe_combine": row_tiles, "gate_up": 0, "down": 0,
+            assert count == {"router": 1, "route": 1, "expert_gate_up": slots * up_tiles,
+                             "expert_down": slots * row_tiles, "moe_combine": row_tiles, "gate_up": 0, "down": 0,
                              "allreduce": 2 * row_tiles * (tp > 1)}, (tp, layer)
         assert kinds.count(("gate_up", 1)) > 0 and kinds.count(("router", 1)) == 0
 
@@ -238,4 +239,22 @@ def test_ring_megakernel_refuses_moe_steps_naming_the_task_types():
     table = compile_step(spec, plan, SMALL)
     kinds = {TASK_KINDS[t] for t in table.tasks[:, 0].tolist()}
     assert ring_unsupported(spec, plan, table.config, torch.bfloat16, 1, kinds) == (
-        "task types ['expert_down', 'expert_gate_up', 'moe_combine', 'router'] have no ring device function")
+        "task types ['expert_down', 'expert_gate_up', 'moe_combine', 'route', 'router'] have no ring device "
+        "function")
+
+
+def test_router_cut_over_the_experts_matches_transformers(tmp_path):
+    """40 experts: the gate's logits come from two router tiles (32 and 8 experts), the route task chooses from
+    both."""
+    spec = dataclasses.replace(preset("tiny-mixtral"), num_experts=40)
+    model = hf_model(spec)
+    model.save_pretrained(tmp_path / "forty-experts")
+    expected = hf_generate(model, PROMPT, 16)[0, len(PROMPT):].tolist()
+    plan = plan_shard(spec, 1, 0)
+    kinds = [TASK_KINDS[t].name for t in compile_step(spec, plan, SMALL).tasks[:, 0].tolist()]
+    assert kinds.count("router") == 2 * spec.num_layers
+    for tp in (1, 2):
+        results = run_simulated_ranks(tp, lambda rank, comm: Engine(str(tmp_path / "forty-experts"), tp=tp, rank=rank,
+                                                                    comm=comm, config=SMALL)
+                                      .generate(PROMPT, 16, stop_on_eos=False))
+        assert all(r == expected for r in results)

@@ -4,7 +4,7 @@ A consumer waits only on the event of the producer tiles it reads: attention for
 that head group's q/k/v tiles, an all-reduce tile for the one matmul tile that produced its slice. The
 tiles that read the RMSNorm of the residual stream (QKV, gate/up, lm_head) normalise it themselves, so
 they wait for every tile of the stream and no single norm task stands between two phases. A sparse
-(mixture-of-experts) layer's MLP is a router task, expert tiles per slot (a row's k-th choice) and combine
+(mixture-of-experts) layer's MLP is router tiles, a route task, expert tiles per slot (a row's k-th choice) and combine
 tiles in the place of the down tiles, all-reduced the same way. Tasks are emitted in a topological order,
 which the scheduler keeps within each worker queue.
 """
@@ -134,12 +134,17 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
         return done
 
     def sparse_mlp(layer: int, wait: int) -> int:
-        """The router, then each slot's expert tiles (tasks/router.py): gate/up, and down once the slot's gate/up
-        tiles are done; returns 'every expert output stored', which the combine tiles wait for. Tiles are cut so
-        that a step's slots together give about one per worker."""
+        """The router tiles (the gate's logits, cut over the experts), the route task (each row's choices,
+        tasks/route.py), then each slot's expert tiles: gate/up, and down once the slot's gate/up tiles are done;
+        returns 'every expert output stored', which the combine tiles wait for. Expert tiles are cut so that a
+        step's slots together give about one per worker."""
         sparse, slots = spec.moe_layers.index(layer), B * spec.experts_per_token
+        router_tiles = tiles(spec.num_experts, config.rows_per_tile(spec.num_experts, config.tile_rows))
+        logits = g.event(f"L{layer}.router", len(router_tiles))
+        for expert0, nexperts in router_tiles:
+            g.task("router", layer, (sparse, expert0, nexperts), wait=wait, signal=logits)
         routed = g.event(f"L{layer}.route", 1)
-        g.task("router", layer, (sparse,), wait=wait, signal=routed)
+        g.task("route", layer, (), wait=logits, signal=routed)
         up_tiles = tiles(plan.expert_inter, config.rows_per_tile(plan.expert_inter * slots, config.tile_rows))
         down_tiles = tiles(H, config.rows_per_tile(H * slots, config.tile_rows))
         stored = g.event(f"L{layer}.experts", slots * len(down_tiles))

@@ -24,7 +24,8 @@ class Dims:
     vocab: int          # this rank's vocabulary slice
     kv_splits: int
     lm_tiles: int
-    top_k: int = 0          # experts each token picks (0: a dense model)
+    experts: int = 0        # experts of a sparse layer (0: a dense model)
+    top_k: int = 0          # experts each token picks
     expert_inter: int = 0   # this rank's rows of each expert
 
 
@@ -51,7 +52,8 @@ WORKSPACE = (
     Buffer("tile_max", lambda d: (d.batch, d.lm_tiles), "float32", "each lm_head tile's maximum logit"),
     Buffer("tile_arg", lambda d: (d.batch, d.lm_tiles), "int64", "and its token id"),
     Buffer("next_token", lambda d: (d.batch,), "int64", "the greedy token of each row"),
-    # mixture of experts (tasks/router.py): slot b * top_k + k is row b's k-th choice
+    # mixture of experts (tasks/router.py, tasks/route.py): slot b * top_k + k is row b's k-th choice
+    Buffer("router_logits", lambda d: (d.batch, max(1, d.experts)), "float32", "the gate's logits of each expert"),
     Buffer("route_expert", lambda d: (d.batch, max(1, d.top_k)), "int64", "the expert of each slot"),
     Buffer("route_weight", lambda d: (d.batch, max(1, d.top_k)), "float32", "its routing weight"),
     Buffer("route_slot", lambda d: (d.batch, max(1, d.top_k)), "int64",
@@ -67,7 +69,7 @@ def allocate_workspace(spec, plan, config, dtype, device) -> dict:
     """WORKSPACE's buffers for a table compiled with `config` (its batch, attention splits and lm_head tiles)."""
     dims = Dims(batch=config.batch, hidden=spec.hidden_size, head_dim=spec.head_dim, heads=plan.num_heads,
                 kv_heads=plan.num_kv_heads, group=plan.group, inter=plan.inter, vocab=plan.vocab,
-                kv_splits=config.kv_splits, lm_tiles=num_lm_tiles(plan, config), top_k=spec.experts_per_token,
-                expert_inter=plan.expert_inter)
+                kv_splits=config.kv_splits, lm_tiles=num_lm_tiles(plan, config), experts=spec.num_experts,
+                top_k=spec.experts_per_token,                 expert_inter=plan.expert_inter)
     dtypes = {"float32": torch.float32, "int64": torch.int64, "act": dtype}
     return {b.name: torch.zeros(b.shape(dims), dtype=dtypes[b.dtype], device=device) for b in WORKSPACE}

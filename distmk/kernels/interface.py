@@ -101,7 +101,7 @@ CONSTANTS = (
     Arg("G_PAD", lambda l: padded(l.plan.group)),
     Arg("INTER", lambda l: l.plan.inter, "MLP width of this rank"),
     Arg("EXPERTS", lambda l: l.spec.num_experts, "experts of a sparse layer (0: a dense model)"),
-    Arg("EXPERTS_PAD", lambda l: padded(l.spec.num_experts)),
+    Arg("EXPERTS_PAD", lambda l: padded(l.spec.num_experts), "experts padded (the route task holds all logits)"),
     Arg("TOP_K", lambda l: l.spec.experts_per_token, "experts each row chooses"),
     Arg("TOP_K_PAD", lambda l: padded(l.spec.experts_per_token, 2)),
     Arg("SLOTS_PAD", lambda l: padded(l.config.batch * l.spec.experts_per_token), "a step's choices, padded"),

@@ -18,7 +18,7 @@ from torch.nn.attention.bias import causal_lower_right
 from distmk.comm import sum_in_rank_order
 from distmk.tasks.base import rms_norm, rope
 from distmk.tasks.moe_combine import weighted_sum
-from distmk.tasks.router import route
+from distmk.tasks.route import choose
 
 
 def prefill_chunk(engine, tokens: list[int], start: int, blocks: list[int]) -> None:
@@ -73,7 +73,7 @@ def sparse_mlp(xn: torch.Tensor, lw, spec) -> torch.Tensor:
     """A sparse layer's MLP output (this rank's partial sum, float32) for normed rows `xn`, as its tasks compute
     it: the router's choices, each chosen expert's products over the rows that chose it, and the weighted sum
     in the order of the choices."""
-    weights, experts = route(xn, lw.router, spec.experts_per_token, spec.norm_topk_prob)
+    weights, experts = choose(xn.float() @ lw.router.float().t(), spec.experts_per_token, spec.norm_topk_prob)
     outs = torch.zeros(*experts.shape, spec.hidden_size, dtype=torch.float32, device=xn.device)
     for expert in experts.unique().tolist():
         rows, choices = (experts == expert).nonzero(as_tuple=True)

@@ -7,7 +7,7 @@ import triton.language as tl
 
 from distmk.device.primitives import matmul_block
 from distmk.tasks.base import TaskKind
-from distmk.tasks.router import leading_expert, slot_expert
+from distmk.tasks.route import leading_expert, slot_expert
 
 
 # noinline: its shared memory is not added to the other tasks' (see tasks/router.py)

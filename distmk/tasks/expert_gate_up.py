@@ -1,8 +1,8 @@
 """A row tile of one routed expert's gate and up projections with the SiLU-gated product, addressed by slot
-(tasks/router.py): if the slot is the first to have chosen its expert this step, expert_h[slot, :, rows] =
+(tasks/route.py): if the slot is the first to have chosen its expert this step, expert_h[slot, :, rows] =
 silu(xn @ Wgate_e[rows]^T) * (xn @ Wup_e[rows]^T) for every row, in float32, rounded once (xn: the
 post-attention RMSNorm of the residual stream, by each tile). Which expert's weights stream follows the
-router's output; the rows that did not choose it are computed alongside (the weights dominate) and never
+route task's output; the rows that did not choose it are computed alongside (the weights dominate) and never
 combined. Column-parallel, as the dense gate_up: this rank's rows of the expert."""
 import torch
 import triton
@@ -10,7 +10,7 @@ import triton.language as tl
 
 from distmk.device.primitives import matmul_pair, rms_norm_rows
 from distmk.tasks.base import TaskKind, normed_stream
-from distmk.tasks.router import leading_expert, slot_expert
+from distmk.tasks.route import leading_expert, slot_expert
 
 
 # noinline: its shared memory is not added to the other tasks' (see tasks/router.py)

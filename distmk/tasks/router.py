@@ -1,13 +1,7 @@
-"""The router of a sparse (mixture-of-experts) layer, for every row: the post-attention RMSNorm of the residual
-stream (computed by the task), the gate GEMV, softmax in float32 and the top-k experts of each row, their
-probabilities renormalised to sum to 1 where the model says so (norm_topk_prob).
-
-A row's k-th choice is slot b * top_k + k. The router writes each slot's expert and weight, and the first
-slot of the step that chose the same expert (route_slot): the expert tiles of that slot alone run the expert,
-for every row that chose it, so rows that pick the same expert share one stream of its weights, while the
-table stays static (tiles of the other slots find they do not lead and return). Replicated under tensor
-parallelism: every rank routes every row to the same experts."""
-import torch
+"""A tile of a sparse (mixture-of-experts) layer's router: the gate's logits of experts [expert0, expert0 +
+nexperts) for every row, in float32, over the post-attention RMSNorm of the residual stream (computed by each
+tile). The tiles of a layer cut its gate GEMV over the workers; the route task (tasks/route.py) then chooses
+each row's experts from all the logits. Replicated under tensor parallelism: every rank computes every logit."""
 import triton
 import triton.language as tl
 
@@ -15,90 +9,34 @@ from distmk.device.primitives import matmul_block, rms_norm_rows
 from distmk.tasks.base import TaskKind, normed_stream
 
 
-def route(xn: torch.Tensor, router: torch.Tensor, top_k: int, renormalise: bool):
-    """(weights [rows, top_k] float32, experts [rows, top_k] int64) of normed rows `xn`: softmax of the gate's
-    logits in float32, the top_k largest in descending order, renormalised on request (the router task's
-    semantics, and the prefill path's)."""
-    probs = torch.softmax(xn.float() @ router.float().t(), dim=-1)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if renormalise:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts
-
-
-def leading_expert(ctx, slot: int) -> int | None:
-    """The expert whose tiles `slot` runs this step: its choice if it is the first slot to have chosen it, else
-    None (another slot runs it, or the slot's row is not active)."""
-    top_k = ctx.spec.experts_per_token
-    if slot // top_k >= ctx.num_rows or int(ctx.buf["route_slot"].view(-1)[slot]) != slot:
-        return None
-    return int(ctx.buf["route_expert"].view(-1)[slot])
-
-
-@triton.jit
-def slot_expert(slot, n, route_expert, route_slot, TOP_K: tl.constexpr):
-    """leading_expert on the device: the expert slot runs, or -1."""
-    leads = (slot < n * TOP_K) & (tl.load(route_slot + slot) == slot)    # slot < batch * top_k: in bounds
-    return tl.where(leads, tl.load(route_expert + slot), -1)
-
-
 # noinline, as the expert tiles: a function of its own, whose pipelined loads' shared memory is not added to the
 # rest of the kernel's (inlined, these tasks took tiny-mistral's sm_90 megakernel past the 227 KB an SM has)
 @triton.jit(noinline=True)
-def router_gpu(layer, sparse_layer, n, worker, x, xn, norms, router, route_expert, route_weight, route_slot,
-               H: tl.constexpr, EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr,
-               TOP_K_PAD: tl.constexpr, SLOTS_PAD: tl.constexpr, NORM_TOPK: tl.constexpr, B_PAD: tl.constexpr,
-               EPS: tl.constexpr, NORM_BLOCK: tl.constexpr, MLP_BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    inp = xn + worker * B_PAD * H                                 # post-attention RMSNorm, by this task
+def router_gpu(layer, sparse_layer, expert0, nexperts, n, worker, x, xn, norms, router, router_logits,
+               H: tl.constexpr, EXPERTS: tl.constexpr, B_PAD: tl.constexpr, EPS: tl.constexpr,
+               NORM_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    inp = xn + worker * B_PAD * H                                 # post-attention RMSNorm, by this tile
     rms_norm_rows(x, n, norms + (2 * layer + 1) * H, inp, H, EPS, B_PAD, NORM_BLOCK)
     w = router + sparse_layer.to(tl.int64) * EXPERTS * H
-    logits = matmul_block(inp, w, n, 0, EXPERTS, H, B_PAD, EXPERTS_PAD, MLP_BLOCK_K, DOT_PRECISION)
-    re = tl.arange(0, EXPERTS_PAD)
-    experts = (re < EXPERTS)[None, :]
-    logits = tl.where(experts, logits, float("-inf"))
-    p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    left = tl.where(experts, p / tl.sum(p, axis=1)[:, None], -1.0)     # probabilities not yet chosen
     rb = tl.arange(0, B_PAD)
-    rk = tl.arange(0, TOP_K_PAD)
-    chosen = tl.full((B_PAD, TOP_K_PAD), -1, tl.int64)
-    weight = tl.zeros((B_PAD, TOP_K_PAD), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        best = tl.max(left, axis=1)
-        arg = tl.argmax(left, axis=1, tie_break_left=True)
-        chosen = tl.where(rk[None, :] == k, arg[:, None].to(tl.int64), chosen)
-        weight = tl.where(rk[None, :] == k, best[:, None], weight)
-        left = tl.where(re[None, :] == arg[:, None], -1.0, left)
-    if NORM_TOPK:
-        weight = weight / tl.sum(weight, axis=1)[:, None]
-    live = (rb < n)[:, None] & (rk < TOP_K)[None, :]
-    tl.store(route_expert + rb[:, None] * TOP_K + rk[None, :], chosen, mask=live)
-    tl.store(route_weight + rb[:, None] * TOP_K + rk[None, :], weight, mask=live)
-    tl.debug_barrier()      # the whole CTA reads the choices its threads wrote
-    # each slot's first slot with the same expert, comparing all slots with 16 of them at a time
-    rs = tl.arange(0, SLOTS_PAD)
-    slots = rs < n * TOP_K
-    expert = tl.load(route_expert + rs, mask=slots, other=-1)
-    first = tl.full((SLOTS_PAD,), SLOTS_PAD, tl.int64)
-    for c0 in range(0, n * TOP_K, 16):
-        cs = c0 + tl.arange(0, 16)
-        other = tl.load(route_expert + cs, mask=cs < n * TOP_K, other=-2)
-        same = expert[:, None] == other[None, :]
-        first = tl.minimum(first, tl.min(tl.where(same, cs[None, :].to(tl.int64), SLOTS_PAD), axis=1))
-    tl.store(route_slot + rs, first, mask=slots)
+    rn = tl.arange(0, BLOCK_N)
+    for j in range(0, nexperts, BLOCK_N):
+        logits = matmul_block(inp, w, n, expert0 + j, nexperts - j, H, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        tl.store(router_logits + rb[:, None] * EXPERTS + (expert0 + j + rn)[None, :], logits,
+                 mask=(rb < n)[:, None] & (rn < nexperts - j)[None, :])
 
 
 class Router(TaskKind):
     name = "router"
-    args = ("sparse_layer",)      # the layer's index among the sparse ones (the stacked router's row)
+    args = ("sparse_layer", "expert0", "nexperts")   # sparse_layer: the layer's index among the sparse ones
     gpu = router_gpu
 
     def cost(self, shape, layer, a):
-        return shape.matmul_bytes(shape.spec.num_experts, shape.spec.hidden_size)
+        return shape.matmul_bytes(a[2], shape.spec.hidden_size)
 
     def run(self, ctx, layer, a):
-        lw, n, top_k = ctx.weights.layers[layer], ctx.num_rows, ctx.spec.experts_per_token
-        weights, experts = route(normed_stream(ctx, lw.post_norm), lw.router, top_k, ctx.spec.norm_topk_prob)
-        ctx.buf["route_weight"][:n] = weights
-        ctx.buf["route_expert"][:n] = experts
-        flat = experts.flatten()
-        ctx.buf["route_slot"][:n] = (flat[:, None] == flat[None, :]).int().argmax(dim=1).view(n, top_k)
+        _, expert0, nexperts = a
+        lw, n = ctx.weights.layers[layer], ctx.num_rows
+        xn = normed_stream(ctx, lw.post_norm).float()
+        experts = slice(expert0, expert0 + nexperts)
+        ctx.buf["router_logits"][:n, experts] = xn @ lw.router[experts].float().t()

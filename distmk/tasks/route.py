@@ -1,0 +1,96 @@
+"""The choice of a sparse (mixture-of-experts) layer's experts, for every row, from the gate's logits (the
+router tiles', tasks/router.py): softmax in float32 and the top-k experts of each row, their probabilities
+renormalised to sum to 1 where the model says so (norm_topk_prob).
+
+A row's k-th choice is slot b * top_k + k. The task writes each slot's expert and weight, and the first
+slot of the step that chose the same expert (route_slot): the expert tiles of that slot alone run the expert,
+for every row that chose it, so rows that pick the same expert share one stream of its weights, while the
+table stays static (tiles of the other slots find they do not lead and return). Replicated under tensor
+parallelism: every rank routes every row to the same experts."""
+import torch
+import triton
+import triton.language as tl
+
+from distmk.tasks.base import TaskKind
+
+
+def choose(logits: torch.Tensor, top_k: int, renormalise: bool):
+    """(weights [rows, top_k] float32, experts [rows, top_k] int64) of the gate's logits [rows, experts]: softmax
+    in float32, the top_k largest in descending order, renormalised on request (the route task's semantics,
+    and the prefill path's)."""
+    weights, experts = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def leading_expert(ctx, slot: int) -> int | None:
+    """The expert whose tiles `slot` runs this step: its choice if it is the first slot to have chosen it, else
+    None (another slot runs it, or the slot's row is not active)."""
+    top_k = ctx.spec.experts_per_token
+    if slot // top_k >= ctx.num_rows or int(ctx.buf["route_slot"].view(-1)[slot]) != slot:
+        return None
+    return int(ctx.buf["route_expert"].view(-1)[slot])
+
+
+@triton.jit
+def slot_expert(slot, n, route_expert, route_slot, TOP_K: tl.constexpr):
+    """leading_expert on the device: the expert slot runs, or -1."""
+    leads = (slot < n * TOP_K) & (tl.load(route_slot + slot) == slot)    # slot < batch * top_k: in bounds
+    return tl.where(leads, tl.load(route_expert + slot), -1)
+
+
+@triton.jit
+def route_gpu(n, router_logits, route_expert, route_weight, route_slot, EXPERTS: tl.constexpr,
+              EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, SLOTS_PAD: tl.constexpr,
+              NORM_TOPK: tl.constexpr, B_PAD: tl.constexpr):
+    rb = tl.arange(0, B_PAD)
+    re = tl.arange(0, EXPERTS_PAD)
+    experts = (re < EXPERTS)[None, :]
+    logits = tl.load(router_logits + rb[:, None] * EXPERTS + re[None, :], mask=(rb < n)[:, None] & experts,
+                     other=0.0)
+    logits = tl.where(experts, logits, float("-inf"))
+    p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    left = tl.where(experts, p / tl.sum(p, axis=1)[:, None], -1.0)     # probabilities not yet chosen
+    rk = tl.arange(0, TOP_K_PAD)
+    chosen = tl.full((B_PAD, TOP_K_PAD), -1, tl.int64)
+    weight = tl.zeros((B_PAD, TOP_K_PAD), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(left, axis=1)
+        arg = tl.argmax(left, axis=1, tie_break_left=True)
+        chosen = tl.where(rk[None, :] == k, arg[:, None].to(tl.int64), chosen)
+        weight = tl.where(rk[None, :] == k, best[:, None], weight)
+        left = tl.where(re[None, :] == arg[:, None], -1.0, left)
+    if NORM_TOPK:
+        weight = weight / tl.sum(weight, axis=1)[:, None]
+    live = (rb < n)[:, None] & (rk < TOP_K)[None, :]
+    tl.store(route_expert + rb[:, None] * TOP_K + rk[None, :], chosen, mask=live)
+    tl.store(route_weight + rb[:, None] * TOP_K + rk[None, :], weight, mask=live)
+    tl.debug_barrier()      # the whole CTA reads the choices its threads wrote
+    # each slot's first slot with the same expert, comparing all slots with 16 of them at a time
+    rs = tl.arange(0, SLOTS_PAD)
+    slots = rs < n * TOP_K
+    expert = tl.load(route_expert + rs, mask=slots, other=-1)
+    first = tl.full((SLOTS_PAD,), SLOTS_PAD, tl.int64)
+    for c0 in range(0, n * TOP_K, 16):
+        cs = c0 + tl.arange(0, 16)
+        other = tl.load(route_expert + cs, mask=cs < n * TOP_K, other=-2)
+        same = expert[:, None] == other[None, :]
+        first = tl.minimum(first, tl.min(tl.where(same, cs[None, :].to(tl.int64), SLOTS_PAD), axis=1))
+    tl.store(route_slot + rs, first, mask=slots)
+
+
+class Route(TaskKind):
+    name = "route"
+    gpu = route_gpu
+
+    def cost(self, shape, layer, a):
+        return shape.batch * shape.spec.num_experts * 4
+
+    def run(self, ctx, layer, a):
+        n, top_k = ctx.num_rows, ctx.spec.experts_per_token
+        weights, experts = choose(ctx.buf["router_logits"][:n], top_k, ctx.spec.norm_topk_prob)
+        ctx.buf["route_weight"][:n] = weights
+        ctx.buf["route_expert"][:n] = experts
+        flat = experts.flatten()
+        ctx.buf["route_slot"][:n] = (flat[:, None] == flat[None, :]).int().argmax(dim=1).view(n, top_k)
