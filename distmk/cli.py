@@ -104,7 +104,8 @@ def kernel_options_of(args) -> dict:
             if "help" in f.metadata and getattr(args, f.name, None) is not None}
 
 
-def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str) -> None:
+def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str,
+                    step_batches_default: str = "auto") -> None:
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or preset name")
     p.add_argument("--backend", choices=["reference", "triton"], default="reference")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -114,10 +115,12 @@ def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str
     p.add_argument("--max-context", type=COUNT, default=None,
                    help="tokens per sequence, prompt + output (default: the model's, at most 2048)")
     p.add_argument("--seed", type=SEED, default=0, help="seed of a preset's random weights")
-    p.add_argument("--step-batches", type=step_batches, default=None, metavar="auto|none|B,B,...",
+    p.add_argument("--step-batches", type=step_batches, default=step_batches(step_batches_default),
+                   metavar="auto|none|B,B,...",
                    help=f"row counts of smaller step tables, compiled beside the full one: a step runs the smallest "
                         f"that holds its rows, so a lone stream's attention is split over every SM and rows that are "
-                        f"not there cost nothing (default auto: the powers of two below {batch_flag})")
+                        f"not there cost nothing (auto: the powers of two below {batch_flag}; default "
+                        f"{step_batches_default})")
     p.add_argument("--prefill-chunk", type=NON_NEGATIVE, default=512,
                    help="prompt tokens a prefill chunk takes, by matrix products rather than the decode steps' rows "
                         "(0: every prompt through the steps)")

@@ -20,7 +20,7 @@ from distmk.runtime.tokenizer import load_tokenizer
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m distmk.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(p, "--batch", "rows per step (prefill chunk)")
+    add_engine_args(p, "--batch", "rows per step (prefill chunk)", step_batches_default="1")   # one sequence
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenizer of the checkpoint; bytes for presets)")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 1,2,3")
