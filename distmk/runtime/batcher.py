@@ -205,9 +205,9 @@ class Batcher:
 
     def step(self) -> list[tuple[Sequence, int | None]]:
         """One engine step (or several back to back, see steps_per_launch); returns the (sequence, new token)
-        pairs it produced, in order. Finished sequences have finish_reason set and are out of the batch. A sequence whose token cannot be sampled fails alone:
-        its pair has no token, its finish_reason is "error" and its error says why. A prefill chunk, if a
-        prompt needs one, runs first."""
+        pairs it produced, in order. Finished sequences have finish_reason set and are out of the batch. A
+        sequence whose token cannot be sampled fails alone: its pair has no token, its finish_reason is "error"
+        and its error says why. A prefill chunk, if a prompt needs one, runs first."""
         chunk = self.plan_prefill()
         if chunk is not None:
             self.prefill(chunk)

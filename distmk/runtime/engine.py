@@ -61,6 +61,16 @@ def triton_executor(engine, table, options: dict, autotune: bool, progress: bool
     return make(tuned or {})
 
 
+def pack_rows(tokens, positions, block_tables, width: int) -> np.ndarray:
+    """A step's rows as one int64 [rows, 2 + width] array: token, position, then the block table padded with
+    zeros. Built in numpy: a tensor a row took 0.54 ms for 16 rows of 133 blocks on a CPU, this 0.06 ms."""
+    rows = np.zeros((len(tokens), 2 + width), dtype=np.int64)
+    rows[:, 0], rows[:, 1] = tokens, positions
+    for i, blocks in enumerate(block_tables):
+        rows[i, 2:2 + len(blocks)] = blocks
+    return rows
+
+
 # how each backend builds the executor of one step table: (engine, table, kernel options, autotune, progress)
 BACKENDS = {"reference": reference_executor, "triton": triton_executor}
 
@@ -134,13 +144,8 @@ class Engine:
         return torch.stack(chosen).tolist()
 
     def _on_device(self, tokens, positions, block_tables):
-        """A step's tokens, positions and [rows, blocks] block table on the device, from one host array in one
-        copy (built in numpy: a tensor per row took 0.54 ms for 16 rows of 133 blocks on a CPU, this 0.06 ms)."""
-        packed = np.zeros((len(tokens), 2 + self.kv.blocks_per_seq), dtype=np.int64)
-        packed[:, 0], packed[:, 1] = tokens, positions
-        for i, blocks in enumerate(block_tables):
-            packed[i, 2:2 + len(blocks)] = blocks
-        rows = torch.from_numpy(packed).to(self.device)
+        """A step's tokens, positions and [rows, blocks] block table on the device, in one copy."""
+        rows = torch.from_numpy(pack_rows(tokens, positions, block_tables, self.kv.blocks_per_seq)).to(self.device)
         return rows[:, 0], rows[:, 1], rows[:, 2:]
 
     def executor_for(self, rows: int):

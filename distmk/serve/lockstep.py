@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import datetime
 
-import numpy as np
 import torch
 
 from distmk.errors import DistmkError
 from distmk.runtime.batcher import PrefillInputs, StepInputs, run_prefill, run_step
+from distmk.runtime.engine import pack_rows
 
 STEP, HEARTBEAT, SHUTDOWN, PREFILL = 1, 2, 3, 4
 CONTROL_TIMEOUT = datetime.timedelta(seconds=120)   # >> the scheduler's HEARTBEAT_S and one warm-up step
@@ -60,12 +60,7 @@ class Leader:
         if self.group is not None:
             width = max(len(blocks) for blocks in step.block_tables)
             self._send(STEP, len(step.tokens), width, step.needs_logits, step.steps)
-            # filled through numpy, whose list assignments are about 3x faster than a torch.as_tensor per row
-            # (16 rows of 133 blocks: 0.1 against 0.3 ms on rank 0, before every rank's step can start)
-            rows = np.zeros((len(step.tokens), 2 + width), dtype=np.int64)
-            rows[:, 0], rows[:, 1] = step.tokens, step.positions
-            for i, blocks in enumerate(step.block_tables):
-                rows[i, 2:2 + len(blocks)] = blocks
+            rows = pack_rows(step.tokens, step.positions, step.block_tables, width)
             _broadcast(torch.from_numpy(rows), self.group)
             return _with_peers(run_step, self.engine, step)
         return run_step(self.engine, step)
