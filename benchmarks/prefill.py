@@ -57,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--baseline", choices=BASELINES, default="compiled",
                    help="the per-op PyTorch prefill: torch.compile'd, uncompiled, or not run")
+    p.add_argument("--eager-prefill", action="store_true",
+                   help="run distmk's element-wise prefill stages op by op (by default a GPU torch.compiles them)")
     p.add_argument("--json", action="store_true", help="print the JSON on one line (default: indented)")
     p.add_argument("--out", help="also write the JSON to this file")
     args = p.parse_args(argv)
@@ -65,13 +67,13 @@ def parse_args(argv=None):
     return args
 
 
-def prefill_engine(model: str, device: torch.device, dtype, max_context: int) -> Engine:
+def prefill_engine(model: str, device: torch.device, dtype, max_context: int, compile_prefill: bool | None) -> Engine:
     """An Engine with KV-cache room for one sequence of max_context tokens. Its decode executor is the
     reference one whatever the device: a prefill chunk never runs it, and the megakernel would compile and
     autotune for nothing."""
     config = GraphConfig(batch=1, workers=1)
     return Engine(model, backend="reference", device=device, dtype=dtype, config=config, max_context=max_context,
-                  max_seqs=1)
+                  max_seqs=1, compile_prefill=compile_prefill)
 
 
 def time_ms(fn, device: torch.device, iters: int) -> float:
@@ -86,7 +88,8 @@ def run(args, log) -> dict:
     dtype = torch.bfloat16 if on_gpu else torch.float32
     peak = bf16_dense_flops(device) if dtype == torch.bfloat16 else None
     block = 16
-    engine = prefill_engine(args.model, device, dtype, max_context=-(-max(args.chunks) // block) * block)
+    engine = prefill_engine(args.model, device, dtype, max_context=-(-max(args.chunks) // block) * block,
+                            compile_prefill=False if args.eager_prefill else None)
     spec, kv = engine.spec, engine.kv
     baseline = None
     if args.baseline != "none":
@@ -127,7 +130,8 @@ def run(args, log) -> dict:
                 torch.cuda.empty_cache()
     return {"model": args.model, "params": spec.num_parameters(), "dtype": str(dtype).removeprefix("torch."),
             "device": args.device, "gpu": torch.cuda.get_device_name(device) if on_gpu else None,
-            "bf16_dense_flops_per_s": peak, "torch_baseline": args.baseline, "iters": args.iters, "chunks": chunks,
+            "bf16_dense_flops_per_s": peak, "distmk_prefill_compiled": engine.compile_prefill,
+            "torch_baseline": args.baseline, "iters": args.iters, "chunks": chunks,
             "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": shlex.join(["python", *sys.argv]), "distmk_commit": git_commit()}

@@ -7,7 +7,8 @@ token throughput.
 
 With --matrix, one such run per (streams, prompt length) cell against the same server, each stream sending
 --rounds requests, after one untimed request per prompt length (the first of a length may compile or pick
-kernels); one JSON with every cell, and a PNG of TTFT and inter-token latency against prompt length, a line
+kernels); one JSON with every cell (with distmk.serve's own mean step and prefill-chunk times over the cell,
+from its /metrics), and a PNG of TTFT and inter-token latency against prompt length, a line
 per stream count (matplotlib: pip install -e '.[bench]'):
 
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --matrix --streams 1,8 --prompt-lens 256,2000 \\
@@ -146,6 +147,37 @@ async def run(args) -> dict:
     return {"url": args.url, "model": model, **result}
 
 
+SERVER_SERIES = ("distmk_step_seconds", "distmk_step_rows", "distmk_prefill_seconds")
+
+
+async def server_counters(http: httpx.AsyncClient) -> dict | None:
+    """distmk.serve's own sums and counts of step time, step rows and prefill-chunk time (GET /metrics), or
+    None from a server that does not publish them."""
+    from prometheus_client.parser import text_string_to_metric_families
+    r = await http.get("/metrics")
+    if r.status_code != 200:
+        return None
+    values = {sample.name: sample.value for family in text_string_to_metric_families(r.text)
+              for sample in family.samples if sample.name.endswith(("_sum", "_count"))}
+    if not all(f"{name}_count" in values for name in SERVER_SERIES):
+        return None
+    return values
+
+
+def server_side(before: dict | None, after: dict | None) -> dict | None:
+    """What the server measured during a cell: its engine steps (mean time and rows) and prefill chunks."""
+    if before is None or after is None:
+        return None
+    delta = {name: after[name] - before[name] for name in after if name in before}
+
+    def mean(name, scale=1.0):
+        count = delta[f"{name}_count"]
+        return round(delta[f"{name}_sum"] / count * scale, 3) if count else None
+    return {"steps": int(delta["distmk_step_seconds_count"]), "step_ms_mean": mean("distmk_step_seconds", 1e3),
+            "rows_mean": mean("distmk_step_rows"), "prefill_chunks": int(delta["distmk_prefill_seconds_count"]),
+            "prefill_ms_mean": mean("distmk_prefill_seconds", 1e3)}
+
+
 async def run_matrix(args, log) -> dict:
     """Every (streams, prompt length) cell in turn, streams outermost, against one server."""
     rng = random.Random(args.seed)
@@ -157,10 +189,13 @@ async def run_matrix(args, log) -> dict:
         cells = []
         for streams in args.streams:
             for prompt_len in args.prompt_lens:
+                before = await server_counters(http)
                 cell = await load(http, model, rng, concurrency=streams, requests=streams * args.rounds,
                                   prompt_len=prompt_len, max_tokens=args.max_tokens, vocab_limit=args.vocab_limit)
+                cell["server"] = server_side(before, await server_counters(http))
                 log(f"{streams} streams, {prompt_len}-token prompts: TTFT p50 {ms(cell['ttft_s']['p50'])} ms, "
-                    f"inter-token p50 {ms(cell['itl_s']['p50'])} ms, {cell['failed']} failed")
+                    f"inter-token p50 {ms(cell['itl_s']['p50'])} ms, {cell['failed']} failed; server: "
+                    f"{cell['server']}")
                 cells.append(cell)
     return {"url": args.url, "model": model, "max_tokens": args.max_tokens, "streams": args.streams,
             "prompt_lens": args.prompt_lens, "rounds": args.rounds, "cells": cells,

@@ -55,6 +55,10 @@ def test_matrix_writes_every_cell_and_a_png(server, tmp_path):
     assert list(cells) == [(1, 5), (1, 24), (2, 5), (2, 24)]
     for (streams, prompt_len), cell in cells.items():
         check_run(cell, streams, requests=2 * streams, prompt_len=prompt_len, max_tokens=4)
+        server_side = cell["server"]                 # what the server's /metrics counted over the cell
+        assert server_side["steps"] >= 4 and 1 <= server_side["rows_mean"] <= MAX_BATCH and server_side["step_ms_mean"] > 0
+        # a 24-token prompt has more unread tokens than a step's rows: one prefill chunk each
+        assert server_side["prefill_chunks"] == (2 * streams if prompt_len == 24 else 0)
     assert (tmp_path / "results" / "matrix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "2 streams, 24-token prompts: TTFT p50" in proc.stderr
 

@@ -80,7 +80,7 @@ class Engine:
                  device="cpu", backend: str = "reference", config: GraphConfig | None = None,
                  max_context: int | None = None, block_size: int = 16, seed: int = 0, progress: bool = False,
                  kernel_options: dict | None = None, autotune: bool = True, max_seqs: int | None = None,
-                 prefill_chunk: int = 0, step_batches: tuple[int, ...] = ()):
+                 prefill_chunk: int = 0, step_batches: tuple[int, ...] = (), compile_prefill: bool | None = None):
         if backend not in BACKENDS:
             raise DistmkError(f"unknown backend {backend!r}: use {' or '.join(BACKENDS)}")
         self.comm = comm or SingleRank()
@@ -96,10 +96,10 @@ class Engine:
         if prefill_chunk < 0:
             raise DistmkError(f"prefill_chunk must be >= 0 (0: prompts go through the decode steps), got "
                               f"{prefill_chunk}")
-        # prompt tokens per prefill chunk (runtime/prefill.py); 0 here, 512 from the CLIs (--prefill-chunk). On an
-        # H200 the chunks give transformers' tokens but run at a third of a compiled PyTorch prefill's speed
-        # (benchmarks/results/h200-2026-12-01-s5)
+        # prompt tokens per prefill chunk (runtime/prefill.py); 0 here, 512 from the CLIs (--prefill-chunk); its
+        # element-wise stages torch.compile'd (default: on a GPU)
         self.prefill_chunk = prefill_chunk
+        self.compile_prefill = torch.device(device).type == "cuda" if compile_prefill is None else compile_prefill
         config = config or GraphConfig(**device_fields(backend, device))
         bad = [b for b in step_batches if not 1 <= b <= config.batch]
         if bad:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from distmk.cli import COUNT, NON_NEGATIVE, add_engine_args, build_engine, int_in, open_comm, select_device
 from distmk.dist import detect_launch
 from distmk.errors import DistmkError
-from distmk.runtime.batcher import StepInputs
+from distmk.runtime.batcher import PrefillInputs, StepInputs
 from distmk.runtime.tokenizer import load_tokenizer
 from distmk.serve.lockstep import Leader, control_group, follow
 
@@ -99,14 +99,17 @@ def main(argv=None) -> int:
 
 
 def warm_up(leader: Leader, engine) -> None:
-    """A one-row step, then a full step of every step table, before serving, so that compilation (and the
-    CUDA-graph captures) happen now rather than in the first requests. What they write to the KV cache is free
-    space: a sequence writes every position before it reads it."""
+    """A one-row step, then a full step of every step table, and a prefill chunk, before serving, so that
+    compilation (and the CUDA-graph captures) happen now rather than in the first requests. What they write to
+    the KV cache is free space: a sequence writes every position before it reads it."""
     bs, context = engine.kv.block_size, engine.max_context
     for rows in tqdm(sorted({1, *engine.executors}), desc="compiling and warming up the step tables", leave=False):
         positions = [i % context for i in range(rows)]
         blocks = list(range(-(-(max(positions) + 1) // bs)))
         leader.run(StepInputs([0] * rows, positions, [blocks] * rows, needs_logits=True))
+    tokens = min(engine.prefill_chunk, context)
+    if tokens > 1:                       # a chunk of one token would compile a stage for that length alone
+        leader.prefill(PrefillInputs([0] * tokens, 0, list(range(-(-tokens // bs)))))
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -30,8 +30,11 @@ class Metrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.step_rows = Histogram("distmk_step_rows", "Rows (tokens) per engine step: the batch size",
                                    buckets=ROW_BUCKETS, registry=r)
-        self.step_time = Histogram("distmk_step_seconds", "Time of an engine step on rank 0, sending the plan "
-                                   "and sampling included", buckets=LATENCY_BUCKETS, registry=r)
+        self.step_time = Histogram("distmk_step_seconds", "Time of an engine step on rank 0: the plan sent to "
+                                   "the other ranks, the step, its tokens on the host (sampling not included)",
+                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram("distmk_prefill_seconds", "Time of a prompt's prefill chunk on rank 0",
+                                      buckets=LATENCY_BUCKETS, registry=r)
         self.running = Gauge("distmk_running_sequences", "Sequences in the batch", registry=r)
         self.waiting = Gauge("distmk_waiting_sequences", "Sequences queued for the batch", registry=r)
         self.kv_used = Gauge("distmk_kv_cache_used_blocks", "KV-cache blocks held by sequences", registry=r)

@@ -11,7 +11,7 @@ import threading
 from typing import Protocol
 
 from distmk.errors import DistmkError
-from distmk.runtime.batcher import Batcher, Sequence, StepInputs
+from distmk.runtime.batcher import Batcher, PrefillInputs, Sequence, StepInputs
 from distmk.serve.lockstep import RankLost, on_engine_device
 
 HEARTBEAT_S = 5.0
@@ -29,7 +29,7 @@ class Listener(Protocol):
 class Scheduler:
     def __init__(self, engine, leader, metrics, max_running: int | None = None, steps_per_launch: int = 1):
         self.leader, self.metrics = leader, metrics
-        self.batcher = Batcher(engine, max_running, run=self._run, prefill=leader.prefill,
+        self.batcher = Batcher(engine, max_running, run=self._run, prefill=self._prefill,
                                steps_per_launch=steps_per_launch)
         self.cond = threading.Condition()
         self.inbox: list[tuple[str, Sequence, Listener | None]] = []
@@ -115,8 +115,7 @@ class Scheduler:
                     self.loop.call_soon_threadsafe(_fail_all, [listener], str(e))
                     continue
                 self.listeners[seq.id] = listener
-            with self.metrics.step_time.time():
-                produced = self.batcher.step()
+            produced = self.batcher.step()
             self.metrics.batcher_state(self.batcher)
             if produced:
                 last = {seq.id: i for i, (seq, _) in enumerate(produced)}    # a sequence may get several tokens
@@ -129,7 +128,12 @@ class Scheduler:
 
     def _run(self, step: StepInputs):
         self.metrics.step_rows.observe(len(step.tokens))
-        return self.leader.run(step)
+        with self.metrics.step_time.time():
+            return self.leader.run(step)
+
+    def _prefill(self, chunk: PrefillInputs) -> None:
+        with self.metrics.prefill_time.time():
+            self.leader.prefill(chunk)
 
 
 def _deliver(deliveries) -> None:
