@@ -59,6 +59,8 @@ def parse_args(argv=None):
                    help="the per-op PyTorch prefill: torch.compile'd, uncompiled, or not run")
     p.add_argument("--eager-prefill", action="store_true",
                    help="run distmk's element-wise prefill stages op by op (by default a GPU torch.compiles them)")
+    p.add_argument("--no-prefill-graphs", action="store_true",
+                   help="launch distmk's chunks op by op (by default a GPU replays a first chunk as a CUDA graph)")
     p.add_argument("--json", action="store_true", help="print the JSON on one line (default: indented)")
     p.add_argument("--out", help="also write the JSON to this file")
     args = p.parse_args(argv)
@@ -67,13 +69,14 @@ def parse_args(argv=None):
     return args
 
 
-def prefill_engine(model: str, device: torch.device, dtype, max_context: int, compile_prefill: bool | None) -> Engine:
-    """An Engine with KV-cache room for one sequence of max_context tokens. Its decode executor is the
-    reference one whatever the device: a prefill chunk never runs it, and the megakernel would compile and
-    autotune for nothing."""
+def prefill_engine(model: str, device: torch.device, dtype, max_context: int, compile_prefill: bool | None = None,
+                   graphs: bool = True) -> Engine:
+    """An Engine with KV-cache room for one sequence of max_context tokens, in chunks of up to that many.
+    Its decode executor is the reference one whatever the device: a prefill chunk never runs it, and the
+    megakernel would compile and autotune for nothing."""
     config = GraphConfig(batch=1, workers=1)
     return Engine(model, backend="reference", device=device, dtype=dtype, config=config, max_context=max_context,
-                  max_seqs=1, compile_prefill=compile_prefill)
+                  max_seqs=1, prefill_chunk=max_context, compile_prefill=compile_prefill, prefill_graphs=graphs)
 
 
 def time_ms(fn, device: torch.device, iters: int) -> float:
@@ -89,7 +92,7 @@ def run(args, log) -> dict:
     peak = bf16_dense_flops(device) if dtype == torch.bfloat16 else None
     block = 16
     engine = prefill_engine(args.model, device, dtype, max_context=-(-max(args.chunks) // block) * block,
-                            compile_prefill=False if args.eager_prefill else None)
+                            compile_prefill=False if args.eager_prefill else None, graphs=not args.no_prefill_graphs)
     spec, kv = engine.spec, engine.kv
     baseline = None
     if args.baseline != "none":
@@ -131,6 +134,7 @@ def run(args, log) -> dict:
     return {"model": args.model, "params": spec.num_parameters(), "dtype": str(dtype).removeprefix("torch."),
             "device": args.device, "gpu": torch.cuda.get_device_name(device) if on_gpu else None,
             "bf16_dense_flops_per_s": peak, "distmk_prefill_compiled": engine.compile_prefill,
+            "distmk_prefill_graphs": engine.prefill_graphs is not None,
             "torch_baseline": args.baseline, "iters": args.iters, "chunks": chunks,
             "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

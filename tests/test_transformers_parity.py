@@ -54,6 +54,28 @@ def test_compiled_prefill_stages_match_transformers():
     assert all(t == tokens and torch.equal(lg, logits) for t, lg in results[1:])
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_first_chunk_in_a_longer_bucket_writes_the_plain_chunks_kv(name):
+    """What a first chunk's CUDA graph records (runtime/prefill.FirstChunkGraphs, captured on a GPU only), run as
+    it is: an 11-token chunk in the 16-row bucket, whose extra rows repeat the last one, writes the K and V the
+    plain chunk writes, and nothing past its 11 positions."""
+    from distmk.runtime.prefill import FirstChunkGraphs, prefill_chunk
+    tokens = [(5 * i + 2) % 40 for i in range(11)]
+    caches = []
+    for bucketed in (False, True):
+        engine = Engine(name, config=SMALL, max_context=32)
+        blocks = engine.kv.allocate([], 11)
+        if bucketed:
+            graphs = FirstChunkGraphs(engine, 16)
+            graphs.forward(graphs.stage(tokens, blocks))
+        else:
+            prefill_chunk(engine, tokens, 0, blocks)
+        caches.append((engine.kv.k.clone(), engine.kv.v.clone()))
+    for plain, bucketed in zip(*caches):
+        torch.testing.assert_close(bucketed, plain, rtol=1e-4, atol=1e-5)     # float32: other GEMM shapes
+    assert caches[1][0][:, blocks[0], 11:].abs().max() == 0         # the block's positions 11.. are untouched
+
+
 WINDOW_PROMPT = [(5 * i + 1) % 60 for i in range(20)]
 
 

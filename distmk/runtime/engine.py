@@ -23,6 +23,7 @@ from distmk.comm.cpu import SingleRank
 from distmk.reference.executor import ReferenceExecutor
 from distmk.runtime.batcher import Batcher, Sequence
 from distmk.runtime.kv_cache import KVCache
+from distmk.runtime.prefill import FirstChunkGraphs
 from distmk.runtime.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,7 +81,8 @@ class Engine:
                  device="cpu", backend: str = "reference", config: GraphConfig | None = None,
                  max_context: int | None = None, block_size: int = 16, seed: int = 0, progress: bool = False,
                  kernel_options: dict | None = None, autotune: bool = True, max_seqs: int | None = None,
-                 prefill_chunk: int = 0, step_batches: tuple[int, ...] = (), compile_prefill: bool | None = None):
+                 prefill_chunk: int = 0, step_batches: tuple[int, ...] = (), compile_prefill: bool | None = None,
+                 prefill_graphs: bool = True):
         if backend not in BACKENDS:
             raise DistmkError(f"unknown backend {backend!r}: use {' or '.join(BACKENDS)}")
         self.comm = comm or SingleRank()
@@ -97,7 +99,8 @@ class Engine:
             raise DistmkError(f"prefill_chunk must be >= 0 (0: prompts go through the decode steps), got "
                               f"{prefill_chunk}")
         # prompt tokens per prefill chunk (runtime/prefill.py); 0 here, 512 from the CLIs (--prefill-chunk); its
-        # element-wise stages torch.compile'd (default: on a GPU)
+        # element-wise stages torch.compile'd (default: on a GPU), a first chunk replayed as a CUDA graph where it can
+        # be (prefill_graphs, runtime/prefill.FirstChunkGraphs)
         self.prefill_chunk = prefill_chunk
         self.compile_prefill = torch.device(device).type == "cuda" if compile_prefill is None else compile_prefill
         config = config or GraphConfig(**device_fields(backend, device))
@@ -112,6 +115,8 @@ class Engine:
         # KV-cache room: max_seqs sequences of max_context tokens (default: one per row of a step)
         self.kv = KVCache(self.spec.num_layers, max_seqs or self.config.batch, -(-max_context // block_size),
                           block_size, self.plan.num_kv_heads, self.spec.head_dim, dtype, device)
+        self.prefill_graphs = FirstChunkGraphs(self, prefill_chunk) if (
+            prefill_graphs and prefill_chunk and FirstChunkGraphs.applies(self)) else None
         self.executor = BACKENDS[backend](self, self.table, kernel_options or {}, autotune, progress)
         # A step runs the smallest table that holds its rows: a table lowered for fewer rows splits attention
         # over more workers (GraphConfig.resolved) and has no tasks for rows that are not there. The smaller

@@ -99,7 +99,8 @@ def main(argv=None) -> int:
 
 
 def warm_up(leader: Leader, engine) -> None:
-    """A one-row step, then a full step of every step table, and a prefill chunk, before serving, so that
+    """A one-row step, then a full step of every step table, and a prefill chunk of each length that has a CUDA
+    graph of its own (runtime/prefill.FirstChunkGraphs) and of the largest, before serving, so that
     compilation (and the CUDA-graph captures) happen now rather than in the first requests. What they write to
     the KV cache is free space: a sequence writes every position before it reads it."""
     bs, context = engine.kv.block_size, engine.max_context
@@ -107,9 +108,11 @@ def warm_up(leader: Leader, engine) -> None:
         positions = [i % context for i in range(rows)]
         blocks = list(range(-(-(max(positions) + 1) // bs)))
         leader.run(StepInputs([0] * rows, positions, [blocks] * rows, needs_logits=True))
-    tokens = min(engine.prefill_chunk, context)
-    if tokens > 1:                       # a chunk of one token would compile a stage for that length alone
-        leader.prefill(PrefillInputs([0] * tokens, 0, list(range(-(-tokens // bs)))))
+    largest = min(engine.prefill_chunk, context)
+    graphs = engine.prefill_graphs       # each length bucket of a first chunk is a CUDA graph of its own
+    for tokens in ([s for s in graphs.sizes if s <= largest] if graphs else []) + [largest]:
+        if tokens > 1:                   # a chunk of one token would compile a stage for that length alone
+            leader.prefill(PrefillInputs([0] * tokens, 0, list(range(-(-tokens // bs)))))
 
 
 def listen(host: str, port: int) -> socket.socket:
