@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
+import torch
+
 from distmk.errors import DistmkError
 from distmk.runtime.batcher import Batcher, PrefillInputs, Sequence, StepInputs
 from distmk.serve.lockstep import RankLost, on_engine_device
@@ -132,8 +134,12 @@ class Scheduler:
             return self.leader.run(step)
 
     def _prefill(self, chunk: PrefillInputs) -> None:
+        """Run a chunk and wait for it, so that its histogram holds the chunk's time, not its launch's (a CUDA
+        graph's replay returns at once; the next step would wait for it anyway)."""
         with self.metrics.prefill_time.time():
             self.leader.prefill(chunk)
+            if self.batcher.engine.device.type == "cuda":
+                torch.cuda.synchronize(self.batcher.engine.device)
 
 
 def _deliver(deliveries) -> None:
