@@ -129,6 +129,10 @@ def run(args, launcher: str, log) -> dict:
     log(f"distmk: {distmk}")
     phase_s["distmk"] = round(time.perf_counter() - t1, 1)
     release()
+    peak_gb = {}
+    if on_gpu:       # what distmk held at most, then what the baselines added on top of its engine
+        peak_gb["distmk"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+        torch.cuda.reset_peak_memory_stats(device)
 
     # the baselines and the routing run on distmk's weights and from its step's state; a copy of their own only
     # where its engine could not be built
@@ -192,10 +196,11 @@ def run(args, launcher: str, log) -> dict:
             log(f"torch.compile'd ({args.compile_mode}) ops in a CUDA graph: {compiled_ms} ms")
             phase_s["compiled"] = round(time.perf_counter() - t1, 1)
             release()
+        peak_gb["baselines"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
     else:
         log("no HBM roofline and no CUDA-graph baselines on the CPU: recorded as null")
     # transformers loads a copy of its own: distmk's goes first
-    del engine, weights, state
+    engine = weights = state = None
     keep.clear()
     gc.collect()
     release()
@@ -234,6 +239,7 @@ def run(args, launcher: str, log) -> dict:
         "baseline_errors": errors or None,
         "distmk": distmk,
         "phase_s": {**phase_s, "total": round(time.perf_counter() - t0, 1)},
+        "gpu_peak_gb": peak_gb or None,
         "gpu": torch.cuda.get_device_name(device) if on_gpu else None,
         "torch": torch.__version__,
         "triton": triton.__version__,

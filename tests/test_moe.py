@@ -258,3 +258,33 @@ def test_router_cut_over_the_experts_matches_transformers(tmp_path):
                                                                     comm=comm, config=SMALL)
                                       .generate(PROMPT, 16, stop_on_eos=False))
         assert all(r == expected for r in results)
+
+
+@pytest.mark.parametrize("name", TINY_MOE + ["tiny-qwen2", "tiny-mistral"])
+def test_float32_reference_forward_matches_transformers(name):
+    """tests/float32_reference.py, the float32 model that tests/test_gpu.py holds bf16 qwen3-30b-a3b against (no
+    room for transformers' float32 copy beside distmk's): transformers' logits at every position of a 40-token
+    sequence; with a qkv bias (tiny-qwen2); with a sliding window of 8 (tiny-mistral); from bf16 weights, the same
+    as from their float32 upcast."""
+    from float32_reference import float32_logits
+    spec = preset(name)
+    if name == "tiny-mistral":
+        spec = dataclasses.replace(spec, sliding_window=8)
+    weights = load_shard(spec, RandomWeights(spec), plan_shard(spec, 1, 0))
+    tokens = [(7 * i + 3) % 50 for i in range(40)]
+    with torch.no_grad():
+        expected = hf_model(spec)(torch.tensor([tokens])).logits[0]
+    logits = float32_logits(spec, weights, tokens)
+    assert (logits - expected).abs().max() / expected.abs().max() < 1e-5
+    bf16 = load_shard(spec, RandomWeights(spec), plan_shard(spec, 1, 0), dtype=torch.bfloat16)
+    upcast = load_shard(spec, RandomWeights(spec), plan_shard(spec, 1, 0), dtype=torch.bfloat16)
+    for lw in upcast.layers:
+        for field in dataclasses.fields(lw):
+            if getattr(lw, field.name) is not None:
+                setattr(lw, field.name, getattr(lw, field.name).float())
+    for field in ("embed", "lm_head", "final_norm"):
+        setattr(upcast, field, getattr(upcast, field).float())
+    assert torch.equal(float32_logits(spec, bf16, tokens), float32_logits(spec, upcast, tokens))
+    if spec.sliding_window:      # the window matters: without it the logits differ
+        unwindowed = dataclasses.replace(spec, sliding_window=None)
+        assert not torch.allclose(float32_logits(unwindowed, weights, tokens), logits, rtol=1e-3, atol=1e-3)
