@@ -15,9 +15,9 @@ CUDA-graph baselines do not apply and are recorded as null; distmk and transform
 The PyTorch decoder runs on distmk's own weights (its engine's, kept after the timing: one copy in memory,
 which mixtral-8x7b's 94 GB in bf16 needs) from distmk's KV cache, tokens and positions, so both run the same
 step. For a mixture-of-experts model the roofline counts, in each sparse layer, the router and the experts the
-step chose (the union over its rows: experts_read_per_layer), read off one eager step of the PyTorch decoder
-from that state; route_agreement_last_layer says how many rows of distmk's own last sparse layer (its
-workspace holds that one) chose the same experts.
+step chose (the union over its rows: experts_read_per_layer), as distmk's route tasks kept them
+(route_history); route_agreement is the fraction of (sparse layer, row) pairs for which the PyTorch decoder's
+router, one eager step from the same state, chose the same experts (its timed steps read those).
 """
 from __future__ import annotations
 
@@ -107,7 +107,24 @@ def run(args, launcher: str, log) -> dict:
     on_gpu = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    release = torch.cuda.empty_cache if on_gpu else (lambda: None)
+
+    def release():
+        """Return cached GPU memory; after a kernel fault the context is unusable and this raises too, so it says
+        nothing: the fault itself is recorded where it happened."""
+        if on_gpu:
+            try:
+                torch.cuda.empty_cache()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def peak_gb(reset: bool = False) -> float | None:
+        try:
+            peak = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+            if reset:
+                torch.cuda.reset_peak_memory_stats(device)
+            return peak
+        except Exception:  # noqa: BLE001 - as release()
+            return None
     spec, source, _ = open_model(args.model, seed=0, device=device)
     result = {"model": args.model, "params": spec.num_parameters(), "tp": world, "batch": args.batch,
               "context": args.context, "dtype": str(dtype).removeprefix("torch."), "backend": args.backend,
@@ -129,10 +146,9 @@ def run(args, launcher: str, log) -> dict:
     log(f"distmk: {distmk}")
     phase_s["distmk"] = round(time.perf_counter() - t1, 1)
     release()
-    peak_gb = {}
+    peaks = {}
     if on_gpu:       # what distmk held at most, then what the baselines added on top of its engine
-        peak_gb["distmk"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
-        torch.cuda.reset_peak_memory_stats(device)
+        peaks["distmk"] = peak_gb(reset=True)
 
     # the baselines and the routing run on distmk's weights and from its step's state; a copy of their own only
     # where its engine could not be built
@@ -163,18 +179,20 @@ def run(args, launcher: str, log) -> dict:
             release()
             return None
 
-    experts_read = route_agreement = None
+    experts_read = experts_source = route_agreement = None
     if spec.moe_layers:
-        chosen = attempt("routing", lambda: routed_experts(spec, weights, args.batch, args.context, device, dtype,
+        # the experts of distmk's timed step, every sparse layer's (the route tasks keep them), and the PyTorch
+        # decoder's router's from the same state: the baselines' step chooses as distmk's did, up to rounding
+        ours = workspace(engine)["route_history"][:, :args.batch].cpu() if engine is not None and step_ms else None
+        theirs = attempt("routing", lambda: routed_experts(spec, weights, args.batch, args.context, device, dtype,
                                                            state))
-        if chosen is not None:
-            experts_read = distinct_experts(chosen)
-            if engine is not None and step_ms is not None:
-                ours = workspace(engine)["route_expert"][:args.batch].cpu()      # distmk's last sparse layer
-                route_agreement = sum(set(a.tolist()) == set(b.tolist()) for a, b in zip(ours, chosen[-1]))
-                route_agreement /= args.batch
-        log(f"experts read per sparse layer (of {spec.num_experts}): {experts_read}; rows of distmk's last sparse "
-            f"layer with the same experts: {route_agreement}")
+        if ours is not None or theirs is not None:
+            experts_read = distinct_experts(ours if ours is not None else theirs)
+            experts_source = "distmk's step" if ours is not None else "the PyTorch decoder's router"
+        if ours is not None and theirs is not None:
+            route_agreement = (ours.sort(-1).values == theirs.sort(-1).values).all(-1).float().mean().item()
+        log(f"experts read per sparse layer (of {spec.num_experts}, {experts_source}): {experts_read}; (layer, row) "
+            f"pairs where the PyTorch decoder's router chose the same experts: {route_agreement}")
     step_bytes = decode_step_bytes(spec, plan, args.batch, args.context, dtype.itemsize, experts_read)
     roofline_ms = step_bytes / bandwidth * 1e3 if bandwidth else None
     if on_gpu:
@@ -196,7 +214,7 @@ def run(args, launcher: str, log) -> dict:
             log(f"torch.compile'd ({args.compile_mode}) ops in a CUDA graph: {compiled_ms} ms")
             phase_s["compiled"] = round(time.perf_counter() - t1, 1)
             release()
-        peak_gb["baselines"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+        peaks["baselines"] = peak_gb()
     else:
         log("no HBM roofline and no CUDA-graph baselines on the CPU: recorded as null")
     # transformers loads a copy of its own: distmk's goes first
@@ -226,7 +244,8 @@ def run(args, launcher: str, log) -> dict:
         "efficiency": roofline_ms / step_ms if step_ms and roofline_ms else None,
         "step_bytes": step_bytes,
         "experts_read_per_layer": experts_read,
-        "route_agreement_last_layer": route_agreement,
+        "experts_read_source": experts_source,
+        "route_agreement": route_agreement,
         "hbm_bytes_per_s": bandwidth,
         "hf_eager_ms": hf_ms,
         "hf_eager_tp": 1,
@@ -239,7 +258,7 @@ def run(args, launcher: str, log) -> dict:
         "baseline_errors": errors or None,
         "distmk": distmk,
         "phase_s": {**phase_s, "total": round(time.perf_counter() - t0, 1)},
-        "gpu_peak_gb": peak_gb or None,
+        "gpu_peak_gb": peaks or None,
         "gpu": torch.cuda.get_device_name(device) if on_gpu else None,
         "torch": torch.__version__,
         "triton": triton.__version__,

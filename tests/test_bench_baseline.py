@@ -177,7 +177,8 @@ def test_decode_step_bytes_refuses_a_wrong_expert_count(experts_read, message):
 @pytest.mark.parametrize("name, batch", [("tiny-mixtral", 1), ("tiny-qwen3-moe", 4)])
 def test_decode_benchmark_counts_the_experts_its_step_chose(name, batch, tmp_path):
     """decode.py on the CPU (reference backend): the experts read per sparse layer come from the step it timed
-    (distmk's last sparse layer agrees with the decoder's router on every row), and the step's bytes count them."""
+    (its route_history, with which the decoder's router agrees on every layer and row), and the step's bytes
+    count them."""
     import json
     import sys
     from conftest import run_cli
@@ -191,6 +192,7 @@ def test_decode_benchmark_counts_the_experts_its_step_chose(name, batch, tmp_pat
     read = result["experts_read_per_layer"]
     assert len(read) == len(spec.moe_layers)
     assert all(spec.experts_per_token <= n <= min(spec.num_experts, batch * spec.experts_per_token) for n in read)
-    assert result["route_agreement_last_layer"] == 1.0 and result["baseline_weights"] == "distmk's"
+    assert result["route_agreement"] == 1.0 and result["experts_read_source"] == "distmk's step"
+    assert result["baseline_weights"] == "distmk's"
     assert result["step_bytes"] == decode_step_bytes(spec, plan_shard(spec, 1, 0), batch, 32, 4, read)
     assert result["step_ms"] > 0 and result["cudagraph_ms"] is None and result["baseline_errors"] is None
