@@ -125,6 +125,22 @@ def run(args, launcher: str, log) -> dict:
             return peak
         except Exception:  # noqa: BLE001 - as release()
             return None
+
+    errors = {}
+
+    def attempt(what: str, fn):
+        """fn(), or None with the error logged and recorded under `what`: one rank alone, where a failing baseline
+        leaves the other figures standing (tensor-parallel ranks raise: a peer would wait in NCCL for ever)."""
+        if world > 1:
+            return fn()
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - recorded, whatever it was
+            log(traceback.format_exc())
+            errors[what] = f"{type(e).__name__}: {e}"
+            release()
+            return None
+
     spec, source, _ = open_model(args.model, seed=0, device=device)
     result = {"model": args.model, "params": spec.num_parameters(), "tp": world, "batch": args.batch,
               "context": args.context, "dtype": str(dtype).removeprefix("torch."), "backend": args.backend,
@@ -161,23 +177,8 @@ def run(args, launcher: str, log) -> dict:
         gc.collect()
         release()
         log("no distmk engine: the baselines load the weights themselves")
-        weights = load_shard(spec, source, plan, dtype, device)
+        weights = attempt("weights", lambda: load_shard(spec, source, plan, dtype, device))
     result["baseline_weights"] = "distmk's" if engine is not None else "loaded"
-
-    errors = {}
-
-    def attempt(what: str, fn):
-        """fn(), or None with the error logged and recorded under `what`: one rank alone, where a failing baseline
-        leaves the other figures standing (tensor-parallel ranks raise: a peer would wait in NCCL for ever)."""
-        if world > 1:
-            return fn()
-        try:
-            return fn()
-        except Exception as e:  # noqa: BLE001 - recorded, whatever it was
-            log(traceback.format_exc())
-            errors[what] = f"{type(e).__name__}: {e}"
-            release()
-            return None
 
     experts_read = experts_source = route_agreement = None
     if spec.moe_layers:

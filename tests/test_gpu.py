@@ -52,7 +52,10 @@ def test_tiny_prefill_chunks_on_the_gpu_equal_transformers(name):
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"] + TINY_MOE)
 def test_tiny_bfloat16_matches_reference_executor(name):
     """One 16-row step (teacher forcing): bf16 rounding may flip near-ties, so agreement, not identity. For the
-    mixture-of-experts presets the 16 rows choose among the experts together (tiny-mixtral: 32 choices of 4)."""
+    mixture-of-experts presets the 16 rows choose among the experts together (tiny-mixtral: 32 choices of 4); a
+    routing near-tie tipped the other way moves a row's logits far more than rounding does (bf16 against float32
+    on the CPU: 1.6% of tiny-qwen3-moe's choices), so the logits are compared on the rows that every sparse layer
+    routed alike (route_history; all rows of a dense model), and those must be 14 of 16 or more."""
     config = GraphConfig(batch=16, tile_rows=32, workers=sms())
     prompt = list(range(10, 26))
     outs = []
@@ -61,10 +64,13 @@ def test_tiny_bfloat16_matches_reference_executor(name):
         if backend == "triton":
             tl_for_moe(engine)
         buf = engine.step(prompt, range(16), [engine.kv.allocate([], 16)] * 16)
-        outs.append((buf["next_token"][:16].tolist(), buf["logits"][:16].clone()))
-    (ref_tokens, ref_logits), (tokens, logits) = outs
+        outs.append((buf["next_token"][:16].tolist(), buf["logits"][:16].clone(),
+                     buf["route_history"][:, :16].sort(dim=-1).values))
+    (ref_tokens, ref_logits, ref_routes), (tokens, logits, routes) = outs
     assert sum(a == b for a, b in zip(tokens, ref_tokens)) >= 15, (tokens, ref_tokens)
-    assert ((logits - ref_logits).norm() / ref_logits.norm()).item() < 2e-2
+    alike = (routes == ref_routes).all(dim=-1).all(dim=0)                     # [16] rows routed alike everywhere
+    assert alike.sum().item() >= 14, alike
+    assert ((logits[alike] - ref_logits[alike]).norm() / ref_logits[alike].norm()).item() < 2e-2
 
 
 def hopper() -> bool:
