@@ -179,11 +179,14 @@ def sparse_mlp(spec: ModelSpec, lw, h: torch.Tensor, rows: torch.Tensor, path: s
         Mixtral. Uncompiled, the index copies the weights before the products read them. Under torch.compile
         with coordinate-descent tuning (part of max-autotune) Inductor decomposes a bmm whose second operand
         has one column into a reduction, into which it can fuse the index, so that each slot's weights are read
-        once, in place. Rows that chose the same expert read it once each.
+        once, in place (expected from Inductor's decompositions; not yet seen on a GPU). Rows that chose the
+        same expert read it once each.
     all: every expert over every row ([B, H] by [experts * I, H]), then each row's top_k outputs picked out:
         reads each expert once. Once B * top_k >= num_experts the gather reads at least as many bytes as this,
         so `auto` takes it then (mixtral-8x7b from batch 4, top 2 of 8) and the gather below (qwen3-30b-a3b to
         batch 15, top 8 of 128).
+    A loop over the chosen experts alone would need the routing on the host (a sync a CUDA graph cannot hold);
+    a loop over every expert with the unchosen rows masked reads every expert, which `all` does in one product.
     """
     b, top_k, num_experts = h.shape[0], spec.experts_per_token, spec.num_experts
     if path not in SPARSE_PATHS:
