@@ -4,7 +4,9 @@ graph (optionally torch.compile'd), and transformers' own eager generate. What a
 against (benchmarks/prefill.py): its FLOP count, and a per-op PyTorch prefill of the same weights.
 
 The PyTorch decoder reads the same RankWeights as distmk and splits work the same way under tensor
-parallelism (NCCL all-reduce after o_proj and down_proj, all-gather of the vocab-parallel logits).
+parallelism (NCCL all-reduce after o_proj and down_proj, all-gather of the vocab-parallel logits). A sparse
+(mixture-of-experts) layer's MLP is its router, softmax and top-k, the chosen experts' products and the weighted
+sum (sparse_mlp); the roofline of such a step counts the experts the step chose, not all of them.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import triton.language as tl
 
 from distmk.models.shard import RankWeights, ShardPlan, load_shard, plan_shard
 from distmk.models.spec import ModelSpec
+from distmk.tasks.moe_combine import weighted_sum
+from distmk.tasks.route import choose
 from distmk.timing import cuda_times, kernel_ms
 
 
@@ -63,17 +67,37 @@ def measure_hbm_read_bandwidth(device="cuda", gib: float = 4) -> float:
     return best
 
 
-def decode_step_bytes(spec: ModelSpec, plan: ShardPlan, batch: int, context: int, dtype_bytes: int = 2) -> int:
+def decode_step_bytes(spec: ModelSpec, plan: ShardPlan, batch: int, context: int, dtype_bytes: int = 2,
+                      experts_read: list[int] | None = None) -> int:
     """HBM bytes one rank must read in a decode step of `batch` rows attending to `context` positions each:
     its weight shards (q/k/v with bias, o, gate, up, down, all norms, its lm_head rows including padding),
-    the K and V it attends to, and the `batch` embedding rows it looks up (not the whole table)."""
+    the K and V it attends to, and the `batch` embedding rows it looks up (not the whole table).
+
+    A sparse (mixture-of-experts) layer reads its router and, of its experts, only those the step chose: the
+    union over the batch's rows, since rows that chose one expert can share one read of its weights (distmk's
+    route task makes them). `experts_read` gives that number for each sparse layer, in spec.moe_layers' order
+    (decode.py counts it from the step's own routing); without it, the most a step can choose,
+    min(num_experts, batch * experts_per_token), in every sparse layer."""
     h, d = spec.hidden_size, spec.head_dim
     qkv_rows = (plan.num_heads + 2 * plan.num_kv_heads) * d
     layer_weights = (qkv_rows * h + (qkv_rows if spec.qkv_bias else 0) + (2 * d if spec.qk_norm else 0)
-                     + h * plan.num_heads * d + 3 * plan.inter * h + 2 * h)
+                     + h * plan.num_heads * d + 2 * h)
+    if experts_read is None:
+        experts_read = [min(spec.num_experts, batch * spec.experts_per_token)] * len(spec.moe_layers)
+    if len(experts_read) != len(spec.moe_layers) or not all(0 <= n <= spec.num_experts for n in experts_read):
+        raise ValueError(f"experts_read must give 0..{spec.num_experts} experts for each of the "
+                         f"{len(spec.moe_layers)} sparse layers, got {list(experts_read)}")
+    mlp = (len(spec.dense_layers) * 3 * plan.inter * h
+           + sum(spec.num_experts * h + n * 3 * plan.expert_inter * h for n in experts_read))
     keys = min(context, spec.sliding_window or context)
     layer_kv = 2 * plan.num_kv_heads * d * keys * batch
-    return (spec.num_layers * (layer_weights + layer_kv) + h + plan.vocab * h + batch * h) * dtype_bytes
+    return (spec.num_layers * (layer_weights + layer_kv) + mlp + h + plan.vocab * h + batch * h) * dtype_bytes
+
+
+def distinct_experts(chosen: torch.Tensor) -> list[int]:
+    """The number of distinct experts each sparse layer's rows chose, of chosen [sparse layers, rows, top_k]: the
+    experts a step must read (decode_step_bytes' experts_read)."""
+    return [len(set(layer.flatten().tolist())) for layer in chosen]
 
 
 # ----------------------------------------------------------------------------- per-op PyTorch decoder
@@ -84,21 +108,28 @@ class TorchDecoder:
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens[B], positions[B]) -> next tokens[B]
     k_cache: list[torch.Tensor]   # per layer [max_batch, local kv heads, max_context, head_dim]
     v_cache: list[torch.Tensor]
+    # with record_experts: [sparse layers, max_batch, top_k] the experts each row chose in the last step
+    experts: torch.Tensor | None = None
 
 
 def prefill_chunk_flops(spec: ModelSpec, plan: ShardPlan, tokens: int, start: int = 0) -> int:
     """FLOPs of one rank's prefill chunk of `tokens` positions from `start` (runtime/prefill.py), 2 per
     multiply-add, over the chunk's rows: every layer's q/k/v products, and every layer's but the last
     attention (QK^T and PV over the keys each position sees: itself and those before it, within the sliding
-    window), o, gate, up and down. A chunk only writes the KV cache, so the last layer's rest and the lm_head
-    feed nothing. What the products must do, not what a masked kernel spends on masked-out keys."""
+    window), o, and the MLP: gate, up and down, or in a sparse layer the router and each row's top-k experts'
+    gate, up and down. A chunk only writes the KV cache, so the last layer's rest and the lm_head feed nothing.
+    What the products must do, not what a masked kernel spends on masked-out keys."""
     h, d = spec.hidden_size, spec.head_dim
     qkv_params = (plan.num_heads + 2 * plan.num_kv_heads) * d * h
-    rest_params = h * plan.num_heads * d + 3 * plan.inter * h
     window = spec.sliding_window or start + tokens
     keys = sum(min(p + 1, window) for p in range(start, start + tokens))
-    rest = 2 * rest_params * tokens + 2 * 2 * plan.num_heads * d * keys
-    return spec.num_layers * 2 * qkv_params * tokens + (spec.num_layers - 1) * rest
+    attention = 2 * 2 * plan.num_heads * d * keys
+    rest = 0
+    for layer in range(spec.num_layers - 1):
+        mlp_params = (spec.num_experts * h + spec.experts_per_token * 3 * plan.expert_inter * h
+                      if layer in spec.moe_layers else 3 * plan.inter * h)
+        rest += 2 * (h * plan.num_heads * d + mlp_params) * tokens + attention
+    return spec.num_layers * 2 * qkv_params * tokens + rest
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -132,12 +163,60 @@ def rotated_qkv(spec: ModelSpec, lw, x: torch.Tensor, cos: torch.Tensor, sin: to
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+SPARSE_PATHS = ("auto", "gather", "all")
+
+
+def sparse_mlp(spec: ModelSpec, lw, h: torch.Tensor, rows: torch.Tensor, path: str = "auto"):
+    """A sparse layer's MLP of the normed rows h [B, H], as capturable per-op PyTorch: (this rank's partial
+    output [B, H] in h's dtype, the chosen experts [B, top_k]). The router's logits in float32, softmax and
+    top-k as the route task has them (tasks/route.choose, renormalised where spec.norm_topk_prob says), the
+    experts' products in h's dtype, and the routing-weighted sum in float32 in the order of the choices
+    (tasks/moe_combine.weighted_sum). No host sync and no shape that depends on the routing: `rows` is
+    arange(B) on the device. Two ways to run the experts, both of static shapes:
+
+    gather: index the chosen experts' weights, w[experts] [B * top_k, I, H] (row b's k-th choice at
+        b * top_k + k), and run them as batched matrix-vector products (torch.bmm), what gpt-fast does for
+        Mixtral. Uncompiled, the index copies the weights before the products read them. Under torch.compile
+        with coordinate-descent tuning (part of max-autotune) Inductor decomposes a bmm whose second operand
+        has one column into a reduction, into which it can fuse the index, so that each slot's weights are read
+        once, in place (expected from Inductor's decompositions; not yet seen on a GPU). Rows that chose the
+        same expert read it once each.
+    all: every expert over every row ([B, H] by [experts * I, H]), then each row's top_k outputs picked out:
+        reads each expert once. Once B * top_k >= num_experts the gather reads at least as many bytes as this,
+        so `auto` takes it then (mixtral-8x7b from batch 4, top 2 of 8) and the gather below (qwen3-30b-a3b to
+        batch 15, top 8 of 128).
+    A loop over the chosen experts alone would need the routing on the host (a sync a CUDA graph cannot hold);
+    a loop over every expert with the unchosen rows masked reads every expert, which `all` does in one product.
+    """
+    b, top_k, num_experts = h.shape[0], spec.experts_per_token, spec.num_experts
+    if path not in SPARSE_PATHS:
+        raise ValueError(f"unknown sparse MLP path {path!r}: use one of {SPARSE_PATHS}")
+    if path == "auto":
+        path = "all" if b * top_k >= num_experts else "gather"
+    weights, experts = choose(F.linear(h.float(), lw.router.float()), top_k, spec.norm_topk_prob)
+    if path == "gather":
+        slots = experts.reshape(b * top_k)
+        x = h[:, None, :].expand(b, top_k, h.shape[1]).reshape(b * top_k, h.shape[1], 1)
+        gate = torch.bmm(lw.expert_gate[slots], x)                      # [B * top_k, I, 1]
+        up = torch.bmm(lw.expert_up[slots], x)
+        outs = torch.bmm(lw.expert_down[slots], F.silu(gate) * up).view(b, top_k, -1)
+    else:
+        inter = lw.expert_gate.shape[1]
+        gate = F.linear(h, lw.expert_gate.reshape(num_experts * inter, -1)).view(b, num_experts, inter)
+        up = F.linear(h, lw.expert_up.reshape(num_experts * inter, -1)).view(b, num_experts, inter)
+        every = torch.bmm((F.silu(gate) * up).transpose(0, 1), lw.expert_down.transpose(1, 2))   # [E, B, H]
+        outs = every[experts, rows[:, None]]                            # [B, top_k, H]
+    return weighted_sum(weights, outs).to(h.dtype), experts
+
+
 def build_torch_decoder(spec: ModelSpec, weights: RankWeights, device, dtype, max_batch: int,
-                        max_context: int) -> TorchDecoder:
+                        max_context: int, sparse: str = "auto", record_experts: bool = False) -> TorchDecoder:
     """The decode step as plain per-op PyTorch kernels over one rank's shard, the way a well-written
     PyTorch server runs it (gpt-fast style): the baseline a CUDA graph or torch.compile can make of it.
     All state lives in static buffers, so `step` can be captured in a CUDA graph. The KV cache is one
-    tensor per layer (not one [layers, ...] tensor) so that torch.compile sees no aliased inputs mutated."""
+    tensor per layer (not one [layers, ...] tensor) so that torch.compile sees no aliased inputs mutated.
+    Sparse layers run sparse_mlp (`sparse`: its path); with record_experts the step also stores their
+    choices in the decoder's `experts` (a copy per layer, so the timed steps leave it out)."""
     plan, d, eps = weights.plan, spec.head_dim, spec.rms_norm_eps
     world, _ = tp_rank()
     hq, hkv = plan.num_heads, plan.num_kv_heads
@@ -147,6 +226,9 @@ def build_torch_decoder(spec: ModelSpec, weights: RankWeights, device, dtype, ma
     all_rows = torch.arange(max_batch, device=device)
     key_positions = torch.arange(max_context, device=device)
     inv_freq = weights.inv_freq.to(device=device, dtype=torch.float32)
+    experts = (torch.zeros(len(spec.moe_layers), max_batch, spec.experts_per_token, dtype=torch.int64, device=device)
+               if record_experts else None)
+    sparse_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
 
     def all_reduce(x):
         if world > 1:
@@ -171,7 +253,13 @@ def build_torch_decoder(spec: ModelSpec, weights: RankWeights, device, dtype, ma
                                                   attn_mask=mask)
             x = x + all_reduce(F.linear(attn.reshape(b, hq * d), lw.wo))
             h = rms_norm(x, lw.post_norm, eps)
-            x = x + all_reduce(F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down))
+            if lw.router is None:
+                x = x + all_reduce(F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down))
+            else:
+                out, chosen = sparse_mlp(spec, lw, h, rows, sparse)
+                if experts is not None:
+                    experts[sparse_index[layer], :b] = chosen
+                x = x + all_reduce(out)
         logits = F.linear(rms_norm(x, weights.final_norm, eps), weights.lm_head)   # [B, local vocab]
         if world > 1:
             shards = [torch.empty_like(logits) for _ in range(world)]
@@ -179,26 +267,77 @@ def build_torch_decoder(spec: ModelSpec, weights: RankWeights, device, dtype, ma
             logits = torch.cat(shards, dim=-1)
         return logits[:, :spec.vocab_size].argmax(dim=-1)
 
-    return TorchDecoder(step, k_cache, v_cache)
+    return TorchDecoder(step, k_cache, v_cache, experts)
+
+
+def random_state(spec: ModelSpec, batch: int, context: int):
+    """A decoder's default state for a timed step (cudagraph_step_ms' `state`): a KV cache of random values and
+    random tokens, `batch` rows at position context - 1."""
+    def fill(decoder: TorchDecoder) -> tuple[torch.Tensor, torch.Tensor]:
+        for cache in decoder.k_cache + decoder.v_cache:
+            cache.normal_()
+        device = decoder.k_cache[0].device
+        return (torch.randint(spec.vocab_size, (batch,), device=device),
+                torch.full((batch,), context - 1, device=device))
+    return fill
+
+
+def paged_state(k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: list[list[int]], tokens: list[int],
+                positions: list[int]):
+    """A decoder's state taken from distmk's (cudagraph_step_ms' `state`), so both run the same step: each row's
+    cache positions copied from the paged KV pools [layers, blocks, block_size, kv heads, D] (runtime/kv_cache.py,
+    row b's blocks block_tables[b]; as many positions as the decoder's cache holds), and the same tokens and
+    positions. The sparse layers' routing then follows distmk's up to rounding."""
+    def fill(decoder: TorchDecoder) -> tuple[torch.Tensor, torch.Tensor]:
+        device = decoder.k_cache[0].device
+        for layer, caches in enumerate(zip(decoder.k_cache, decoder.v_cache)):
+            for pool, cache in zip((k_pool, v_pool), caches):
+                for b, blocks in enumerate(block_tables):
+                    seen = pool[layer, torch.as_tensor(blocks, device=pool.device)].flatten(0, 1)[:cache.shape[2]]
+                    cache[b, :, :seen.shape[0]] = seen.transpose(0, 1).to(device=device, dtype=cache.dtype)
+        return (torch.as_tensor(tokens, device=device), torch.as_tensor(positions, device=device))
+    return fill
+
+
+def routed_experts(spec: ModelSpec, weights: RankWeights, batch: int, context: int, device, dtype,
+                   state=None) -> torch.Tensor:
+    """[sparse layers, batch, top_k] the experts each row of one decode step chose in each sparse layer: one
+    eager step of the PyTorch decoder (its router as the route task's) from `state` (random_state's by
+    default; paged_state's for distmk's own step)."""
+    decoder = build_torch_decoder(spec, weights, device, dtype, batch, max_context=-(-context // 16) * 16,
+                                  record_experts=True)
+    with torch.inference_mode():
+        decoder.step(*(state or random_state(spec, batch, context))(decoder))
+    return decoder.experts[:, :batch].cpu()
+
+
+# torch.compile's arguments by decode.py's --compile-mode: max-autotune (the yardstick: Triton matmul templates
+# tuned per shape, and coordinate-descent tuning, which also turns products of one row or one column into
+# reductions that fuse their inputs: a gathered expert's weights are read in place); coordinate-descent alone
+# (cuBLAS for the products of several rows: less to compile); default (no tuning at all)
+COMPILE_MODES = {"max-autotune": {"mode": "max-autotune-no-cudagraphs"},
+                 "coordinate-descent": {"options": {"coordinate_descent_tuning": True}},
+                 "default": {}}
 
 
 def cudagraph_step_ms(spec: ModelSpec, source, batch: int, context: int, dtype=torch.bfloat16,
-                      compile: bool = False, iters: int = 200) -> float:
+                      compile: bool = False, iters: int = 200, weights: RankWeights | None = None, state=None,
+                      compile_mode: str = "max-autotune") -> float:
     """Median ms of one decode step of the PyTorch decoder replayed as a single CUDA graph: `batch` rows at
-    position `context - 1`, so each attends to `context` keys of a KV cache filled with random values (the
-    step harness.py times), each replay timed alone as harness.py times distmk's (distmk.timing.cuda_times).
-    The graph removes launch overhead, which is what a megakernel must beat on top of it. With compile=True
-    the step is first torch.compile'd (max-autotune, no CUDA graphs of its own), which fuses the small ops.
+    position `context - 1`, so each attends to `context` keys of a KV cache filled by `state` (random values by
+    default: random_state; paged_state takes distmk's), each replay timed alone as harness.py times distmk's
+    (distmk.timing.cuda_times). The graph removes launch overhead, which is what a megakernel must beat on top
+    of it. With compile=True the step is first torch.compile'd (COMPILE_MODES[compile_mode], no CUDA graphs of
+    its own), which fuses the small ops. `weights`: this rank's shard on the GPU to run (distmk's engine's, so
+    that no second copy is loaded: mixtral-8x7b is 94 GB in bf16); else it is loaded from `source`.
     (H200, llama-3-8b, batch 1, context 1024, torch 2.11: 7.36 ms, compiled 5.13 ms; tp=2: 6.39, 4.55.)"""
     world, rank = tp_rank()
     device = torch.device("cuda", torch.cuda.current_device())
-    weights = load_shard(spec, source, plan_shard(spec, world, rank), dtype, device)
+    if weights is None:
+        weights = load_shard(spec, source, plan_shard(spec, world, rank), dtype, device)
     decoder = build_torch_decoder(spec, weights, device, dtype, batch, max_context=-(-context // 16) * 16)
-    for cache in decoder.k_cache + decoder.v_cache:
-        cache.normal_()
-    step = torch.compile(decoder.step, mode="max-autotune-no-cudagraphs") if compile else decoder.step
-    tokens = torch.randint(spec.vocab_size, (batch,), device=device)
-    positions = torch.full((batch,), context - 1, device=device)
+    tokens, positions = (state or random_state(spec, batch, context))(decoder)
+    step = torch.compile(decoder.step, **COMPILE_MODES[compile_mode]) if compile else decoder.step
     with torch.inference_mode():
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -230,6 +369,12 @@ def build_torch_prefill(spec: ModelSpec, weights: RankWeights, max_context: int)
     one tensor per layer so that torch.compile sees no aliased inputs mutated."""
     if weights.plan.tp != 1:
         raise ValueError(f"the PyTorch prefill baseline runs one rank, got a shard of tp={weights.plan.tp}")
+    if spec.moe_layers:
+        # a chunk's rows choose different experts: grouping them by expert takes shapes that depend on the
+        # routing (a graph break per expert under torch.compile), and gathering each row's experts' weights, as
+        # the decoder does, would copy n * top_k experts (qwen3-30b-a3b, 512 tokens: 38 GB)
+        raise ValueError(f"the PyTorch prefill baseline has no mixture-of-experts layers ({spec.architecture}): "
+                         f"run benchmarks/prefill.py with --baseline none")
     d, eps, hq, hkv = spec.head_dim, spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads
     embed = weights.embed
     if spec.sliding_window and spec.sliding_window < max_context:

@@ -3,6 +3,7 @@
     python benchmarks/decode.py --model llama-3-8b --batch 1 --context 1024 --json --out benchmarks/results/x.json
     torchrun --standalone --nproc-per-node 2 benchmarks/decode.py --model llama-3-8b --batch 1 --context 1024
     python benchmarks/decode.py --model tiny-llama --backend reference --device cpu --context 64 --iters 20
+    python benchmarks/decode.py --model qwen3-30b-a3b --batch 8 --context 512 --skip-hf --compile-baseline
 
 Measured in one process: the GPU's streaming-read bandwidth, distmk's step (harness.py), the
 per-op PyTorch decoder replayed as a CUDA graph (and torch.compile'd with --compile-baseline), and
@@ -10,16 +11,25 @@ transformers' eager generate. Under torchrun every rank runs tensor parallel ove
 runs on rank 0, on one GPU) and rank 0 prints. Progress goes to stderr, the JSON to stdout.
 On the CPU (--device cpu, the reference backend, float32, gloo between ranks) the HBM roofline and the
 CUDA-graph baselines do not apply and are recorded as null; distmk and transformers are timed by wall clock.
+
+The PyTorch decoder runs on distmk's own weights (its engine's, kept after the timing: one copy in memory,
+which mixtral-8x7b's 94 GB in bf16 needs) from distmk's KV cache, tokens and positions, so both run the same
+step. For a mixture-of-experts model the roofline counts, in each sparse layer, the router and the experts the
+step chose (the union over its rows: experts_read_per_layer), as distmk's route tasks kept them
+(route_history); route_agreement is the fraction of (sparse layer, row) pairs for which the PyTorch decoder's
+router, one eager step from the same state, chose the same experts (its timed steps read those).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import shlex
 import subprocess
 import sys
+import time
 import traceback
 
 import torch
@@ -27,12 +37,12 @@ import torch.distributed as dist
 import transformers
 import triton
 
-from baselines import (cudagraph_step_ms, decode_step_bytes, hf_eager_ms_per_token, measure_hbm_read_bandwidth,
-                       tp_rank)
+from baselines import (COMPILE_MODES, cudagraph_step_ms, decode_step_bytes, distinct_experts, hf_eager_ms_per_token,
+                       measure_hbm_read_bandwidth, paged_state, routed_experts, tp_rank)
 from distmk.cli import COUNT, add_graph_args, add_kernel_args, kernel_options_of, select_device, tiling_of
 from distmk.dist import detect_launch, init_process_group
 from distmk.errors import DistmkError
-from distmk.models.shard import plan_shard
+from distmk.models.shard import load_shard, plan_shard
 from distmk.models.weights import open_model
 
 
@@ -46,6 +56,12 @@ def parse_args(argv=None):
     p.add_argument("--out", help="also write the JSON to this file")
     p.add_argument("--skip-hf", action="store_true", help="skip transformers' eager generate")
     p.add_argument("--compile-baseline", action="store_true", help="also time the torch.compile'd CUDA graph")
+    p.add_argument("--compile-mode", choices=sorted(COMPILE_MODES), default="max-autotune",
+                   help="how --compile-baseline compiles (baselines.COMPILE_MODES): max-autotune, the yardstick, "
+                        "or coordinate-descent (no matmul templates to tune: less compile time; a gathered expert's "
+                        "products still read its weights in place) or default")
+    p.add_argument("--no-breakdown", action="store_true",
+                   help="triton: skip the traced step (where the time went), which compiles the megakernel again")
     add_graph_args(p, "one per SM")
     add_kernel_args(p)
     p.add_argument("--backend", choices=["triton", "reference"], default="triton",
@@ -73,14 +89,14 @@ def git_commit() -> str | None:
     return commit + ("+" if dirty else "")
 
 
-def time_distmk(args, device, log) -> dict:
+def time_distmk(args, device, log, keep: dict) -> dict:
     """distmk's own step timing; if it cannot be imported or fails, the error instead, so that the
-    baselines still come out."""
+    baselines still come out. `keep` receives the engine (harness.distmk_step_ms)."""
     try:
         from harness import distmk_step_ms
         return distmk_step_ms(args.model, args.batch, args.context, args.iters, backend=args.backend, device=device,
-                              breakdown=args.backend == "triton", graph=tiling_of(args), workers=args.workers,
-                              **kernel_options_of(args))
+                              breakdown=args.backend == "triton" and not args.no_breakdown, keep=keep,
+                              graph=tiling_of(args), workers=args.workers, **kernel_options_of(args))
     except Exception as e:
         log(traceback.format_exc())
         return {"step_ms": None, "distmk_error": f"{type(e).__name__}: {e}"}
@@ -91,37 +107,122 @@ def run(args, launcher: str, log) -> dict:
     on_gpu = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    release = torch.cuda.empty_cache if on_gpu else (lambda: None)
+
+    def release():
+        """Return cached GPU memory; after a kernel fault the context is unusable and this raises too, so it says
+        nothing: the fault itself is recorded where it happened."""
+        if on_gpu:
+            try:
+                torch.cuda.empty_cache()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def peak_gb(reset: bool = False) -> float | None:
+        try:
+            peak = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+            if reset:
+                torch.cuda.reset_peak_memory_stats(device)
+            return peak
+        except Exception:  # noqa: BLE001 - as release()
+            return None
+
+    errors = {}
+
+    def attempt(what: str, fn):
+        """fn(), or None with the error logged and recorded under `what`: one rank alone, where a failing baseline
+        leaves the other figures standing (tensor-parallel ranks raise: a peer would wait in NCCL for ever)."""
+        if world > 1:
+            return fn()
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - recorded, whatever it was
+            log(traceback.format_exc())
+            errors[what] = f"{type(e).__name__}: {e}"
+            release()
+            return None
+
     spec, source, _ = open_model(args.model, seed=0, device=device)
     result = {"model": args.model, "params": spec.num_parameters(), "tp": world, "batch": args.batch,
               "context": args.context, "dtype": str(dtype).removeprefix("torch."), "backend": args.backend,
               "device": args.device}
 
-    step_bytes = decode_step_bytes(spec, plan_shard(spec, world, rank), args.batch, args.context, dtype.itemsize)
-    bandwidth = roofline_ms = None
+    plan = plan_shard(spec, world, rank)
+    phase_s = {}
+    t0 = time.perf_counter()
+    bandwidth = None
     if on_gpu:
         bandwidth = measure_hbm_read_bandwidth(device)
-        roofline_ms = step_bytes / bandwidth * 1e3
-        log(f"HBM read {bandwidth / 1e12:.2f} TB/s; {step_bytes / 1e9:.2f} GB per step -> roofline "
-            f"{roofline_ms:.3f} ms")
+        log(f"HBM read {bandwidth / 1e12:.2f} TB/s")
 
-    distmk = time_distmk(args, device, log)
+    t1 = time.perf_counter()
+    keep = {}
+    distmk = time_distmk(args, device, log, keep)
     step_ms = distmk["step_ms"]
     log(distmk.pop("breakdown", ""))
     log(f"distmk: {distmk}")
+    phase_s["distmk"] = round(time.perf_counter() - t1, 1)
     release()
+    peaks = {}
+    if on_gpu:       # what distmk held at most, then what the baselines added on top of its engine
+        peaks["distmk"] = peak_gb(reset=True)
+
+    # the baselines and the routing run on distmk's weights and from its step's state; a copy of their own only
+    # where its engine could not be built
+    engine = keep.get("engine")
+    weights = state = None
+    if engine is not None:
+        weights = engine.weights
+        state = paged_state(engine.kv.k, engine.kv.v, keep["blocks"], keep["tokens"], keep["positions"])
+    elif on_gpu or spec.moe_layers:
+        gc.collect()
+        release()
+        log("no distmk engine: the baselines load the weights themselves")
+        weights = attempt("weights", lambda: load_shard(spec, source, plan, dtype, device))
+    result["baseline_weights"] = "distmk's" if engine is not None else "loaded"
+
+    experts_read = experts_source = route_agreement = None
+    if spec.moe_layers:
+        # the experts of distmk's timed step, every sparse layer's (the route tasks keep them), and the PyTorch
+        # decoder's router's from the same state: the baselines' step chooses as distmk's did, up to rounding
+        ours = workspace(engine)["route_history"][:, :args.batch].cpu() if engine is not None and step_ms else None
+        theirs = attempt("routing", lambda: routed_experts(spec, weights, args.batch, args.context, device, dtype,
+                                                           state))
+        if ours is not None or theirs is not None:
+            experts_read = distinct_experts(ours if ours is not None else theirs)
+            experts_source = "distmk's step" if ours is not None else "the PyTorch decoder's router"
+        if ours is not None and theirs is not None:
+            route_agreement = (ours.sort(-1).values == theirs.sort(-1).values).all(-1).float().mean().item()
+        log(f"experts read per sparse layer (of {spec.num_experts}, {experts_source}): {experts_read}; (layer, row) "
+            f"pairs where the PyTorch decoder's router chose the same experts: {route_agreement}")
+    step_bytes = decode_step_bytes(spec, plan, args.batch, args.context, dtype.itemsize, experts_read)
+    roofline_ms = step_bytes / bandwidth * 1e3 if bandwidth else None
+    if on_gpu:
+        log(f"{step_bytes / 1e9:.2f} GB per step -> roofline {roofline_ms:.3f} ms")
 
     cudagraph_ms = compiled_ms = None
     if on_gpu:
-        cudagraph_ms = cudagraph_step_ms(spec, source, args.batch, args.context, iters=args.iters)
-        log(f"PyTorch ops in a CUDA graph: {cudagraph_ms:.3f} ms")
+        t1 = time.perf_counter()
+        cudagraph_ms = attempt("cudagraph", lambda: cudagraph_step_ms(
+            spec, source, args.batch, args.context, iters=args.iters, weights=weights, state=state))
+        log(f"PyTorch ops in a CUDA graph: {cudagraph_ms} ms")
+        phase_s["cudagraph"] = round(time.perf_counter() - t1, 1)
         release()
         if args.compile_baseline:
-            compiled_ms = cudagraph_step_ms(spec, source, args.batch, args.context, compile=True, iters=args.iters)
-            log(f"torch.compile'd ops in a CUDA graph: {compiled_ms:.3f} ms")
+            t1 = time.perf_counter()
+            compiled_ms = attempt("compiled", lambda: cudagraph_step_ms(
+                spec, source, args.batch, args.context, compile=True, iters=args.iters, weights=weights, state=state,
+                compile_mode=args.compile_mode))
+            log(f"torch.compile'd ({args.compile_mode}) ops in a CUDA graph: {compiled_ms} ms")
+            phase_s["compiled"] = round(time.perf_counter() - t1, 1)
             release()
+        peaks["baselines"] = peak_gb()
     else:
         log("no HBM roofline and no CUDA-graph baselines on the CPU: recorded as null")
+    # transformers loads a copy of its own: distmk's goes first
+    engine = weights = state = None
+    keep.clear()
+    gc.collect()
+    release()
 
     hf_ms = None
     if not args.skip_hf:
@@ -143,15 +244,22 @@ def run(args, launcher: str, log) -> dict:
         "roofline_ms": roofline_ms,
         "efficiency": roofline_ms / step_ms if step_ms and roofline_ms else None,
         "step_bytes": step_bytes,
+        "experts_read_per_layer": experts_read,
+        "experts_read_source": experts_source,
+        "route_agreement": route_agreement,
         "hbm_bytes_per_s": bandwidth,
         "hf_eager_ms": hf_ms,
         "hf_eager_tp": 1,
         "cudagraph_ms": cudagraph_ms,
         "cudagraph_compiled_ms": compiled_ms,
+        "compile_mode": args.compile_mode if compiled_ms is not None else None,
         "speedup_vs_hf": hf_ms / step_ms if step_ms and hf_ms else None,
         "speedup_vs_cudagraph": cudagraph_ms / step_ms if step_ms and cudagraph_ms else None,
         "speedup_vs_compiled": compiled_ms / step_ms if step_ms and compiled_ms else None,     # the yardstick
+        "baseline_errors": errors or None,
         "distmk": distmk,
+        "phase_s": {**phase_s, "total": round(time.perf_counter() - t0, 1)},
+        "gpu_peak_gb": peaks or None,
         "gpu": torch.cuda.get_device_name(device) if on_gpu else None,
         "torch": torch.__version__,
         "triton": triton.__version__,
@@ -162,6 +270,12 @@ def run(args, launcher: str, log) -> dict:
         "distmk_commit": git_commit(),
     })
     return result
+
+
+def workspace(engine) -> dict:
+    """The workspace of the engine's last step (the triton executor's buffers, the reference one's context)."""
+    executor = engine.last_executor
+    return executor.buf if hasattr(executor, "buf") else executor.ctx.buf
 
 
 def main(argv=None) -> int:

@@ -19,7 +19,8 @@ def decode_step(model: str, batch: int, context: int, *, comm=None, backend: str
     own sequences, with random KV-cache contents, after its first step (for triton: compiled, captured,
     watchdog checked, so executor.launch() replays it); and a function that runs that step again.
     bf16 on a GPU, float32 on the CPU; `device` defaults to the current GPU; `graph`: GraphConfig fields
-    (e.g. qkv_parts) beyond batch, workers and context."""
+    (e.g. qkv_parts) beyond batch, workers and context. The step function's `rows` holds its tokens, positions and
+    block tables."""
     from distmk.runtime.engine import Engine, device_fields
     device = torch.device(device) if device else torch.device("cuda", torch.cuda.current_device())
     config = GraphConfig(batch=batch, context=context, **device_fields(backend, device, workers), **(graph or {}))
@@ -37,6 +38,7 @@ def decode_step(model: str, batch: int, context: int, *, comm=None, backend: str
     def step():
         return engine.step(tokens, [context - 1] * batch, blocks)
 
+    step.rows = {"tokens": tokens, "positions": [context - 1] * batch, "blocks": blocks}
     step()
     return engine, step
 
@@ -85,16 +87,21 @@ def bench_comm(backend: str):
 
 
 def distmk_step_ms(model: str, batch: int, context: int, iters: int = 200, backend: str = "triton", device=None,
-                   breakdown: bool = False, **options) -> dict:
+                   breakdown: bool = False, keep: dict | None = None, **options) -> dict:
     """Median step time of this rank; each rank's step includes the waits on its peers. With `breakdown`
     (triton), also where the time of one traced step went (text), the fraction of worker time spent
-    waiting on peers and the exposed all-reduce time."""
+    waiting on peers and the exposed all-reduce time. `keep`, a dict, receives the engine and its step's
+    rows as soon as it is built ("engine", "step": a function that runs the step again and returns its
+    workspace, "tokens", "positions", "blocks"), so that the caller can run baselines on the same weights
+    and KV cache rather than load a second copy."""
     from distmk.kernels import trace
     comm = bench_comm(backend)
     try:
         t0 = time.perf_counter()
         engine, step = decode_step(model, batch, context, comm=comm, backend=backend, device=device, **options)
         setup_s = time.perf_counter() - t0
+        if keep is not None:
+            keep.update(engine=engine, step=step, **step.rows)
         ex = engine.executor
         if backend == "triton":
             times, mode = launch_times(ex, iters, warmup=10), "cudagraph" if ex.use_graph else "launch"

@@ -94,11 +94,16 @@ def run(args, log) -> dict:
     engine = prefill_engine(args.model, device, dtype, max_context=-(-max(args.chunks) // block) * block,
                             compile_prefill=False if args.eager_prefill else None, graphs=not args.no_prefill_graphs)
     spec, kv = engine.spec, engine.kv
-    baseline = None
+    baseline = baseline_error = None
     if args.baseline != "none":
-        built = build_torch_prefill(spec, engine.weights, engine.max_context)
-        # dynamic: one compilation serves the later chunk sizes (the products are cuBLAS calls either way)
-        baseline = torch.compile(built.prefill, dynamic=True) if args.baseline == "compiled" else built.prefill
+        try:
+            built = build_torch_prefill(spec, engine.weights, engine.max_context)
+        except ValueError as e:           # a model it has no layers for (mixture of experts): distmk's figures alone
+            log(f"no PyTorch baseline: {e}")
+            baseline_error = str(e)
+        else:
+            # dynamic: one compilation serves the later chunk sizes (the products are cuBLAS calls either way)
+            baseline = torch.compile(built.prefill, dynamic=True) if args.baseline == "compiled" else built.prefill
     log(f"{args.model} on {torch.cuda.get_device_name(device) if on_gpu else 'cpu'}, {dtype}; bf16 tensor-core "
         f"peak {f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown: no roofline'}")
 
@@ -134,8 +139,8 @@ def run(args, log) -> dict:
     return {"model": args.model, "params": spec.num_parameters(), "dtype": str(dtype).removeprefix("torch."),
             "device": args.device, "gpu": torch.cuda.get_device_name(device) if on_gpu else None,
             "bf16_dense_flops_per_s": peak, "distmk_prefill_compiled": engine.compile_prefill,
-            "distmk_prefill_graphs": engine.prefill_graphs is not None,
-            "torch_baseline": args.baseline, "iters": args.iters, "chunks": chunks,
+            "distmk_prefill_graphs": engine.prefill_graphs is not None, "torch_baseline": args.baseline,
+            "torch_baseline_error": baseline_error, "iters": args.iters, "chunks": chunks,
             "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": shlex.join(["python", *sys.argv]), "distmk_commit": git_commit()}

@@ -69,6 +69,41 @@ def test_torch_prefill_refuses_a_sliding_window_it_lacks():
         build_torch_prefill(spec, weights, max_context=64)
 
 
+def test_prefill_chunk_flops_mixture_of_experts():
+    """A sparse layer's MLP FLOPs are its router's and each row's top-k experts' (qwen3-30b-a3b: 8 of 128);
+    tiny-qwen3-moe's dense layer 1 keeps its dense MLP."""
+    spec = preset("qwen3-30b-a3b")
+    h, n = spec.hidden_size, 512
+    qkv_params = (32 + 2 * 4) * 128 * h
+    rest_params = h * 32 * 128 + 128 * h + 8 * 3 * 768 * h
+    attention = 2 * 2 * 32 * 128 * (n * (n + 1) // 2)
+    assert prefill_chunk_flops(spec, plan_shard(spec, 1, 0), n) == (
+        48 * 2 * qkv_params * n + 47 * (2 * rest_params * n + attention))
+    spec = preset("tiny-qwen3-moe")                   # layers 0 and 2 sparse, 1 dense; the last one's rest unused
+    plan = plan_shard(spec, 1, 0)
+    h = spec.hidden_size
+    dense = dataclasses.replace(spec, moe_layers=())
+    sparse_mlp, dense_mlp = spec.num_experts * h + spec.experts_per_token * 3 * 256 * h, 3 * spec.intermediate_size * h
+    assert prefill_chunk_flops(spec, plan, 10) - prefill_chunk_flops(dense, plan_shard(dense, 1, 0), 10) == (
+        2 * (sparse_mlp - dense_mlp) * 10)
+
+
+def test_torch_prefill_refuses_mixture_of_experts_and_the_benchmark_goes_on(tmp_path):
+    spec = preset("tiny-mixtral")
+    weights = load_shard(spec, RandomWeights(spec), plan_shard(spec, 1, 0), torch.float32, "cpu")
+    with pytest.raises(ValueError, match="no mixture-of-experts layers"):
+        build_torch_prefill(spec, weights, max_context=64)
+    out = tmp_path / "prefill.json"
+    proc = run_cli(sys.executable, "benchmarks/prefill.py", "--model", "tiny-mixtral", "--device", "cpu",
+                   "--chunks", "16", "--baseline", "eager", "--iters", "1", "--json", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert "no mixture-of-experts layers" in result["torch_baseline_error"]
+    chunk, = result["chunks"]
+    assert chunk["distmk_ms"] > 0 and chunk["torch_ms"] is None
+    assert chunk["flops"] == prefill_chunk_flops(spec, plan_shard(spec, 1, 0), 16)
+
+
 def test_prefill_benchmark_on_cpu(tmp_path):
     out = tmp_path / "prefill.json"
     proc = run_cli(sys.executable, "benchmarks/prefill.py", "--model", "tiny-llama", "--device", "cpu",

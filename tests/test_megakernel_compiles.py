@@ -15,6 +15,7 @@ HOPPER_SHARED_BYTES = 227 * 1024
     ("tiny-mistral", torch.bfloat16, 1), ("llama-3-8b", torch.bfloat16, 1), ("qwen3-8b", torch.bfloat16, 8),
     ("qwen2.5-7b", torch.bfloat16, 64), ("tiny-qwen3-moe", torch.float32, 4), ("tiny-mixtral", torch.bfloat16, 8),
     ("qwen3-30b-a3b", torch.bfloat16, 64), ("mixtral-8x7b", torch.bfloat16, 1),
+    ("qwen3-30b-a3b", torch.bfloat16, 1), ("mixtral-8x7b", torch.bfloat16, 8),      # benchmarks/decode.py's too
 ])
 def test_megakernel_compiles_for_sm90(name, dtype, batch):
     engine = Engine(name, backend="triton", device="meta", dtype=dtype, max_context=1024,

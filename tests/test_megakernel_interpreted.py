@@ -22,11 +22,14 @@ for name in sys.argv[1:]:
     # QKV tiles of half a head (under q/k-norm finished by qk_finish tasks); matmul tiles of 24 rows, not a
     # multiple of the kernels' row blocks
     config = GraphConfig(batch=4, kv_splits=3, tile_rows=24, lm_tile_rows=48, workers=1, qkv_parts=2)
-    runs = [Engine(name, backend=b, config=config).generate([1, 2, 3, 4, 5, 6, 7], 5, return_logits=True)
-            for b in ("reference", "triton")]
+    engines = [Engine(name, backend=b, config=config) for b in ("reference", "triton")]
+    runs = [e.generate([1, 2, 3, 4, 5, 6, 7], 5, return_logits=True) for e in engines]
     (ref_tokens, ref_logits), (tokens, logits) = runs
     err = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
-    print(json.dumps({"model": name, "equal": tokens == ref_tokens, "rel_err": err}))
+    # every sparse layer's choices of the last step (one row), as the route tasks kept them
+    history = [(e.executor.buf if hasattr(e.executor, "buf") else e.executor.ctx.buf)["route_history"][:, :1].tolist()
+               for e in engines]
+    print(json.dumps({"model": name, "equal": tokens == ref_tokens, "rel_err": err, "history": history}))
 """
 
 
@@ -41,6 +44,10 @@ def test_interpreted_megakernel_matches_reference(models):
     assert [r["model"] for r in results] == models
     for r in results:
         assert r["equal"] and r["rel_err"] < 1e-4, r
+        ref_history, history = r["history"]
+        assert history == ref_history, r
+        if models == TINY_MOE:       # the route tasks' choices of each sparse layer (a dense model keeps none)
+            assert all(len(set(layer[0])) == len(layer[0]) > 1 for layer in history), r
 
 
 TOY_TASK_SCRIPT = """

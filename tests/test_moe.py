@@ -258,3 +258,65 @@ def test_router_cut_over_the_experts_matches_transformers(tmp_path):
                                                                     comm=comm, config=SMALL)
                                       .generate(PROMPT, 16, stop_on_eos=False))
         assert all(r == expected for r in results)
+
+
+@pytest.mark.parametrize("name", TINY_MOE + ["tiny-qwen2", "tiny-mistral"])
+def test_float32_reference_forward_matches_transformers(name):
+    """tests/float32_reference.py, the float32 model that tests/test_gpu.py holds bf16 qwen3-30b-a3b against (no
+    room for transformers' float32 copy beside distmk's): transformers' logits at every position of a 40-token
+    sequence; with a qkv bias (tiny-qwen2); with a sliding window of 8 (tiny-mistral); from bf16 weights, the same
+    as from their float32 upcast."""
+    from float32_reference import float32_logits
+    spec = preset(name)
+    if name == "tiny-mistral":
+        spec = dataclasses.replace(spec, sliding_window=8)
+    weights = load_shard(spec, RandomWeights(spec), plan_shard(spec, 1, 0))
+    tokens = [(7 * i + 3) % 50 for i in range(40)]
+    with torch.no_grad():
+        expected = hf_model(spec)(torch.tensor([tokens])).logits[0]
+    logits = float32_logits(spec, weights, tokens)
+    assert (logits - expected).abs().max() / expected.abs().max() < 1e-5
+    bf16 = load_shard(spec, RandomWeights(spec), plan_shard(spec, 1, 0), dtype=torch.bfloat16)
+    upcast = load_shard(spec, RandomWeights(spec), plan_shard(spec, 1, 0), dtype=torch.bfloat16)
+    for lw in upcast.layers:
+        for field in dataclasses.fields(lw):
+            if getattr(lw, field.name) is not None:
+                setattr(lw, field.name, getattr(lw, field.name).float())
+    for field in ("embed", "lm_head", "final_norm"):
+        setattr(upcast, field, getattr(upcast, field).float())
+    assert torch.equal(float32_logits(spec, bf16, tokens), float32_logits(spec, upcast, tokens))
+    if spec.sliding_window:      # the window matters: without it the logits differ
+        unwindowed = dataclasses.replace(spec, sliding_window=None)
+        assert not torch.allclose(float32_logits(unwindowed, weights, tokens), logits, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", TINY_MOE)
+def test_route_history_keeps_every_sparse_layer_and_pins_the_reference(name):
+    """The route tasks keep each sparse layer's choices of the step (route_history), which the float32 reference
+    makes too for the same 16 tokens; given them it gives the same logits, given other experts other logits
+    (the slow GPU test pins its routing to distmk's this way)."""
+    from float32_reference import float32_logits
+    engine = Engine(name, config=dataclasses.replace(SMALL, batch=16), max_context=64)
+    spec, tokens = engine.spec, [(7 * i + 3) % 50 for i in range(16)]
+    blocks = engine.kv.allocate([], 16)
+    buf = engine.step(tokens, range(16), [blocks] * 16)
+    history = buf["route_history"][:, :16].clone()
+    assert history.shape == (len(spec.moe_layers), 16, spec.experts_per_token)
+    ref, routes = float32_logits(spec, engine.weights, tokens, return_routes=True)
+    assert torch.equal(history, routes)
+    assert (buf["logits"][:16, :spec.vocab_size] - ref).abs().max() / ref.abs().max() < 1e-4
+    assert torch.equal(float32_logits(spec, engine.weights, tokens, routes=history), ref)
+    others = float32_logits(spec, engine.weights, tokens, routes=(history + 1) % spec.num_experts)
+    assert (others - ref).abs().max() / ref.abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name", TINY_MOE)
+def test_bfloat16_against_float32_reference_on_cpu(name):
+    """test_gpu.py's comparison of bf16 qwen3-30b-a3b with the float32 model of its weights, run here on the tiny
+    presets by the reference executor in bf16: the plumbing (teacher-forced steps, route_history, the reference
+    routed as distmk routed) and its figures' sense."""
+    from test_gpu import against_float32
+    engine = Engine(name, dtype=torch.bfloat16, config=dataclasses.replace(SMALL, batch=16), max_context=64)
+    figures = against_float32(engine, list(range(10, 26)), 16)
+    assert figures["logits_rel_err"] < 1e-2 and figures["greedy_agreement"] >= 0.9, figures
+    assert figures["same_experts_fraction"] > 0.9 and figures["teacher_forced_equals_generated"] is not None

@@ -144,7 +144,7 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
         for expert0, nexperts in router_tiles:
             g.task("router", layer, (sparse, expert0, nexperts), wait=wait, signal=logits)
         routed = g.event(f"L{layer}.route", 1)
-        g.task("route", layer, (), wait=logits, signal=routed)
+        g.task("route", layer, (sparse,), wait=logits, signal=routed)
         up_tiles = tiles(plan.expert_inter, config.rows_per_tile(plan.expert_inter * slots, config.tile_rows))
         down_tiles = tiles(H, config.rows_per_tile(H * slots, config.tile_rows))
         stored = g.event(f"L{layer}.experts", slots * len(down_tiles))

@@ -27,6 +27,7 @@ class Dims:
     experts: int = 0        # experts of a sparse layer (0: a dense model)
     top_k: int = 0          # experts each token picks
     expert_inter: int = 0   # this rank's rows of each expert
+    sparse_layers: int = 0  # layers with experts
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ WORKSPACE = (
            "silu(gate) * up of a first slot's expert, for every row"),
     Buffer("expert_out", lambda d: (d.batch, max(1, d.top_k), d.hidden), "float32",
            "each slot's expert output (this rank's partial sum), before the weighted combine"),
+    Buffer("route_history", lambda d: (max(1, d.sparse_layers), d.batch, max(1, d.top_k)), "int64",
+           "every sparse layer's route_expert of the last step, which only the route task writes: the experts the "
+           "step read (benchmarks/decode.py), its routing (tests)"),
 )
 
 
@@ -70,6 +74,6 @@ def allocate_workspace(spec, plan, config, dtype, device) -> dict:
     dims = Dims(batch=config.batch, hidden=spec.hidden_size, head_dim=spec.head_dim, heads=plan.num_heads,
                 kv_heads=plan.num_kv_heads, group=plan.group, inter=plan.inter, vocab=plan.vocab,
                 kv_splits=config.kv_splits, lm_tiles=num_lm_tiles(plan, config), experts=spec.num_experts,
-                top_k=spec.experts_per_token,                 expert_inter=plan.expert_inter)
+                top_k=spec.experts_per_token, expert_inter=plan.expert_inter, sparse_layers=len(spec.moe_layers))
     dtypes = {"float32": torch.float32, "int64": torch.int64, "act": dtype}
     return {b.name: torch.zeros(b.shape(dims), dtype=dtypes[b.dtype], device=device) for b in WORKSPACE}

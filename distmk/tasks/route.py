@@ -5,7 +5,9 @@ renormalised to sum to 1 where the model says so (norm_topk_prob).
 A row's k-th choice is slot b * top_k + k. The task writes each slot's expert and weight, and the first
 slot of the step that chose the same expert (route_slot): the expert tiles of that slot alone run the expert,
 for every row that chose it, so rows that pick the same expert share one stream of its weights, while the
-table stays static (tiles of the other slots find they do not lead and return). Replicated under tensor
+table stays static (tiles of the other slots find they do not lead and return). It also keeps each sparse
+layer's choices of the step in route_history (the next layer's route task overwrites route_expert), which
+nothing in the step reads: what a benchmark or a test asks of the step afterwards. Replicated under tensor
 parallelism: every rank routes every row to the same experts."""
 import torch
 import triton
@@ -41,9 +43,9 @@ def slot_expert(slot, n, route_expert, route_slot, TOP_K: tl.constexpr):
 
 
 @triton.jit
-def route_gpu(n, router_logits, route_expert, route_weight, route_slot, EXPERTS: tl.constexpr,
-              EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, SLOTS_PAD: tl.constexpr,
-              NORM_TOPK: tl.constexpr, B_PAD: tl.constexpr):
+def route_gpu(sparse_layer, n, router_logits, route_expert, route_weight, route_slot, route_history,
+              EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
+              SLOTS_PAD: tl.constexpr, NORM_TOPK: tl.constexpr, BATCH: tl.constexpr, B_PAD: tl.constexpr):
     rb = tl.arange(0, B_PAD)
     re = tl.arange(0, EXPERTS_PAD)
     experts = (re < EXPERTS)[None, :]
@@ -66,6 +68,8 @@ def route_gpu(n, router_logits, route_expert, route_weight, route_slot, EXPERTS:
     live = (rb < n)[:, None] & (rk < TOP_K)[None, :]
     tl.store(route_expert + rb[:, None] * TOP_K + rk[None, :], chosen, mask=live)
     tl.store(route_weight + rb[:, None] * TOP_K + rk[None, :], weight, mask=live)
+    tl.store(route_history + sparse_layer.to(tl.int64) * BATCH * TOP_K + rb[:, None] * TOP_K + rk[None, :], chosen,
+             mask=live)
     tl.debug_barrier()      # the whole CTA reads the choices its threads wrote
     # each slot's first slot with the same expert, comparing all slots with 16 of them at a time
     rs = tl.arange(0, SLOTS_PAD)
@@ -82,6 +86,7 @@ def route_gpu(n, router_logits, route_expert, route_weight, route_slot, EXPERTS:
 
 class Route(TaskKind):
     name = "route"
+    args = ("sparse_layer",)    # the layer's index among the sparse ones (its route_history row)
     gpu = route_gpu
 
     def cost(self, shape, layer, a):
@@ -92,5 +97,6 @@ class Route(TaskKind):
         weights, experts = choose(ctx.buf["router_logits"][:n], top_k, ctx.spec.norm_topk_prob)
         ctx.buf["route_weight"][:n] = weights
         ctx.buf["route_expert"][:n] = experts
+        ctx.buf["route_history"][a[0], :n] = experts
         flat = experts.flatten()
         ctx.buf["route_slot"][:n] = (flat[:, None] == flat[None, :]).int().argmax(dim=1).view(n, top_k)
