@@ -232,7 +232,8 @@ from distmk.graph import GraphConfig
 from distmk.kernels.executor import WatchdogTimeout
 from distmk.runtime.engine import Engine
 engine = Engine("tiny-llama", backend="triton", device=DEVICE, config=GraphConfig(batch=2, workers=WORKERS),
-                kernel_options={"timeout_s": 0.5, "cuda_graph": False}, autotune=False)
+                dtype=DTYPE, kernel_options={"timeout_s": 0.5, "cuda_graph": False, "kernel": KERNEL}, autotune=False)
+assert engine.executor.kernel_name == KERNEL or KERNEL == "auto", engine.executor.kernel_name
 healthy = engine.generate([1, 2, 3], 2)
 stuck = engine.table.event_names.index("L0.attn.b0.kv0")
 engine.executor.dev_table.event_need[stuck] += 1             # this event can never complete now
@@ -246,9 +247,10 @@ print("AFTER", engine.generate([1, 2, 3], 2) == healthy)
 """
 
 
-def run_watchdog_script(device: str, workers: int, env=None) -> str:
+def run_watchdog_script(device: str, workers: int, env=None, kernel: str = "auto", dtype: str = "float32") -> str:
     """Provoke a never-signalled event in a subprocess: passes only if the error arrives and nothing hangs."""
-    script = WATCHDOG_SCRIPT.replace("DEVICE", repr(device)).replace("WORKERS", str(workers))
+    script = (WATCHDOG_SCRIPT.replace("DEVICE", repr(device)).replace("WORKERS", str(workers))
+              .replace("KERNEL", repr(kernel)).replace("DTYPE", f"torch.{dtype}"))
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=env)
     assert proc.returncode == 0, proc.stderr
@@ -260,6 +262,14 @@ def run_watchdog_script(device: str, workers: int, env=None) -> str:
 
 def test_watchdog_reports_the_stuck_task_and_nothing_hangs():
     run_watchdog_script("cuda", sms())
+
+
+@pytest.mark.skipif(not hopper(), reason="the ring megakernel needs a Hopper GPU")
+def test_ring_watchdog_reports_the_stuck_task_and_nothing_hangs():
+    """The ring kernel's mbarrier waits have no bound of their own: each waits only for this worker's own copies
+    and warps. A worker whose event wait gives up runs the rest of its queue without waiting, so every ring slot
+    is still consumed and the launch ends (ring_megakernel's docstring); this is that path, on the GPU."""
+    run_watchdog_script("cuda", sms(), kernel="ring", dtype="bfloat16")
 
 
 def test_trace_records_every_task(tmp_path):
