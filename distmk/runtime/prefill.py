@@ -23,16 +23,9 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from distmk.comm import sum_in_rank_order
-from distmk.tasks.base import rms_norm
+from distmk.tasks.base import rms_norm, rope_angles, rotate
 from distmk.tasks.moe_combine import weighted_sum
 from distmk.tasks.route import choose
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """tasks.base.rope with the chunk's angles computed once: x [rows, heads, D], cos and sin [rows, 1, D]."""
-    x32 = x.float()
-    half = x32.shape[-1] // 2
-    return x32 * cos + torch.cat((-x32[..., half:], x32[..., :half]), dim=-1) * sin
 
 
 def attention_inputs(x, delta, norm, wqkv, bqkv, q_norm, k_norm, cos, sin, heads: tuple[int, int, int],
@@ -120,9 +113,7 @@ def run_layers(engine, ids, positions, page, slot, attend, stored=None):
     spec, plan, weights, kv, dtype = engine.spec, engine.plan, engine.weights, engine.kv, engine.dtype
     n, heads, eps = ids.shape[0], (plan.num_heads, plan.num_kv_heads, spec.head_dim), spec.rms_norm_eps
     qkv_stage, norm_stage, mlp_stage = stages(engine.compile_prefill)
-    freqs = positions.float()[:, None] * weights.inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-    cos, sin = emb.cos(), emb.sin()
+    cos, sin = rope_angles(positions, weights.inv_freq)
     x = weights.embed[ids].float()                                        # [n, H] residual stream
     delta = None                                                          # the last MLP's output, summed
     for layer, lw in enumerate(weights.layers):

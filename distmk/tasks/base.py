@@ -104,9 +104,18 @@ def normed_stream(ctx, weight: torch.Tensor) -> torch.Tensor:
 
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotary embedding (rotate-half convention) of x [rows, heads, D] at positions [rows], in float32."""
+    return rotate(x, *rope_angles(positions, inv_freq))
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [rows, 1, D] of the rotary angles at positions [rows] (the prefill computes them once a chunk)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos(), emb.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [rows, heads, D] rotated by the angles of rope_angles, in float32."""
     x32 = x.float()
     half = x32.shape[-1] // 2
-    rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
-    return x32 * emb.cos() + rotated * emb.sin()
+    return x32 * cos + torch.cat((-x32[..., half:], x32[..., :half]), dim=-1) * sin
