@@ -23,6 +23,7 @@ import triton.language as tl
 
 from distmk.models.shard import RankWeights, ShardPlan, load_shard, plan_shard
 from distmk.models.spec import ModelSpec
+from distmk.tasks.base import rope_angles as distmk_rope_angles
 from distmk.tasks.moe_combine import weighted_sum
 from distmk.tasks.route import choose
 from distmk.timing import cuda_times, kernel_ms
@@ -145,10 +146,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [B, 1, D] of the rotate-half RoPE at positions [B]."""
-    freqs = positions[:, None].float() * inv_freq
-    angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    """cos and sin [B, 1, D] of the rotate-half RoPE at positions [B] (distmk's, tasks/base.py), in `dtype`."""
+    cos, sin = distmk_rope_angles(positions, inv_freq)
+    return cos.to(dtype), sin.to(dtype)
 
 
 def rotated_qkv(spec: ModelSpec, lw, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int):
