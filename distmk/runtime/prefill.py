@@ -171,18 +171,19 @@ class ChunkGraphs:
     """CUDA graphs of prefill chunks, one per bucket (rows, keys), captured on first use: replayed, a chunk costs
     its kernels' GPU time alone. Rows: powers of two from 16 to the chunk size. A shorter chunk runs in the
     next bucket up: its extra rows repeat the last token at the last position and store the last row's own K
-    and V in the last row's slot, and the mask keeps them out of every real row's attention. Keys: 0 for a
-    first chunk without a sliding window, which attends to its own keys alone (own_keys: causal flash or cuDNN
-    attention, GQA inside the kernel); else the chunk sees the cache's positions 0..start + n - 1, gathered as
-    a power of two of keys from 16 (or the most a sequence's blocks hold), the extra keys repeating the last
-    and masked as positions past every row's, through the masked fused kernel (cached_keys).
+    and V in the last row's slot, and the causal mask keeps them out of every real row's attention. Keys: 0 for
+    a first chunk without a sliding window, which attends to its own keys alone (own_keys: causal flash or
+    cuDNN attention, GQA inside the kernel); else the chunk sees the cache's positions 0..start + n - 1,
+    gathered as a power of two of keys from 16 (or the most a sequence's blocks hold), the extra keys
+    repeating the last, through the masked fused kernel (cached_keys) with the mask of the staged positions,
+    which hides the extra keys as positions past every row's.
 
-    A later chunk's key bucket is at least its row bucket (unless a sequence holds fewer positions), so chunks of
-    512 over a context of 4096 make at most 6 first-chunk graphs and 39 later ones. They share one memory
-    pool, and nothing a graph allocates outlives its replay, so the pool holds about the largest graph's
-    intermediates (at 512 rows and 4096 keys of llama-3-8b, a layer's keys and values repeated for 32 heads
-    are 64 MB), not their sum. Only where nothing in a layer waits for the host: one rank (the all-reduce is a
-    host call), no sparse layer (its rows per expert are counted on the host)."""
+    A later chunk's key bucket is at least its row bucket (unless a sequence holds fewer positions): chunks of
+    512 over a context of 4096 make at most 6 first-chunk graphs and 39 later ones. They share one memory pool,
+    and nothing a graph allocates outlives its replay, so the pool should hold about the largest graph's
+    intermediates, not their sum (not yet measured; at 512 rows and 4096 keys of llama-3-8b, a layer's keys
+    and values repeated for 32 heads are 64 MB). Only where nothing in a layer waits for the host: one rank
+    (the all-reduce is a host call), no sparse layer (its rows per expert are counted on the host)."""
 
     def __init__(self, engine, largest: int):
         self.engine = engine
