@@ -3,14 +3,17 @@ the same weights; one JSON object.
 
     python benchmarks/prefill.py --model llama-3-8b --chunks 256,512,2048 --json --out benchmarks/results/x.json
     python benchmarks/prefill.py --model tiny-llama --device cpu --chunks 16,32 --baseline eager --iters 3
+    python benchmarks/prefill.py --model llama-3-8b --chunks 512 --start 1536 --baseline none
 
-Each chunk is the first of a fresh sequence (positions 0..n-1), its KV blocks allocated as the batcher does
-for a sequence of n tokens. The roofline is the chunk's FLOPs (baselines.prefill_chunk_flops) at the GPU's
-dense bf16 tensor-core peak (distmk/graph/hardware.py's table); it is null off a GPU, in float32, or on a GPU
-the table lacks. The baseline (baselines.build_torch_prefill) is torch.compile'd by default; `--baseline
-eager` runs it uncompiled (Inductor takes a minute to compile even a tiny model on a CPU). On a GPU each call
-is timed alone between CUDA events (distmk.timing.cuda_times), as the server runs one chunk before a step;
-on the CPU by wall clock. One process, one GPU. Progress goes to stderr, the JSON to stdout.
+Each chunk is the first of a fresh sequence (positions 0..n-1), its KV blocks allocated as the batcher does for
+a sequence of n tokens; with `--start S`, a later chunk (positions S..S+n-1, as a long prompt's chunks after the
+first) of a sequence whose positions 0..S-1 an untimed chunk prefilled first. The roofline is the chunk's FLOPs
+(baselines.prefill_chunk_flops) at the GPU's dense bf16 tensor-core peak (distmk/graph/hardware.py's table); it
+is null off a GPU, in float32, or on a GPU the table lacks. The baseline (baselines.build_torch_prefill) is
+torch.compile'd by default; `--baseline eager` runs it uncompiled (Inductor takes a minute to compile even a
+tiny model on a CPU). On a GPU each call is timed alone between CUDA events (distmk.timing.cuda_times), as the
+server runs one chunk before a step; on the CPU by wall clock. One process, one GPU. Progress goes to stderr,
+the JSON to stdout.
 """
 from __future__ import annotations
 
@@ -54,18 +57,24 @@ def parse_args(argv=None):
     p.add_argument("--model", required=True, help="preset name or Hugging Face checkpoint directory")
     p.add_argument("--chunks", type=chunk_sizes, default=[256, 512, 2048], help="tokens per chunk, one run each")
     p.add_argument("--iters", type=int, default=20, help="timed calls per chunk (after 3 untimed ones)")
+    p.add_argument("--start", type=int, default=0,
+                   help="time each chunk at positions START.. after an untimed prefill of 0..START-1")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--baseline", choices=BASELINES, default="compiled",
                    help="the per-op PyTorch prefill: torch.compile'd, uncompiled, or not run")
     p.add_argument("--eager-prefill", action="store_true",
                    help="run distmk's element-wise prefill stages op by op (by default a GPU torch.compiles them)")
     p.add_argument("--no-prefill-graphs", action="store_true",
-                   help="launch distmk's chunks op by op (by default a GPU replays a first chunk as a CUDA graph)")
+                   help="launch distmk's chunks op by op (by default a GPU replays them as CUDA graphs)")
     p.add_argument("--json", action="store_true", help="print the JSON on one line (default: indented)")
     p.add_argument("--out", help="also write the JSON to this file")
     args = p.parse_args(argv)
     if args.iters < 1:
         p.error(f"argument --iters: must be >= 1, got {args.iters}")
+    if args.start < 0:
+        p.error(f"argument --start: must be >= 0, got {args.start}")
+    if args.start and args.baseline != "none":
+        p.error("argument --start: the PyTorch baseline prefills a first chunk only: use --baseline none")
     return args
 
 
@@ -91,7 +100,8 @@ def run(args, log) -> dict:
     dtype = torch.bfloat16 if on_gpu else torch.float32
     peak = bf16_dense_flops(device) if dtype == torch.bfloat16 else None
     block = 16
-    engine = prefill_engine(args.model, device, dtype, max_context=-(-max(args.chunks) // block) * block,
+    context = -(-(args.start + max(args.chunks)) // block) * block
+    engine = prefill_engine(args.model, device, dtype, max_context=context,
                             compile_prefill=False if args.eager_prefill else None, graphs=not args.no_prefill_graphs)
     spec, kv = engine.spec, engine.kv
     baseline = baseline_error = None
@@ -112,15 +122,19 @@ def run(args, log) -> dict:
     with torch.inference_mode():
         for n in args.chunks:
             tokens = torch.randint(0, spec.vocab_size, (n,), generator=generator)
-            blocks = kv.allocate([], n)                       # what Batcher._admit gives a fresh sequence
+            blocks = kv.allocate([], args.start + n)          # what Batcher._admit gives a fresh sequence
             token_list = tokens.tolist()
             try:
-                distmk_ms = time_ms(lambda: prefill_chunk(engine, token_list, 0, blocks), device, args.iters)
+                if args.start:
+                    prefill_chunk(engine, torch.randint(0, spec.vocab_size, (args.start,), generator=generator)
+                                  .tolist(), 0, blocks)
+                distmk_ms = time_ms(lambda: prefill_chunk(engine, token_list, args.start, blocks), device,
+                                    args.iters)
             finally:
                 kv.release(blocks)
-            flops = prefill_chunk_flops(spec, engine.plan, n)
+            flops = prefill_chunk_flops(spec, engine.plan, n, args.start)
             roofline_ms = flops / peak * 1e3 if peak else None
-            record = {"tokens": n, "flops": flops, "distmk_ms": distmk_ms,
+            record = {"tokens": n, "start": args.start, "flops": flops, "distmk_ms": distmk_ms,
                       "distmk_tflops_per_s": flops / distmk_ms / 1e9, "roofline_ms": roofline_ms,
                       "roofline_fraction": roofline_ms / distmk_ms if roofline_ms else None,
                       "torch_ms": None, "speedup_vs_torch": None}
@@ -158,7 +172,8 @@ def main(argv=None) -> int:
     try:
         result = run(args, log)
     except DistmkError as e:             # e.g. a chunk longer than the model's context
-        print(f"error: --chunks up to {max(args.chunks)} tokens: {e}", file=sys.stderr)
+        print(f"error: --chunks up to {max(args.chunks)} tokens{f' from --start {args.start}' if args.start else ''}: "
+              f"{e}", file=sys.stderr)
         return 2
     emit(result, args.json, args.out)
     return 0

@@ -126,3 +126,19 @@ def test_prefill_benchmark_names_a_chunk_too_long():
     proc = run_cli(sys.executable, "benchmarks/prefill.py", "--model", "tiny-llama", "--device", "cpu",
                    "--chunks", "16,2000", "--baseline", "none", "--iters", "1")
     assert proc.returncode == 2 and "--chunks up to 2000 tokens" in proc.stderr and "1024" in proc.stderr
+
+
+def test_prefill_benchmark_times_a_later_chunk(tmp_path):
+    """--start 20: the chunk at positions 20..35, after an untimed one of 0..19; its FLOPs see the keys before it.
+    The PyTorch baseline prefills first chunks alone, so it is refused."""
+    out = tmp_path / "prefill.json"
+    proc = run_cli(sys.executable, "benchmarks/prefill.py", "--model", "tiny-llama", "--device", "cpu",
+                   "--chunks", "16", "--start", "20", "--baseline", "none", "--iters", "1", "--json", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    chunk, = json.loads(out.read_text())["chunks"]
+    spec = preset("tiny-llama")
+    assert chunk["start"] == 20 and chunk["distmk_ms"] > 0
+    assert chunk["flops"] == prefill_chunk_flops(spec, plan_shard(spec, 1, 0), 16, start=20)
+    proc = run_cli(sys.executable, "benchmarks/prefill.py", "--model", "tiny-llama", "--device", "cpu",
+                   "--chunks", "16", "--start", "20")
+    assert proc.returncode == 2 and "--baseline none" in proc.stderr

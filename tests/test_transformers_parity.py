@@ -54,26 +54,35 @@ def test_compiled_prefill_stages_match_transformers():
     assert all(t == tokens and torch.equal(lg, logits) for t, lg in results[1:])
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
-def test_first_chunk_in_a_longer_bucket_writes_the_plain_chunks_kv(name):
-    """What a first chunk's CUDA graph records (runtime/prefill.FirstChunkGraphs, captured on a GPU only), run as
-    it is: an 11-token chunk in the 16-row bucket, whose extra rows repeat the last one, writes the K and V the
-    plain chunk writes, and nothing past its 11 positions."""
-    from distmk.runtime.prefill import FirstChunkGraphs, prefill_chunk
-    tokens = [(5 * i + 2) % 40 for i in range(11)]
+@pytest.mark.parametrize("start", [0, 19])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "window"])
+def test_chunk_in_a_longer_bucket_writes_the_plain_chunks_kv(name, start, request):
+    """What a chunk's CUDA graph records (runtime/prefill.ChunkGraphs, captured on a GPU only), run as it is: an
+    11-token chunk at `start` (after a plain chunk of the positions before it) in the 16-row bucket, whose extra
+    rows repeat the last one, and at start 19 in the 32-key bucket, whose extra keys repeat the last (30 of 32),
+    writes the K and V the plain chunk writes, and nothing past its positions. "window": tiny-mistral with a
+    sliding window of 8, whose chunks, the first included, all go through the masked keys."""
+    from distmk.runtime.prefill import ChunkGraphs, prefill_chunk
+    model = request.getfixturevalue("sliding_window_checkpoint")[0] if name == "window" else name
+    tokens = [(5 * i + 2) % 40 for i in range(start + 11)]
     caches = []
     for bucketed in (False, True):
-        engine = Engine(name, config=SMALL, max_context=32)
-        blocks = engine.kv.allocate([], 11)
+        engine = Engine(model, config=SMALL, max_context=32)
+        blocks = engine.kv.allocate([], start + 11)
+        if start:
+            prefill_chunk(engine, tokens[:start], 0, blocks)
         if bucketed:
-            graphs = FirstChunkGraphs(engine, 16)
-            graphs.forward(graphs.stage(tokens, blocks))
+            graphs = ChunkGraphs(engine, 16)
+            bucket = graphs.stage(tokens[start:], start, blocks)
+            assert bucket == (16, 32 if start else 16 if name == "window" else 0)
+            graphs.forward(*bucket)
         else:
-            prefill_chunk(engine, tokens, 0, blocks)
+            prefill_chunk(engine, tokens[start:], start, blocks)
         caches.append((engine.kv.k.clone(), engine.kv.v.clone()))
     for plain, bucketed in zip(*caches):
         torch.testing.assert_close(bucketed, plain, rtol=1e-4, atol=1e-5)     # float32: other GEMM shapes
-    assert caches[1][0][:, blocks[0], 11:].abs().max() == 0         # the block's positions 11.. are untouched
+    end = start + 11                                                  # the chunk's blocks' positions end.. untouched
+    assert caches[1][0][:, blocks[end // 16], end % 16:].abs().max() == 0
 
 
 WINDOW_PROMPT = [(5 * i + 1) % 60 for i in range(20)]

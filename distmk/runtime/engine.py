@@ -23,7 +23,7 @@ from distmk.comm.cpu import SingleRank
 from distmk.reference.executor import ReferenceExecutor
 from distmk.runtime.batcher import Batcher, Sequence
 from distmk.runtime.kv_cache import KVCache
-from distmk.runtime.prefill import FirstChunkGraphs
+from distmk.runtime.prefill import ChunkGraphs
 from distmk.runtime.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -99,8 +99,8 @@ class Engine:
             raise DistmkError(f"prefill_chunk must be >= 0 (0: prompts go through the decode steps), got "
                               f"{prefill_chunk}")
         # prompt tokens per prefill chunk (runtime/prefill.py); 0 here, 512 from the CLIs (--prefill-chunk); its
-        # element-wise stages torch.compile'd (default: on a GPU), a first chunk replayed as a CUDA graph where it can
-        # be (prefill_graphs, runtime/prefill.FirstChunkGraphs)
+        # element-wise stages torch.compile'd (default: on a GPU), every chunk replayed as a CUDA graph of its
+        # length and key buckets where it can be (prefill_graphs, runtime/prefill.ChunkGraphs)
         self.prefill_chunk = prefill_chunk
         self.compile_prefill = torch.device(device).type == "cuda" if compile_prefill is None else compile_prefill
         config = config or GraphConfig(**device_fields(backend, device))
@@ -115,8 +115,8 @@ class Engine:
         # KV-cache room: max_seqs sequences of max_context tokens (default: one per row of a step)
         self.kv = KVCache(self.spec.num_layers, max_seqs or self.config.batch, -(-max_context // block_size),
                           block_size, self.plan.num_kv_heads, self.spec.head_dim, dtype, device)
-        self.prefill_graphs = FirstChunkGraphs(self, prefill_chunk) if (
-            prefill_graphs and prefill_chunk and FirstChunkGraphs.applies(self)) else None
+        self.prefill_graphs = ChunkGraphs(self, prefill_chunk) if (
+            prefill_graphs and prefill_chunk and ChunkGraphs.applies(self)) else None
         self.executor = BACKENDS[backend](self, self.table, kernel_options or {}, autotune, progress)
         # A step runs the smallest table that holds its rows: a table lowered for fewer rows splits attention
         # over more workers (GraphConfig.resolved) and has no tasks for rows that are not there. The smaller

@@ -12,6 +12,14 @@ dtype where a task stores them, RMSNorm and RoPE in float32; the products run in
 cuBLAS accumulates in float32 and rounds each output once, where the tasks keep float32 until they store).
 Under tensor parallelism every rank runs its shard and the row-parallel outputs are summed in rank order
 (comm.gather), so the ranks stay bit-identical. A sparse layer routes and combines as its tasks do.
+
+Even compiled, a chunk launched op by op is bound by the host: some 1300 kernel launches, which for a 256-token
+chunk of llama-3-8b took 27 ms on an H200 where its kernels need 8. So a chunk is replayed as a CUDA graph where
+nothing in it waits for the host (ChunkGraphs): the first chunk of a prompt since 2c1b0ae (8.5 ms at 256 tokens),
+and the chunks after it too, which launched op by op took some 37 ms for 512 tokens at start > 0 where their GPU
+work is ~15 ms. A 2000-token prompt is four chunks of 512: its TTFT was 128 ms, and each chunk after the first
+stalled every running decode stream for its length (inter-token p99 62 ms with 8 streams). The later chunks'
+graphs are not yet timed on a GPU.
 """
 from __future__ import annotations
 
@@ -69,11 +77,11 @@ def prefill_chunk(engine, tokens: list[int], start: int, blocks: list[int]) -> N
     """Write the KV entries of `tokens`, at positions start..start + len(tokens) - 1 of the sequence whose KV
     blocks are `blocks` (positions before `start` are in the cache already). Every rank calls it together."""
     graphs = engine.prefill_graphs
-    if start == 0 and graphs is not None and len(tokens) <= graphs.sizes[-1]:
-        graphs.run(tokens, blocks)
+    if graphs is not None and len(tokens) <= graphs.rows[-1]:
+        graphs.run(tokens, start, blocks)
         return
     spec, kv, device = engine.spec, engine.kv, engine.kv.k.device
-    n, hq, hkv = len(tokens), engine.plan.num_heads, engine.plan.num_kv_heads
+    n = len(tokens)
     positions = torch.arange(start, start + n, device=device)
     table = torch.as_tensor(blocks, dtype=torch.int64, device=device)
     page, slot = table[positions // kv.block_size], positions % kv.block_size
@@ -81,23 +89,34 @@ def prefill_chunk(engine, tokens: list[int], start: int, blocks: list[int]) -> N
         attend = own_keys
     else:
         cached = torch.arange(start + n, device=device)                   # every position the chunk may see
-        seen = table[cached // kv.block_size], cached % kv.block_size
-        if spec.sliding_window:
-            keep = ((cached[None, :] <= positions[:, None])
-                    & (cached[None, :] > positions[:, None] - spec.sliding_window))
-        else:
-            # causal from the chunk's last row back (query i sees the keys up to start + i): a bias object, not
-            # a tensor, so that scaled_dot_product_attention runs a fused kernel; a boolean mask sends it to
-            # its math kernel, which materialises every score (in float32 for bf16 inputs)
-            keep = causal_lower_right(n, start + n)
-
-        def attend(layer, q, k, v):
-            # the kv heads repeated for their query heads: the fused kernels that take a causal bias do not
-            # take GQA
-            keys, values = (cache[layer][seen].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)[None]
-                            for cache in (kv.k, kv.v))
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=keep)
+        # without a window, causal from the chunk's last row back (query i sees the keys up to start + i): a
+        # bias object, which the fused kernels take as causal, rather than a mask tensor
+        keep = (visible(positions, cached, spec.sliding_window) if spec.sliding_window
+                else causal_lower_right(n, start + n))
+        attend = cached_keys(engine, table[cached // kv.block_size], cached % kv.block_size, keep)
     run_layers(engine, torch.as_tensor(tokens, device=device), positions, page, slot, attend)
+
+
+def visible(positions: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[rows, keys] boolean mask: the key at position k is visible to the row at position p iff k <= p (and,
+    with a sliding window, k > p - window)."""
+    keep = keys[None, :] <= positions[:, None]
+    return keep & (keys[None, :] > positions[:, None] - window) if window else keep
+
+
+def cached_keys(engine, page: torch.Tensor, slot: torch.Tensor, mask):
+    """attend(layer, q, k, v) over the cache's keys at (page, slot), read after the layer's KV store (so the
+    chunk's own keys are among them), under `mask` (a [rows, keys] boolean tensor or a causal bias). The kv
+    heads are repeated for their query heads: with a mask, scaled_dot_product_attention's fused kernel (memory
+    efficient) does not take GQA, and enable_gqa with a mask left it its math kernel alone, which materialises
+    every score (in float32 for bf16 inputs)."""
+    kv, group = engine.kv, engine.plan.num_heads // engine.plan.num_kv_heads
+
+    def attend(layer, q, k, v):
+        keys, values = (cache[layer][page, slot].repeat_interleave(group, dim=1).transpose(0, 1)[None]
+                        for cache in (kv.k, kv.v))
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    return attend
 
 
 def own_keys(layer, q, k, v):
@@ -131,64 +150,91 @@ def run_layers(engine, ids, positions, page, slot, attend, stored=None):
         delta = sum_in_rank_order(engine.comm, mlp.float())
 
 
-class FirstChunkGraphs:
-    """CUDA graphs of a prompt's first chunk, one per length bucket (powers of two from 16 to the chunk size),
-    captured on first use: replayed, a chunk costs its kernels' GPU time alone. Launched one by one, the 256-token
-    chunk of an 8B model took 25 ms of CPU time (H200 host) where its kernels needed 8. A shorter chunk runs
-    in the next bucket up: its extra rows repeat the last token at the last position and store the last row's
-    own K and V in the last row's slot, and the causal mask keeps them out of every real row's attention.
-    Only where nothing in a layer waits for the host: one rank (the all-reduce is a host call), no sliding
-    window (its mask is a tensor of the chunk's length), no sparse layer (its rows per expert are counted on
-    the host)."""
+def powers_of_two(largest: int) -> list[int]:
+    """16, 32, ... up to the first that is >= largest."""
+    sizes = [16]
+    while sizes[-1] < largest:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+class ChunkGraphs:
+    """CUDA graphs of prefill chunks, one per bucket (rows, keys), captured on first use: replayed, a chunk costs
+    its kernels' GPU time alone. Rows: powers of two from 16 to the chunk size. A shorter chunk runs in the
+    next bucket up: its extra rows repeat the last token at the last position and store the last row's own K
+    and V in the last row's slot, and the causal mask keeps them out of every real row's attention. Keys: 0 for
+    a first chunk without a sliding window, which attends to its own keys alone (own_keys: causal flash or
+    cuDNN attention, GQA inside the kernel); else the chunk sees the cache's positions 0..start + n - 1,
+    gathered as a power of two of keys from 16 (or the most a sequence's blocks hold), the extra keys
+    repeating the last, through the masked fused kernel (cached_keys) with the mask of the staged positions,
+    which hides the extra keys as positions past every row's.
+
+    A later chunk's key bucket is at least its row bucket (unless a sequence holds fewer positions): chunks of
+    512 over a context of 4096 make at most 6 first-chunk graphs and 39 later ones. They share one memory pool,
+    and nothing a graph allocates outlives its replay, so the pool should hold about the largest graph's
+    intermediates, not their sum (not yet measured; at 512 rows and 4096 keys of llama-3-8b, a layer's keys
+    and values repeated for 32 heads are 64 MB). Only where nothing in a layer waits for the host: one rank
+    (the all-reduce is a host call), no sparse layer (its rows per expert are counted on the host)."""
 
     def __init__(self, engine, largest: int):
         self.engine = engine
-        self.sizes = [16]
-        while self.sizes[-1] < largest:
-            self.sizes.append(self.sizes[-1] * 2)
-        # tokens, positions, pages, slots and the stored row of the largest bucket; a bucket uses a prefix
-        self.inputs = torch.zeros(5, self.sizes[-1], dtype=torch.int64, device=engine.kv.k.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        held = engine.kv.blocks_per_seq * engine.kv.block_size   # the most positions a sequence's blocks hold
+        self.rows = powers_of_two(largest)
+        self.keys = [s for s in powers_of_two(held) if s < held] + [held]
+        # a bucket's tokens, positions, pages, slots and stored row [5, rows], then its keys' pages and
+        # slots [2, keys], one after the other from the start
+        self.inputs = torch.zeros(5 * self.rows[-1] + 2 * self.keys[-1], dtype=torch.int64,
+                                  device=engine.kv.k.device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None                  # one memory pool for every bucket's graph
 
     @staticmethod
     def applies(engine) -> bool:
-        return (engine.device.type == "cuda" and engine.comm.world == 1 and not engine.spec.sliding_window
+        return (engine.device.type == "cuda" and engine.comm.world == 1
                 and all(lw.router is None for lw in engine.weights.layers))
 
-    def run(self, tokens: list[int], blocks: list[int]) -> None:
-        size = self.stage(tokens, blocks)
-        if size not in self.graphs:
-            self.graphs[size] = self._capture(size)
-        self.graphs[size].replay()
+    def run(self, tokens: list[int], start: int, blocks: list[int]) -> None:
+        bucket = self.stage(tokens, start, blocks)
+        if bucket not in self.graphs:
+            self.graphs[bucket] = self._capture(bucket)
+        self.graphs[bucket].replay()
 
-    def stage(self, tokens: list[int], blocks: list[int]) -> int:
-        """Put the chunk in the inputs of its bucket (one host-to-device copy); the bucket's length."""
-        n = len(tokens)
-        size = next(s for s in self.sizes if s >= n)
+    def stage(self, tokens: list[int], start: int, blocks: list[int]) -> tuple[int, int]:
+        """Put the chunk in the inputs of its bucket (one host-to-device copy); the bucket (rows, keys)."""
+        n, bs = len(tokens), self.engine.kv.block_size
+        size = next(s for s in self.rows if s >= n)
+        own = start == 0 and not self.engine.spec.sliding_window
+        keys = 0 if own else next(s for s in self.keys if s >= start + n)
         rows = np.minimum(np.arange(size), n - 1)
-        bs = self.engine.kv.block_size
-        staged = np.stack([np.asarray(tokens)[rows], rows, np.asarray(blocks)[rows // bs], rows % bs, rows])
-        self.inputs[:, :size].copy_(torch.from_numpy(staged))
-        return size
+        seen = np.minimum(np.arange(keys), start + n - 1)
+        table, positions = np.asarray(blocks), start + rows
+        staged = np.concatenate([np.asarray(tokens)[rows], positions, table[positions // bs], positions % bs, rows,
+                                 table[seen // bs], seen % bs])
+        self.inputs[:staged.size].copy_(torch.from_numpy(staged))
+        return size, keys
 
-    def forward(self, size: int) -> None:
+    def forward(self, size: int, keys: int) -> None:
         """The staged chunk through every layer, as the bucket's graph records it."""
-        ids, positions, page, slot, stored = self.inputs[:, :size]
-        run_layers(self.engine, ids, positions, page, slot, own_keys, stored)
+        ids, positions, page, slot, stored = self.inputs[:5 * size].view(5, size)
+        attend = own_keys
+        if keys:
+            seen_page, seen_slot = self.inputs[5 * size:5 * size + 2 * keys].view(2, keys)
+            mask = visible(positions, torch.arange(keys, device=positions.device), self.engine.spec.sliding_window)
+            attend = cached_keys(self.engine, seen_page, seen_slot, mask)
+        run_layers(self.engine, ids, positions, page, slot, attend, stored)
 
-    def _capture(self, size: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, bucket: tuple[int, int]) -> torch.cuda.CUDAGraph:
         """Run the chunk once as it is (compiling what it needs; its writes are the chunk's own), then record it."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.forward(size)
+            self.forward(*bucket)
         torch.cuda.current_stream().wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.forward(size)
+            self.forward(*bucket)
         return graph
 
 

@@ -100,20 +100,27 @@ def main(argv=None) -> int:
 
 
 def warm_up(leader: Leader, engine) -> None:
-    """A one-row step, then a full step of every step table, and a prefill chunk of each length that has a CUDA
-    graph of its own (runtime/prefill.FirstChunkGraphs) and of the largest, before serving, so that
-    compilation (and the CUDA-graph captures) happen now rather than in the first requests. What they write to
-    the KV cache is free space: a sequence writes every position before it reads it."""
+    """A one-row step, then a full step of every step table, and prefill chunks before serving, so that
+    compilation and the CUDA-graph captures (runtime/prefill.ChunkGraphs) happen now rather than in the first
+    requests: a first chunk of each row bucket and of the largest length, and a later chunk of the largest
+    length ending at the last key of each key bucket it can reach (with chunks of 512 over a context of 4096:
+    keys 1024, 2048 and 4096). Left to first use, one capture each (a chunk run op by op, then recorded): a
+    later chunk shorter than the largest, i.e. a long prompt's last, in each smaller row bucket at each key
+    bucket (above, where later chunks start at multiples of 512: rows 32 to 256 at those 3 key buckets, 12).
+    What they write to the KV cache is free space: a sequence writes every position before it reads it."""
     bs, context = engine.kv.block_size, engine.max_context
     for rows in tqdm(sorted({1, *engine.executors}), desc="compiling and warming up the step tables", leave=False):
         positions = [i % context for i in range(rows)]
         blocks = list(range(-(-(max(positions) + 1) // bs)))
         leader.run(StepInputs([0] * rows, positions, [blocks] * rows, needs_logits=True))
     largest = min(engine.prefill_chunk, context)
-    graphs = engine.prefill_graphs       # each length bucket of a first chunk is a CUDA graph of its own
-    for tokens in ([s for s in graphs.sizes if s <= largest] if graphs else []) + [largest]:
+    graphs = engine.prefill_graphs
+    for tokens in ([s for s in graphs.rows if s <= largest] if graphs else []) + [largest]:
         if tokens > 1:                   # a chunk of one token would compile a stage for that length alone
             leader.prefill(PrefillInputs([0] * tokens, 0, list(range(-(-tokens // bs)))))
+    for keys in graphs.keys if graphs else []:
+        if keys > largest:
+            leader.prefill(PrefillInputs([0] * largest, keys - largest, list(range(-(-keys // bs)))))
 
 
 def listen(host: str, port: int) -> socket.socket:
