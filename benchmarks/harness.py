@@ -50,8 +50,7 @@ def traced_step(engine):
     ex = engine.executor
     traced = TritonExecutor(engine.table, engine.spec, engine.weights, engine.kv, engine.comm, engine.dtype,
                             **{**ex.options.as_dict(), "trace": True, "cuda_graph": False})
-    for name in ("tokens", "positions", "block_table", "rows"):
-        getattr(traced, name).copy_(getattr(ex, name))
+    traced.inputs.copy_(ex.inputs)          # the last step's rows
     for _ in range(3):                      # compile, warm up; the last step is the one kept
         traced.launch()
     traced.check()

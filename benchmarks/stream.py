@@ -25,6 +25,7 @@ import shlex
 import statistics
 import sys
 
+import numpy as np
 import torch
 import triton
 
@@ -105,8 +106,7 @@ def run_megakernel(engine, table, iters: int, workers: int) -> dict:
     def executor(trace):
         ex = TritonExecutor(table, engine.spec, engine.weights, engine.kv, engine.comm, engine.dtype,
                             **{**options, "trace": trace, "cuda_graph": not trace})
-        ex.rows.fill_(engine.config.batch)
-        ex.positions.fill_(0)
+        ex.set_inputs(np.zeros((engine.config.batch, 2 + ex.block_table.shape[1]), dtype=np.int64))
         return ex
 
     timed = executor(False)

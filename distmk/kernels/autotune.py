@@ -9,6 +9,7 @@ import os
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from distmk.timing import cuda_times
@@ -74,8 +75,9 @@ def launch_times(executor, iters: int, warmup: int = 3) -> list[float]:
 
 def time_executor(executor, rows: int, position: int, iters: int = 20) -> float:
     """Median ms of one step over `rows` rows at `position` (the KV cache contents do not matter here)."""
-    executor.rows.fill_(rows)
-    executor.positions.fill_(position)
+    inputs = np.zeros((rows, 2 + executor.block_table.shape[1]), dtype=np.int64)     # token 0, block 0
+    inputs[:, 1] = position
+    executor.set_inputs(inputs)
     return statistics.median(launch_times(executor, iters))
 
 

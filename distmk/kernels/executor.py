@@ -4,12 +4,27 @@ Step inputs live in static device buffers and the step counter (epoch) in device
 epoch bump and the launch are captured once in a CUDA graph and each step is a replay. Every wait is
 bounded: a worker that waits longer than `timeout_s` records who waited on what, all workers leave, and
 step() raises WatchdogTimeout naming the task and the event.
+
+What a step costs the host, and why. On an H200 (llama-3-8b, 1 row) a graph replay took 4.459 ms, a step
+from the host with its tokens read back 4.812 ms: it then made four small kernels before the replay (copies
+of tokens, positions and block table into the static buffers, a fill of the row count), which a persistent
+kernel that fills the GPU leaves idle for several microseconds each, and two device-to-host round trips after
+it (the watchdog's error word, then next_token). So now the kernel's inputs (tokens, positions, block table,
+row count) are views of one int64 device buffer, `inputs`, and its host outputs (error word, next_token) views
+of another, `outputs`: a step is one non-blocking copy from the pinned host twin of `inputs`, the replay, and
+one copy of `outputs` into pinned memory, its one sync (check). With nothing to copy inside the device, the
+graph holds only the epoch bump and the launch. Back-to-back decode steps (Engine.decode, 0.12 ms a step above
+the replay with six small kernels between replays) replay a second graph that first takes each row's token from
+next_token and moves its position on (step_next): no host copy, one kernel left between replays (decode's clone
+of the tokens it returns). What this saves has not been measured yet.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
+import numpy as np
 import torch
 
 from distmk.errors import DistmkError
@@ -77,6 +92,17 @@ def choose_kernel(requested: str, device, interpret: bool, unsupported: str | No
     return "ring" if requested == "auto" and hopper and not interpret and unsupported is None else "tl"
 
 
+def packed(shapes, device, pin_memory: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One zeroed int64 buffer and views of it of `shapes`, so that one copy moves them all. Each view starts
+    16 bytes aligned, as a separate allocation would: Triton specialises a pointer argument on that alignment."""
+    sizes = [math.prod(shape) for shape in shapes]
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // 2) * 2)       # whole 16-byte units
+    buffer = torch.zeros(starts[-1], dtype=torch.int64, device=device, pin_memory=pin_memory)
+    return buffer, [buffer[start:start + size].view(shape) for start, size, shape in zip(starts, sizes, shapes)]
+
+
 class SymmetricBuffers:
     """This rank's symmetric memory (every rank allocates the same, so peers address it): event counters that
     peers bump, exchange buffers of row-parallel partial sums and of the argmax, each with the peers' addresses
@@ -120,12 +146,19 @@ class TritonExecutor:
         self.dev_table = table.to(device)
         self.buf = allocate_workspace(spec, plan, config, dtype, device)
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
-        self.tokens = torch.zeros(config.batch, **i64)
-        self.positions = torch.zeros(config.batch, **i64)
-        self.block_table = torch.zeros(config.batch, kv_cache.blocks_per_seq, **i64)
-        self.rows = torch.zeros(1, **i32)
+        # The step's inputs and the outputs the host reads, each set a view of one buffer with a pinned host
+        # twin (pinned: a non-blocking copy from it is a DMA the host does not wait for; see the docstring)
+        pin = device.type == "cuda"
+        inputs = ((config.batch,), (config.batch,), (config.batch, kv_cache.blocks_per_seq), (1,))
+        self.inputs, (self.tokens, self.positions, self.block_table, rows) = packed(inputs, device)
+        self.rows = rows.view(torch.int32)[:1]      # the kernel's int32 row count: the low word, little-endian
+        self.host_inputs, host = packed(inputs, "cpu", pin)
+        self.host_fields = [view.numpy() for view in host]
+        self.inputs_copied = torch.cuda.Event() if pin else None    # the host twin may be rewritten after it
+        outputs = ((len(ERROR_FIELDS),), (config.batch,))
+        self.outputs, (self.error, self.buf["next_token"]) = packed(outputs, device)
+        self.host_outputs, (self.host_error, self.host_next_token) = packed(outputs, "cpu", pin)
         self.epoch = torch.zeros(1, **i32)
-        self.error = torch.zeros(len(ERROR_FIELDS), **i64)
         self.trace = torch.zeros(table.num_tasks if o.trace else 1, len(TRACE_FIELDS), **i64)
         self.symmetric = SymmetricBuffers(comm, len(table.event_need), config.batch, spec.hidden_size, device)
         self.transport = choose_transport(o.transport, comm)
@@ -160,7 +193,7 @@ class TritonExecutor:
         if comm.world > 1:
             self._start_together(comm)
         self.use_graph = o.cuda_graph and device.type == "cuda"
-        self.graph = None
+        self.graphs = {}                        # by launch()'s `follow`
         self.comm_world, self.failed = comm.world, False
 
     def _start_together(self, comm) -> None:
@@ -186,48 +219,82 @@ class TritonExecutor:
                 self.kernel.warmup(grid=grid, **self.args, **self.launch_options)
             comm.barrier()
 
-    def _launch(self) -> None:
+    def _launch(self, follow: bool = False) -> None:
         if self.device.type != "cuda" and not self.interpret:
             raise DistmkError("the triton backend needs --device cuda (or TRITON_INTERPRET=1 on the CPU)")
+        if follow:
+            self.tokens.copy_(self.buf["next_token"])
+            self.positions.add_(1)
         self.epoch += 1
         self.kernel[(self.table.num_workers,)](**self.args, **self.launch_options)
 
-    def launch(self) -> None:
-        """One step over the inputs already in the static buffers (a graph replay once captured)."""
+    def launch(self, follow: bool = False) -> None:
+        """One step over the inputs set last (set_inputs), or with `follow` the next decode step of the rows the
+        step before ran: each row's token the one it chose, at the next position. On a GPU a replay of the
+        graph of that kind of step, captured on first use; before the first capture a plain launch compiles the
+        kernel and runs the step once, outside the capture."""
         if not self.use_graph:
-            return self._launch()
-        if self.graph is None:
-            self._launch()                  # compile and warm up outside the capture
-            torch.cuda.synchronize(self.device)
-            self.check()
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self._launch()
-            return                          # capture recorded the launch without running it
-        self.graph.replay()
+            return self._launch(follow)
+        if follow not in self.graphs:
+            if not follow:
+                self._launch()              # compile and warm up outside the capture
+                torch.cuda.synchronize(self.device)
+                self.check()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._launch(follow)        # recorded, not run
+            self.graphs[follow] = graph
+        self.graphs[follow].replay()
 
-    def step(self, tokens, positions, block_table, wait: bool = True) -> dict:
-        """Run a step of len(tokens) rows; with wait, also wait for it and raise if a worker gave up (else the
-        next step with wait does, for both)."""
-        if self.failed:
-            raise WatchdogTimeout("an earlier step timed out on this tensor-parallel rank: restart the job")
-        n = len(tokens)
+    def set_inputs(self, rows: np.ndarray) -> None:
+        """The next launch's rows: int64 [rows, 2 + blocks] as runtime.engine.pack_rows lays them out (token,
+        position, block table). Written into the pinned host twin of `inputs`, they reach the device in one
+        non-blocking copy, ordered before the launch by the stream they share."""
+        n = len(rows)
         if not 1 <= n <= self.tokens.shape[0]:
             raise DistmkError(f"a step takes 1..{self.tokens.shape[0]} rows, got {n}")
-        self.tokens[:n].copy_(tokens)
-        self.positions[:n].copy_(positions)
-        self.block_table[:n].copy_(block_table)
-        self.rows.fill_(n)
-        if self.use_graph and self.graph is None:
-            self.launch()                   # first call: warm-up run + capture; now run the step itself
-        self.launch()
+        if self.inputs_copied is not None:
+            self.inputs_copied.synchronize()    # a step not waited for may not have copied the twin yet
+        tokens, positions, block_table, count = self.host_fields
+        tokens[:n], positions[:n], block_table[:n], count[0] = rows[:, 0], rows[:, 1], rows[:, 2:], n
+        self.inputs.copy_(self.host_inputs, non_blocking=True)
+        if self.inputs_copied is not None:
+            self.inputs_copied.record(torch.cuda.current_stream(self.device))
+
+    def step(self, tokens, positions, block_table, wait: bool = True) -> dict:
+        """Run a step of len(tokens) rows (tensors on any device, or lists), as ReferenceExecutor.step takes
+        them: packed on the host, then step_rows."""
+        rows = np.zeros((len(tokens), 2 + self.block_table.shape[1]), dtype=np.int64)
+        rows[:, 0], rows[:, 1], rows[:, 2:] = (torch.as_tensor(x).cpu() for x in (tokens, positions, block_table))
+        return self.step_rows(rows, wait)
+
+    def step_rows(self, rows: np.ndarray, wait: bool = True) -> dict:
+        """Run a step of `rows` (see set_inputs); with wait, also wait for it and raise if a worker gave up (else
+        the next step with wait does, for both)."""
+        self.set_inputs(rows)
+        return self._run(False, wait)
+
+    def step_next(self, wait: bool = True) -> dict:
+        """The next greedy decode step of the last step's rows, fed on the device (see launch's `follow`)."""
+        return self._run(True, wait)
+
+    def _run(self, follow: bool, wait: bool) -> dict:
+        if self.failed:
+            raise WatchdogTimeout("an earlier step timed out on this tensor-parallel rank: restart the job")
+        self.launch(follow)
         if wait:
             self.check()
         return self.buf
 
+    def next_tokens(self, n: int) -> list[int]:
+        """The greedy tokens of the first n rows of the last step checked: check copied them to the host."""
+        return self.host_next_token[:n].tolist()
+
     def check(self) -> None:
-        """Raise WatchdogTimeout if a worker gave up waiting in the last launch (synchronises)."""
-        err = dict(zip(ERROR_FIELDS, self.error.tolist()))
+        """Raise WatchdogTimeout if a worker gave up waiting in the last launch. Waits for it: `outputs` (the error
+        word, next_token) come to pinned memory in one copy, the step's one sync."""
+        self.host_outputs.copy_(self.outputs)
+        err = dict(zip(ERROR_FIELDS, self.host_error.tolist()))
         if not err["failed"]:
             return
         # one rank cannot restart its counters while peers still signal into them: tp>1 stays failed

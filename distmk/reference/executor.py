@@ -44,7 +44,7 @@ class ReferenceExecutor:
     def __init__(self, table: TaskTable, spec, weights, kv_cache, comm, dtype):
         self.table, self.epoch = table, 0
         config, plan = table.config, weights.plan
-        device = weights.embed.device
+        self.device = device = weights.embed.device
         self.ctx = StepContext(
             spec=spec, plan=plan, weights=weights,
             buf=allocate_workspace(spec, plan, config, dtype, device),
@@ -57,6 +57,21 @@ class ReferenceExecutor:
         self.need = table.event_need.tolist()
         self.queues = [table.worker_queue(w) for w in range(table.num_workers)]
         self.counters = [0] * len(self.need)
+
+    def step_rows(self, rows, wait: bool = True) -> dict:
+        """A step of int64 [rows, 2 + blocks] host rows as runtime.engine.pack_rows lays them out (token,
+        position, block table), as the triton executor takes them too."""
+        rows = torch.from_numpy(rows).to(self.device)
+        return self.step(rows[:, 0], rows[:, 1], rows[:, 2:], wait)
+
+    def step_next(self, wait: bool = True) -> dict:
+        """The next greedy decode step of the last step's rows: each row fed the token it chose, one position on."""
+        c = self.ctx
+        return self.step(c.buf["next_token"][:c.num_rows].clone(), c.positions + 1, c.block_table, wait)
+
+    def next_tokens(self, n: int) -> list[int]:
+        """The greedy tokens of the first n rows of the last step."""
+        return self.ctx.buf["next_token"][:n].tolist()
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
              wait: bool = True) -> dict:

@@ -84,7 +84,7 @@ def run_step(engine, step: StepInputs) -> tuple[list[list[int]], torch.Tensor | 
         return engine.decode(step.tokens, step.positions, step.block_tables, step.steps), None
     buf = engine.step(step.tokens, step.positions, step.block_tables)
     rows = len(step.tokens)
-    return [buf["next_token"][:rows].tolist()], engine.full_logits(buf, rows) if step.needs_logits else None
+    return [engine.next_tokens(rows)], engine.full_logits(buf, rows) if step.needs_logits else None
 
 
 class Batcher:

@@ -130,28 +130,29 @@ class Engine:
 
     def step(self, tokens, positions, block_tables):
         """Run one step: tokens[i] at positions[i] of the sequence whose blocks are block_tables[i].
-        Returns the workspace: next_token (greedy, all ranks agree) and this rank's logits slice."""
+        Returns the workspace: next_token (greedy, all ranks agree) and this rank's logits slice; next_tokens
+        reads the former on the host."""
         self.last_executor = self.executor_for(len(tokens))
-        return self.last_executor.step(*self._on_device(tokens, positions, block_tables))
+        return self.last_executor.step_rows(pack_rows(tokens, positions, block_tables, self.kv.blocks_per_seq))
+
+    def next_tokens(self, n: int) -> list[int]:
+        """The greedy tokens of the last step's first n rows, on the host (the triton executor brought them back
+        with the watchdog's error word, in one copy)."""
+        return self.last_executor.next_tokens(n)
 
     def decode(self, tokens, positions, block_tables, steps: int) -> list[list[int]]:
         """`steps` greedy steps of the same rows back to back, each row's token after the first the one the step
-        before chose, at the next position, fed on the device: the host waits for the device once, after the
-        last. The rows' blocks must hold positions + steps - 1. Returns every step's token of each row."""
+        before chose, at the next position, fed on the device (executor.step_next): the host waits for the
+        device once, after the last. The rows' blocks must hold positions + steps - 1. Returns every step's
+        token of each row."""
         n = len(tokens)
         executor = self.last_executor = self.executor_for(n)
-        token, position, table = self._on_device(tokens, positions, block_tables)
-        chosen = []
-        for i in range(steps):
-            buf = executor.step(token, position + i, table, wait=i == steps - 1)
-            token = buf["next_token"][:n].clone()          # the next step overwrites next_token
-            chosen.append(token)
+        buf = executor.step_rows(pack_rows(tokens, positions, block_tables, self.kv.blocks_per_seq), wait=steps == 1)
+        chosen = [buf["next_token"][:n].clone()]          # the next step overwrites next_token
+        for i in range(1, steps):
+            buf = executor.step_next(wait=i == steps - 1)
+            chosen.append(buf["next_token"][:n].clone())
         return torch.stack(chosen).tolist()
-
-    def _on_device(self, tokens, positions, block_tables):
-        """A step's tokens, positions and [rows, blocks] block table on the device, in one copy."""
-        rows = torch.from_numpy(pack_rows(tokens, positions, block_tables, self.kv.blocks_per_seq)).to(self.device)
-        return rows[:, 0], rows[:, 1], rows[:, 2:]
 
     def executor_for(self, rows: int):
         """The executor of the smallest step table that holds `rows` rows (the full one if none is smaller)."""
