@@ -12,28 +12,23 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_rows(x, n, norm_w, out, H: tl.constexpr, EPS: tl.constexpr, B_PAD: tl.constexpr,
-                  NORM_BLOCK: tl.constexpr):
+def rms_norm_rows(x, n, norm_w, out, H: tl.constexpr, EPS: tl.constexpr, NORM_BLOCK: tl.constexpr):
     """out[:n, :H] = RMSNorm(x[:n]) * norm_w, rounded once to out's dtype (as the reference's
     rms_norm(...).to(dtype)): the input of a tile that reads the normed residual stream. Each such tile
     writes it to its worker's own scratch rows (L2-resident) and streams it from there, so the matmul loop
-    stays a plain load-dot loop; normalising inside that loop instead cost a third of its bandwidth."""
-    rb = tl.arange(0, B_PAD)
+    stays a plain load-dot loop; normalising inside that loop instead cost a third of its bandwidth.
+    A row at a time, the whole row (NORM_BLOCK >= H columns) in one load, the next row's load issued before
+    this one is reduced, as the ring's (device/ring.py): one L2 round trip at batch 1, where the padded
+    [B_PAD, 512]-column blocks this replaced made two passes of H / 512 dependent loads."""
     rh = tl.arange(0, NORM_BLOCK)
-    rows = (rb < n)[:, None]
-    sum_sq = tl.zeros((B_PAD, NORM_BLOCK), dtype=tl.float32)
-    for h0 in range(0, H, NORM_BLOCK):
-        cols = h0 + rh
-        v = tl.load(x + rb[:, None] * H + cols[None, :], mask=rows & (cols < H)[None, :], other=0.0)
-        sum_sq += v * v
-    rstd = tl.math.rsqrt(tl.sum(sum_sq, axis=1) / H + EPS)
-    for h0 in range(0, H, NORM_BLOCK):
-        cols = h0 + rh
-        mask = rows & (cols < H)[None, :]
-        v = tl.load(x + rb[:, None] * H + cols[None, :], mask=mask, other=0.0)
-        w = tl.load(norm_w + cols, mask=cols < H, other=0.0).to(tl.float32)
-        tl.store(out + rb[:, None] * H + cols[None, :], (v * rstd[:, None] * w[None, :]).to(out.dtype.element_ty),
-                 mask=mask)
+    cols = rh < H
+    w = tl.load(norm_w + rh, mask=cols, other=0.0).to(tl.float32)
+    v = tl.load(x + rh, mask=rh < H * (n > 0), other=0.0).to(tl.float32)
+    for b in range(n):
+        v_next = tl.load(x + (b + 1) * H + rh, mask=rh < H * (b + 1 < n), other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(v * v, axis=0) / H + EPS)
+        tl.store(out + b * H + rh, (v * rstd * w).to(out.dtype.element_ty), mask=cols)
+        v = v_next
     tl.debug_barrier()      # the whole CTA reads what its threads wrote
 
 

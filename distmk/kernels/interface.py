@@ -127,8 +127,7 @@ CONSTANTS = (
     Arg("BLOCK_T", lambda l: 16, "keys of an attention block"),
     Arg("DOT_PRECISION", lambda l: "ieee" if l.dtype == torch.float32 else "tf32"),
     Arg("PREFETCH", lambda l: 0 if l.interpret else l.options.prefetch_kb * 1024, "bytes of L2 prefetch a task"),
-    Arg("NORM_BLOCK", lambda l: min(padded(l.spec.hidden_size), max(16, 8192 // l.b_pad)),
-        "columns of an RMSNorm block"),
+    Arg("NORM_BLOCK", lambda l: padded(l.spec.hidden_size), "columns of an RMSNorm block: a whole row"),
     Arg("WORLD", lambda l: l.world, "tensor-parallel ranks"),
     # exchanges: 0 = stores through peer pointers, 1 = NVSHMEM put-with-signal (tasks/ar_push.py)
     Arg("TRANSPORT", lambda l: l.transport),

@@ -28,7 +28,7 @@ def expert_gate_up_gpu(layer, slot, row0, nrows, sparse_layer, n, worker, x, xn,
         rb = tl.arange(0, B_PAD)
         rn = tl.arange(0, MLP_BLOCK_N)
         inp = xn + worker * B_PAD * H
-        rms_norm_rows(x, n, norms + (2 * layer + 1) * H, inp, H, EPS, B_PAD, NORM_BLOCK)
+        rms_norm_rows(x, n, norms + (2 * layer + 1) * H, inp, H, EPS, NORM_BLOCK)
         for j in range(0, nrows, MLP_BLOCK_N):
             gate, up = matmul_pair(inp, expert_gate + offset, expert_up + offset, n, row0 + j, nrows - j, H, B_PAD,
                                    MLP_BLOCK_N, MLP_BLOCK_K, DOT_PRECISION)

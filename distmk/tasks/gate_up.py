@@ -21,7 +21,7 @@ def gate_up_gpu(layer, row0, nrows, n, worker, x, xn, norms, w_gate, w_up, h, H:
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, MLP_BLOCK_N)
     inp = xn + worker * B_PAD * H                                 # post-attention RMSNorm, by this tile
-    rms_norm_rows(x, n, norms + (2 * layer + 1) * H, inp, H, EPS, B_PAD, NORM_BLOCK)
+    rms_norm_rows(x, n, norms + (2 * layer + 1) * H, inp, H, EPS, NORM_BLOCK)
     for j in range(0, nrows, MLP_BLOCK_N):
         gate, up = matmul_pair(inp, w_gate + offset, w_up + offset, n, row0 + j, nrows - j, H, B_PAD, MLP_BLOCK_N,
                                MLP_BLOCK_K, DOT_PRECISION)

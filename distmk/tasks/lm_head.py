@@ -23,7 +23,7 @@ def lm_head_gpu(layer, row0, nrows, tile, n, worker, x, xn, norms, lm_head, logi
     best = tl.full((B_PAD,), float("-inf"), dtype=tl.float32)
     best_id = tl.full((B_PAD,), -1, dtype=tl.int64)
     inp = xn + worker * B_PAD * H                                 # final RMSNorm (norms row `layers`)
-    rms_norm_rows(x, n, norms + 2 * layer * H, inp, H, EPS, B_PAD, NORM_BLOCK)
+    rms_norm_rows(x, n, norms + 2 * layer * H, inp, H, EPS, NORM_BLOCK)
     for j in range(0, nrows, LM_BLOCK_N):
         block0 = row0 + j
         acc = matmul_block(inp, lm_head, n, block0, nrows - j, H, B_PAD, LM_BLOCK_N, LM_BLOCK_K, DOT_PRECISION)

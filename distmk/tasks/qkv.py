@@ -74,7 +74,7 @@ def qkv_gpu(layer, head_slot, part, n, worker, x, xn, norms, wqkv, bqkv, qk_norm
     col0 = part * PART                                              # first column of the slice in each half
     w = wqkv + layer.to(tl.int64) * rows * H
     inp = xn + worker * B_PAD * H                                 # input RMSNorm, by this tile
-    rms_norm_rows(x, n, norms + 2 * layer * H, inp, H, EPS, B_PAD, NORM_BLOCK)
+    rms_norm_rows(x, n, norms + 2 * layer * H, inp, H, EPS, NORM_BLOCK)
     lo, hi = matmul_pair(inp, w + col0 * H, w + (HALF + col0) * H, n, slot * D, PART, H, B_PAD, QKV_BLOCK_N,
                          QKV_BLOCK_K, DOT_PRECISION)
     rd = tl.arange(0, QKV_BLOCK_N)

@@ -16,7 +16,7 @@ def router_gpu(layer, sparse_layer, expert0, nexperts, n, worker, x, xn, norms, 
                H: tl.constexpr, EXPERTS: tl.constexpr, B_PAD: tl.constexpr, EPS: tl.constexpr,
                NORM_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     inp = xn + worker * B_PAD * H                                 # post-attention RMSNorm, by this tile
-    rms_norm_rows(x, n, norms + (2 * layer + 1) * H, inp, H, EPS, B_PAD, NORM_BLOCK)
+    rms_norm_rows(x, n, norms + (2 * layer + 1) * H, inp, H, EPS, NORM_BLOCK)
     w = router + sparse_layer.to(tl.int64) * EXPERTS * H
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, BLOCK_N)
