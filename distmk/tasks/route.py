@@ -44,32 +44,28 @@ def slot_expert(slot, n, route_expert, route_slot, TOP_K: tl.constexpr):
 
 @triton.jit
 def route_gpu(sparse_layer, n, router_logits, route_expert, route_weight, route_slot, route_history,
-              EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
-              SLOTS_PAD: tl.constexpr, NORM_TOPK: tl.constexpr, BATCH: tl.constexpr, B_PAD: tl.constexpr):
-    rb = tl.arange(0, B_PAD)
+              EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr,
+              NORM_TOPK: tl.constexpr, BATCH: tl.constexpr):
+    """A row at a time: its probabilities, then each expert's rank among them from one [experts, experts]
+    comparison (ties to the lower index, as a left-first argmax), and the experts ranked below TOP_K stored at
+    their rank's slot. One pass of reductions a row, where picking the top k one argmax at a time took 2k
+    dependent reductions over the padded batch."""
     re = tl.arange(0, EXPERTS_PAD)
-    experts = (re < EXPERTS)[None, :]
-    logits = tl.load(router_logits + rb[:, None] * EXPERTS + re[None, :], mask=(rb < n)[:, None] & experts,
-                     other=0.0)
-    logits = tl.where(experts, logits, float("-inf"))
-    p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    left = tl.where(experts, p / tl.sum(p, axis=1)[:, None], -1.0)     # probabilities not yet chosen
-    rk = tl.arange(0, TOP_K_PAD)
-    chosen = tl.full((B_PAD, TOP_K_PAD), -1, tl.int64)
-    weight = tl.zeros((B_PAD, TOP_K_PAD), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        best = tl.max(left, axis=1)
-        arg = tl.argmax(left, axis=1, tie_break_left=True)
-        chosen = tl.where(rk[None, :] == k, arg[:, None].to(tl.int64), chosen)
-        weight = tl.where(rk[None, :] == k, best[:, None], weight)
-        left = tl.where(re[None, :] == arg[:, None], -1.0, left)
-    if NORM_TOPK:
-        weight = weight / tl.sum(weight, axis=1)[:, None]
-    live = (rb < n)[:, None] & (rk < TOP_K)[None, :]
-    tl.store(route_expert + rb[:, None] * TOP_K + rk[None, :], chosen, mask=live)
-    tl.store(route_weight + rb[:, None] * TOP_K + rk[None, :], weight, mask=live)
-    tl.store(route_history + sparse_layer.to(tl.int64) * BATCH * TOP_K + rb[:, None] * TOP_K + rk[None, :], chosen,
-             mask=live)
+    for b in range(n):
+        logits = tl.load(router_logits + b * EXPERTS + re, mask=re < EXPERTS, other=float("-inf"))
+        p = tl.exp(logits - tl.max(logits, axis=0))
+        p = tl.where(re < EXPERTS, p / tl.sum(p, axis=0), -1.0)      # padding ranks below every expert
+        # above[e, j]: expert j ranks above expert e
+        above = (p[None, :] > p[:, None]) | ((p[None, :] == p[:, None]) & (re[None, :] < re[:, None]))
+        rank = tl.sum(above.to(tl.int32), axis=1)
+        chosen = (rank < TOP_K) & (re < EXPERTS)
+        weight = p
+        if NORM_TOPK:
+            weight = p / tl.sum(tl.where(chosen, p, 0.0), axis=0)
+        slot = b * TOP_K + rank
+        tl.store(route_expert + slot, re.to(tl.int64), mask=chosen)
+        tl.store(route_weight + slot, weight, mask=chosen)
+        tl.store(route_history + sparse_layer.to(tl.int64) * BATCH * TOP_K + slot, re.to(tl.int64), mask=chosen)
     tl.debug_barrier()      # the whole CTA reads the choices its threads wrote
     # each slot's first slot with the same expert, comparing all slots with 16 of them at a time
     rs = tl.arange(0, SLOTS_PAD)
