@@ -4,7 +4,9 @@
 # (then kill whatever is left below it: torchrun's ranks run in sessions of their own).
 # LOAD=matrix: --max-context ${MAX_CONTEXT:-4096} and serve_load.py --matrix $MATRIX_ARGS (default: 1 and 8
 # streams x 256- and 2000-token prompts, 128 tokens out, 8 requests per stream) into serve_matrix_MODEL_tpTP.json
-# and .png; else 64 requests, 8 at once, 256-token prompts into serve_load_MODEL_tpTP.json.
+# and .png, the server's step timeline (--trace-steps) into steps_MODEL_tpTP.jsonl and step_trace.py's summary
+# of it per cell into serve_matrix_MODEL_tpTP_steps.json; else 64 requests, 8 at once, 256-token prompts into
+# serve_load_MODEL_tpTP.json.
 # SERVE_ARGS: more flags for the server (e.g. --kv-splits 16).
 # Usage, from the repository root: OUT=dir [LOAD=matrix] bash benchmarks/run_serve_gpu.sh TP [MODEL]
 # (BACKEND=reference DEVICE=cpu runs the same on the CPU, for a tiny preset)
@@ -17,11 +19,12 @@ log="$OUT/serve_${model}_tp${tp}.log"
 if [ "${LOAD:-single}" = matrix ]; then
   max_context=${MAX_CONTEXT:-4096} result="$OUT/serve_matrix_${model}_tp${tp}.json"
   load=(--matrix ${MATRIX_ARGS:---streams 1,8 --prompt-lens 256,2000 --rounds 8 --max-tokens 128})
+  steps="$OUT/steps_${model}_tp${tp}.jsonl"       # the server's step timeline, summarised per cell at the end
 else
   max_context=1024 result="$OUT/serve_load_${model}_tp${tp}.json"
   load=(--concurrency 8 --requests 64 --max-tokens 128 --prompt-len 256)
 fi
-args=(-m distmk.serve --model "$model" --backend "${BACKEND:-triton}" --device "${DEVICE:-cuda}" --max-batch 16 --max-context "$max_context" --port "$port" ${SERVE_ARGS:-})
+args=(-m distmk.serve --model "$model" --backend "${BACKEND:-triton}" --device "${DEVICE:-cuda}" --max-batch 16 --max-context "$max_context" --port "$port" ${steps:+--trace-steps "$steps"} ${SERVE_ARGS:-})
 if [ "$tp" -gt 1 ]; then
   setsid "$DISTMK_PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$tp" "${args[@]}" > "$log" 2>&1 &
 else
@@ -60,4 +63,8 @@ r.update(model=model, tp=int(tp), gpu=torch.cuda.get_device_name(0) if torch.cud
 json.dump(r, open(out, "w"), indent=1)
 print(json.dumps(r))
 PY
+if [ -n "${steps:-}" ]; then     # the server writes its timeline out as it stops
+  stop
+  "$DISTMK_PYTHON" benchmarks/step_trace.py "$steps" --matrix "$result" --json "${result%.json}_steps.json"
+fi
 exit $load_rc

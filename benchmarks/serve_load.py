@@ -189,9 +189,11 @@ async def run_matrix(args, log) -> dict:
         cells = []
         for streams in args.streams:
             for prompt_len in args.prompt_lens:
-                before = await server_counters(http)
+                before, start = await server_counters(http), time.monotonic()
                 cell = await load(http, model, rng, concurrency=streams, requests=streams * args.rounds,
                                   prompt_len=prompt_len, max_tokens=args.max_tokens, vocab_limit=args.vocab_limit)
+                # the cell's span on the clock of the server's --trace-steps (benchmarks/step_trace.py --matrix)
+                cell["monotonic_s"] = [round(start, 6), round(time.monotonic(), 6)]
                 cell["server"] = server_side(before, await server_counters(http))
                 log(f"{streams} streams, {prompt_len}-token prompts: TTFT p50 {ms(cell['ttft_s']['p50'])} ms, "
                     f"inter-token p50 {ms(cell['itl_s']['p50'])} ms, {cell['failed']} failed; server: "

@@ -384,6 +384,38 @@ def test_single_process_server(tmp_path):
         srv.kill()
 
 
+def test_step_trace_splits_each_streams_gaps_into_launches_prefill_and_host(tmp_path):
+    """--trace-steps: a stream decoding while a 40-token prompt is prefilled in chunks of 16 has gaps with
+    the chunks in them; benchmarks/step_trace.py counts every token gap of both streams once."""
+    trace = tmp_path / "steps.jsonl"
+    srv = serve_alone(tmp_path, "trace", "--max-batch", "4", "--prefill-chunk", "16", "--trace-steps", str(trace))
+    try:
+        srv.wait_ready()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            running = pool.submit(complete, srv, [1, 2, 3], 24, ignore_eos=True)
+            time.sleep(0.5)
+            long = pool.submit(complete, srv, [(7 * i + 3) % 50 for i in range(40)], 4, ignore_eos=True)
+            outputs = [running.result()[1], long.result()[1]]
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.wait_exit(timeout=30) == 0, srv.output()
+    finally:
+        srv.kill()
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from step_trace import summarise
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    prefill = [r for r in records if r["kind"] == "prefill"]
+    # chunks of the prompt in order (some of it may go in as spare rows of decode steps instead)
+    positions = [r["position"] for r in prefill]
+    assert len(prefill) >= 2 and positions == sorted(set(positions)) and positions[0] == 0
+    assert all(r["rows"] <= 16 for r in prefill) and sum(r["rows"] for r in prefill) <= 40
+    assert all(r["start"] <= r["end"] for r in records if "start" in r)
+    out = summarise(records)
+    gaps = out["gaps"]
+    assert gaps["no prefill"]["count"] + gaps["prefill"]["count"] == sum(len(t) - 1 for t in outputs)
+    assert gaps["prefill"]["count"] >= 1 and gaps["prefill"]["prefill_ms_p50"] > 0
+    assert out["prefill_chunks"] == len(prefill) and set(out["prefill_ms_median_by_tokens"]) == {r["rows"] for r in prefill}
+
+
 def test_api_key_guards_every_route_but_health(tmp_path):
     """--api-key, and DISTMK_API_KEY with --metrics-public: without the key, with another or in another
     scheme, a 401 in OpenAI's shape (streaming requests too); with it, the answer; /health needs none."""

@@ -44,6 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--steps-per-launch", type=COUNT, default=1,
                    help="while every running stream decodes greedily and no request waits, run up to this many "
                         "steps back to back without the host between them; their tokens are sent together")
+    p.add_argument("--trace-steps", metavar="FILE", default=None,
+                   help="write a JSON line for every engine step and prefill chunk (rows, start and end) to FILE: "
+                        "the timeline behind /metrics (benchmarks/step_trace.py summarises it)")
     p.add_argument("--max-queue", type=NON_NEGATIVE, default=256,
                    help="requests waiting for a place in the batch; beyond: 429")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
@@ -142,11 +145,12 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
     import uvicorn
 
     from distmk.serve.app import H11WithJSONErrors, Served, create_app
-    from distmk.serve.metrics import Metrics
+    from distmk.serve.metrics import Metrics, StepTrace
     from distmk.serve.scheduler import Scheduler
 
     # A signal during warm-up (compilation, graph capture) ends the server once the warm-up is done: the
     # other ranks are in the same steps, and leaving mid-way would strand them.
+    trace = StepTrace(args.trace_steps) if args.trace_steps else None      # a bad path fails before warm-up
     early_exit = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda sig, _frame: early_exit.append(sig))
@@ -156,7 +160,8 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
         leader.shutdown()
         print(f"distmk.serve: rank 0: stopped by {signal.Signals(early_exit[0]).name} during warm-up", file=sys.stderr)
         return 0
-    scheduler = Scheduler(engine, leader, Metrics(engine.kv.num_blocks), args.max_seqs, args.steps_per_launch)
+    scheduler = Scheduler(engine, leader, Metrics(engine.kv.num_blocks), args.max_seqs, args.steps_per_launch,
+                          trace)
     name = args.served_model_name or args.model
     served = Served(name, load_tokenizer(engine.tokenizer_dir, engine.spec.vocab_size), scheduler,
                     scheduler.metrics, engine.max_context, capacity=args.max_seqs + args.max_queue,

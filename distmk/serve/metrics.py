@@ -1,8 +1,14 @@
 """The server's Prometheus metrics (GET /metrics), in a registry of its own so that two servers in one
-process (tests) do not collide."""
+process (tests) do not collide, and its optional timeline of steps (--trace-steps)."""
 from __future__ import annotations
 
+import contextlib
+import json
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics
+
+from distmk.errors import DistmkError
 
 disable_created_metrics()      # no *_created series: scrapers know when they started
 
@@ -49,3 +55,31 @@ class Metrics:
         self.waiting.set(len(batcher.waiting))
         self.kv_used.set(used)
         self.kv_usage.set(used / self.kv_blocks)
+
+
+class StepTrace:
+    """--trace-steps FILE: JSON lines on rank 0, on time.monotonic's clock in seconds: every engine launch and
+    prefill chunk (rows, start, end), and after each scheduler iteration the sequences that got tokens from
+    it (one id a token). The timeline behind /metrics' histograms: what ran between two tokens of a stream,
+    a prefill chunk or the loop's host work (benchmarks/step_trace.py reads it)."""
+
+    def __init__(self, path: str):
+        try:
+            self.file = open(path, "w", buffering=1 << 16)
+        except OSError as e:
+            raise DistmkError(f"--trace-steps {path}: {e.strerror}") from None
+
+    def write(self, kind: str, **fields) -> None:
+        self.file.write(json.dumps({"kind": kind, **fields}) + "\n")
+
+    @contextlib.contextmanager
+    def span(self, kind: str, **fields):
+        start = time.monotonic()
+        yield
+        self.write(kind, **fields, start=round(start, 6), end=round(time.monotonic(), 6))
+
+    def tokens(self, sequence_ids: list[int]) -> None:
+        self.write("tokens", time=round(time.monotonic(), 6), ids=sequence_ids)
+
+    def close(self) -> None:
+        self.file.close()

@@ -7,6 +7,7 @@ to the event loop in one call; a listener (one per request) receives them there.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Protocol
 
@@ -29,8 +30,9 @@ class Listener(Protocol):
 
 
 class Scheduler:
-    def __init__(self, engine, leader, metrics, max_running: int | None = None, steps_per_launch: int = 1):
-        self.leader, self.metrics = leader, metrics
+    def __init__(self, engine, leader, metrics, max_running: int | None = None, steps_per_launch: int = 1,
+                 trace=None):
+        self.leader, self.metrics, self.trace = leader, metrics, trace     # trace: a metrics.StepTrace
         self.batcher = Batcher(engine, max_running, run=self._run, prefill=self._prefill,
                                steps_per_launch=steps_per_launch)
         self.cond = threading.Condition()
@@ -93,6 +95,9 @@ class Scheduler:
             except RuntimeError:    # the event loop already closed: no client is left to tell
                 pass
             self.on_death()
+        finally:
+            if self.trace:
+                self.trace.close()
 
     def _loop(self) -> None:
         while True:
@@ -120,6 +125,8 @@ class Scheduler:
             produced = self.batcher.step()
             self.metrics.batcher_state(self.batcher)
             if produced:
+                if self.trace:
+                    self.trace.tokens([seq.id for seq, _ in produced])
                 last = {seq.id: i for i, (seq, _) in enumerate(produced)}    # a sequence may get several tokens
                 deliveries = [(self.listeners[seq.id], token, seq.finish_reason if last[seq.id] == i else None,
                                seq.error) for i, (seq, token) in enumerate(produced)]
@@ -128,15 +135,18 @@ class Scheduler:
                         del self.listeners[produced[i][0].id]
                 self.loop.call_soon_threadsafe(_deliver, deliveries)
 
+    def _span(self, kind: str, **fields):
+        return self.trace.span(kind, **fields) if self.trace else contextlib.nullcontext()
+
     def _run(self, step: StepInputs):
         self.metrics.step_rows.observe(len(step.tokens))
-        with self.metrics.step_time.time():
+        with self.metrics.step_time.time(), self._span("step", rows=len(step.tokens), steps=step.steps):
             return self.leader.run(step)
 
     def _prefill(self, chunk: PrefillInputs) -> None:
         """Run a chunk and wait for it, so that its histogram holds the chunk's time, not its launch's (a CUDA
         graph's replay returns at once; the next step would wait for it anyway)."""
-        with self.metrics.prefill_time.time():
+        with self.metrics.prefill_time.time(), self._span("prefill", rows=len(chunk.tokens), position=chunk.start):
             self.leader.prefill(chunk)
             if self.batcher.engine.device.type == "cuda":
                 torch.cuda.synchronize(self.batcher.engine.device)
