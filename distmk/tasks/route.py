@@ -66,18 +66,21 @@ def route_gpu(sparse_layer, n, router_logits, route_expert, route_weight, route_
         tl.store(route_expert + slot, re.to(tl.int64), mask=chosen)
         tl.store(route_weight + slot, weight, mask=chosen)
         tl.store(route_history + sparse_layer.to(tl.int64) * BATCH * TOP_K + slot, re.to(tl.int64), mask=chosen)
-    tl.debug_barrier()      # the whole CTA reads the choices its threads wrote
-    # each slot's first slot with the same expert, comparing all slots with 16 of them at a time
     rs = tl.arange(0, SLOTS_PAD)
     slots = rs < n * TOP_K
-    expert = tl.load(route_expert + rs, mask=slots, other=-1)
-    first = tl.full((SLOTS_PAD,), SLOTS_PAD, tl.int64)
-    for c0 in range(0, n * TOP_K, 16):
-        cs = c0 + tl.arange(0, 16)
-        other = tl.load(route_expert + cs, mask=cs < n * TOP_K, other=-2)
-        same = expert[:, None] == other[None, :]
-        first = tl.minimum(first, tl.min(tl.where(same, cs[None, :].to(tl.int64), SLOTS_PAD), axis=1))
-    tl.store(route_slot + rs, first, mask=slots)
+    if n == 1:      # a row's choices are distinct experts: every slot leads (no round trip through memory)
+        tl.store(route_slot + rs, rs.to(tl.int64), mask=slots)
+    else:
+        tl.debug_barrier()      # the whole CTA reads the choices its threads wrote
+        # each slot's first slot with the same expert, comparing all slots with 16 of them at a time
+        expert = tl.load(route_expert + rs, mask=slots, other=-1)
+        first = tl.full((SLOTS_PAD,), SLOTS_PAD, tl.int64)
+        for c0 in range(0, n * TOP_K, 16):
+            cs = c0 + tl.arange(0, 16)
+            other = tl.load(route_expert + cs, mask=cs < n * TOP_K, other=-2)
+            same = expert[:, None] == other[None, :]
+            first = tl.minimum(first, tl.min(tl.where(same, cs[None, :].to(tl.int64), SLOTS_PAD), axis=1))
+        tl.store(route_slot + rs, first, mask=slots)
 
 
 class Route(TaskKind):
