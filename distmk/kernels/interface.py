@@ -50,6 +50,13 @@ class Launch:
         return padded(self.config.batch)
 
     @property
+    def block_n(self) -> int:
+        """An o_proj tile's height where that is under 32 (hidden size 2048 over 132 workers: 16 rows), so a load
+        step reads no padding rows: qwen3-30b-a3b's step took 5.12 ms with 32-row steps, 4.76 ms with 16."""
+        o_proj_rows = self.config.rows_per_tile(self.spec.hidden_size, self.config.tile_rows)
+        return self.options.block_n or min(32, padded(o_proj_rows))
+
+    @property
     def block_k(self) -> int:
         """16-32 KB of weights per load step in bf16; float32 (tests) halves K to stay in shared memory."""
         return self.options.block_k or (128 if self.dtype == torch.float32 else 256)
@@ -135,7 +142,7 @@ CONSTANTS = (
     Arg("EXCHANGE_SLOTS", lambda l: l.exchange_slots, "row-parallel outputs whose exchanges may be in flight"),
     # matmul tiles per task family: (rows, K) of one pipelined load step; gate+up and the two halves of a head
     # load two tiles a step, so their K is halved
-    Arg("BLOCK_N", lambda l: l.options.block_n),
+    Arg("BLOCK_N", lambda l: l.block_n),
     Arg("BLOCK_K", lambda l: l.block_k),
     Arg("MLP_BLOCK_N", lambda l: l.options.mlp_block_n),
     Arg("MLP_BLOCK_K", lambda l: l.block_k // 2),

@@ -20,7 +20,8 @@ class KernelOptions:
                               flag="timeout")
     num_warps: int = option(4, "tl kernel: warps of a worker (the ring's task partition is one warpgroup)")
     num_stages: int = option(4, "tl kernel: software-pipeline depth of the matmul loads")
-    block_n: int = option(32, "tl kernel: rows of an o_proj / down load step")
+    block_n: int = option(0, "tl kernel: rows of an o_proj / down load step (0: an o_proj tile's height, at most "
+                             "32)")
     block_k: int | None = option(None, "tl kernel: columns of a load step (default: 256 in bf16, 128 in float32)")
     mlp_block_n: int = option(64, "tl kernel: rows of a gate_up load step")
     lm_block_n: int = option(128, "tl kernel: rows of an lm_head load step")
@@ -39,14 +40,15 @@ class KernelOptions:
     def __post_init__(self):
         if not self.timeout_s > 0:
             raise DistmkError(f"kernel option timeout_s must be > 0, got {self.timeout_s}")
-        for name in ("num_warps", "block_n", "mlp_block_n", "lm_block_n") + (("block_k",) if self.block_k else ()):
+        for name in ("num_warps", "mlp_block_n", "lm_block_n") + tuple(n for n in ("block_n", "block_k")
+                                                                         if getattr(self, n)):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise DistmkError(f"kernel option {name} must be a power of two, got {value}")
         for name in ("num_stages", "ring_inputs"):
             if getattr(self, name) < 1:
                 raise DistmkError(f"kernel option {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("prefetch_kb", "ring_block_k", "ring_slots"):
+        for name in ("prefetch_kb", "ring_block_k", "ring_slots", "block_n"):
             if getattr(self, name) < 0:
                 raise DistmkError(f"kernel option {name} must be >= 0, got {getattr(self, name)}")
 
