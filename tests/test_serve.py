@@ -385,15 +385,16 @@ def test_single_process_server(tmp_path):
 
 
 def test_step_trace_splits_each_streams_gaps_into_launches_prefill_and_host(tmp_path):
-    """--trace-steps: a stream decoding while a 40-token prompt is prefilled in chunks of 16 has gaps with
-    the chunks in them; benchmarks/step_trace.py counts every token gap of both streams once."""
+    """--trace-steps: a stream decoding while a 40-token prompt is prefilled in chunks of 16 gets tokens between
+    the chunks, and has gaps with a chunk in them; benchmarks/step_trace.py counts every token gap of both
+    streams once."""
     trace = tmp_path / "steps.jsonl"
     srv = serve_alone(tmp_path, "trace", "--max-batch", "4", "--prefill-chunk", "16", "--trace-steps", str(trace))
     try:
         srv.wait_ready()
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            running = pool.submit(complete, srv, [1, 2, 3], 24, ignore_eos=True)
-            time.sleep(0.5)
+            running = pool.submit(complete, srv, [1, 2, 3], 120, ignore_eos=True)
+            time.sleep(0.3)
             long = pool.submit(complete, srv, [(7 * i + 3) % 50 for i in range(40)], 4, ignore_eos=True)
             outputs = [running.result()[1], long.result()[1]]
         srv.proc.send_signal(signal.SIGINT)
@@ -409,11 +410,40 @@ def test_step_trace_splits_each_streams_gaps_into_launches_prefill_and_host(tmp_
     assert len(prefill) >= 2 and positions == sorted(set(positions)) and positions[0] == 0
     assert all(r["rows"] <= 16 for r in prefill) and sum(r["rows"] for r in prefill) <= 40
     assert all(r["start"] <= r["end"] for r in records if "start" in r)
+    # the running stream (the first to get a token) got tokens while the prompt's chunks ran, not only after
+    stream = next(r for r in records if r["kind"] == "tokens")["ids"][0]
+    assert any(prefill[0]["end"] < r["time"] < prefill[-1]["start"] and stream in r["ids"]
+               for r in records if r["kind"] == "tokens")
     out = summarise(records)
     gaps = out["gaps"]
     assert gaps["no prefill"]["count"] + gaps["prefill"]["count"] == sum(len(t) - 1 for t in outputs)
     assert gaps["prefill"]["count"] >= 1 and gaps["prefill"]["prefill_ms_p50"] > 0
     assert out["prefill_chunks"] == len(prefill) and set(out["prefill_ms_median_by_tokens"]) == {r["rows"] for r in prefill}
+
+
+def test_warm_up_leaves_no_prefill_bucket_to_a_request():
+    """ChunkGraphs captures a (rows, keys) bucket on first use, which cost a served prompt 168 ms on an H200.
+    Without a GPU to capture on, the chunks warm_up runs are staged into their buckets, and every chunk a prompt
+    can make (any length up to the chunk size, at any start) must land in one of them."""
+    from distmk.runtime.engine import Engine
+    from distmk.runtime.prefill import ChunkGraphs
+    from distmk.serve.__main__ import warm_up
+    engine = Engine(MODEL, max_context=CONTEXT, prefill_chunk=64)
+    graphs = engine.prefill_graphs = ChunkGraphs(engine, 64)
+    warmed = set()
+
+    class StagingLeader:        # what rank 0's leader would run, up to ChunkGraphs.run's capture
+        def run(self, step):
+            pass
+
+        def prefill(self, chunk):
+            warmed.add(graphs.stage(chunk.tokens, chunk.start, chunk.blocks))
+
+    warm_up(StagingLeader(), engine)
+    blocks = list(range(engine.kv.blocks_per_seq))
+    missing = {graphs.stage([0] * n, start, blocks) for start in range(CONTEXT) for n in range(2, 65)
+               if start + n <= CONTEXT} - warmed
+    assert not missing, sorted(missing)
 
 
 def test_api_key_guards_every_route_but_health(tmp_path):
