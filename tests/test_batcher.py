@@ -70,6 +70,28 @@ def test_a_lone_long_prompt_is_prefilled_without_steps_between_its_chunks(engine
     assert seq.output == hf_greedy("tiny-qwen2", tuple(prompt), 3)[0]
 
 
+def test_a_prompt_bound_for_prefill_chunks_starts_with_one(engine, monkeypatch):
+    """Two prompts bound for prefill chunks arrive together beside a stream, the first short enough for one chunk:
+    the step after it has rows to spare, and the second prompt waits for its own first chunk at position 0
+    instead of feeding its start through them (a first chunk attends to its own keys alone: on an H200 the rest of
+    a 256-token prompt cut so took 9.3 ms against 8.3 ms for a whole first chunk). Both prompts and the stream get
+    the tokens they would get alone."""
+    monkeypatch.setattr(engine, "prefill_chunk", 8)
+    batcher = Batcher(engine)
+    chunks, prefill = [], batcher.prefill
+    batcher.prefill = lambda chunk: chunks.append(chunk) or prefill(chunk)
+    stream = batcher.submit(Sequence([5, 6], 12))
+    batcher.step()
+    prompts = [list(range(200, 209)), list(range(300, 330))]      # 8 tokens before the last: one chunk
+    seqs = [batcher.submit(Sequence(p, 3)) for p in prompts]
+    while batcher.busy:
+        batcher.step()
+    firsts = {id(c.blocks): c.start for c in reversed(chunks)}       # each prompt's earliest chunk
+    assert sorted(firsts.values()) == [0, 0] and len(firsts) == 2
+    assert [s.output for s in seqs] == [hf_greedy("tiny-qwen2", tuple(p), 3)[0] for p in prompts]
+    assert stream.output == hf_greedy("tiny-qwen2", (5, 6), 12)[0]
+
+
 def test_steps_back_to_back_give_the_tokens_of_single_steps(engine, monkeypatch):
     """steps_per_launch=4: once every sequence decodes, up to 4 steps run per launch (fewer where a sequence
     has fewer tokens left); each sequence gets its tokens alone, one arriving mid-way included, an end of

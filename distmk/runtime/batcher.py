@@ -190,6 +190,8 @@ class Batcher:
         if not batch and all(self._prefills(seq) for seq in self.running if seq.fed < len(seq.prompt)):
             return None          # a step of prompt rows alone would only delay the prompts' next chunks
         for seq in self.running:                          # then prompt chunks, oldest first
+            if seq.fed == 0 and self._prefills(seq):
+                continue        # its prefill chunks come first: the first attends to its own keys alone
             while seq.fed < len(seq.prompt) and len(batch) < rows:
                 batch.append((seq, seq.fed))
                 seq.fed += 1
