@@ -36,7 +36,8 @@ for name in sys.argv[1:]:
 @pytest.mark.parametrize("models", [TINY, TINY_MOE], ids=["dense", "moe"])
 def test_interpreted_megakernel_matches_reference(models):
     """Every task type's tl device function against its reference semantics; for the mixture-of-experts presets
-    the router, the expert tiles of the slots that lead and the combine (prompt steps of 4 and 3 rows)."""
+    the router, the route task's distinct experts, the expert tiles that cut their rows at run time (crossing from
+    one expert into the next) and the combine (prompt steps of 4 and 3 rows)."""
     proc = subprocess.run([sys.executable, "-c", SCRIPT, *models], cwd=REPO, capture_output=True, text=True,
                           timeout=900, env=INTERPRETED)
     assert proc.returncode == 0, proc.stderr

@@ -9,7 +9,9 @@ import torch
 
 from distmk.comm.cpu import run_simulated_ranks
 from distmk.errors import ModelError, ShardingError
+from distmk.graph import GraphConfig
 from distmk.graph.lowering import compile_step
+from distmk.graph.table import A0, A2, LAYER, SIGNAL, TYPE, WAIT
 from distmk.models.presets import PRESETS, preset
 from distmk.models.shard import load_shard, plan_shard
 from distmk.models.spec import spec_from_hf_config
@@ -17,7 +19,7 @@ from distmk.models.weights import RandomWeights, open_model
 from distmk.runtime.batcher import Batcher, Sequence
 from distmk.runtime.engine import Engine
 from distmk.tasks import TASK_KINDS
-from distmk.tasks.route import leading_expert
+from distmk.tasks.route import flat_segments
 from conftest import PROMPT, SMALL, TINY_MOE, hf_generate, hf_model
 
 BATCH_1 = dataclasses.replace(SMALL, batch=1)
@@ -133,24 +135,46 @@ def test_tp_that_does_not_divide_the_experts_is_refused():
 
 
 def test_sparse_layers_are_lowered_to_router_expert_and_combine_tiles():
-    """tiny-qwen3-moe: its sparse layers have a router tile (of all 8 experts) and a route task, each of a step's
-    batch * top_k slots its expert tiles, and combine tiles in the place of the down tiles (all-reduced at tp 2);
-    its dense layer 1 a dense MLP."""
+    """tiny-qwen3-moe: its sparse layers have a router tile (of all 8 experts), a route task, expert tiles that
+    cut the batch * top_k slots' rows (at most tile_rows each when every slot leads) whatever slots lead, every
+    down tile waiting for all the gate/up tiles, and combine tiles in the place of the down tiles (all-reduced at
+    tp 2); its dense layer 1 a dense MLP."""
     spec = preset("tiny-qwen3-moe")
     for tp in (1, 2):
         plan = plan_shard(spec, tp, 0)
         table = compile_step(spec, plan, SMALL)
         kinds = [(TASK_KINDS[t].name, layer) for t, layer in table.tasks[:, :2].tolist()]
         slots = SMALL.batch * spec.experts_per_token
-        for layer in spec.moe_layers:
+        for sparse, layer in enumerate(spec.moe_layers):
             count = {k: kinds.count((k, layer)) for k in ("router", "route", "expert_gate_up", "expert_down",
                                                           "moe_combine", "gate_up", "down", "allreduce")}
             row_tiles = spec.hidden_size // SMALL.tile_rows
-            up_tiles = plan.expert_inter // SMALL.tile_rows
-            assert count == {"router": 1, "route": 1, "expert_gate_up": slots * up_tiles,
-                             "expert_down": slots * row_tiles, "moe_combine": row_tiles, "gate_up": 0, "down": 0,
+            up_parts = -(-slots * plan.expert_inter // SMALL.tile_rows)
+            down_parts = -(-slots * spec.hidden_size // SMALL.tile_rows)
+            assert count == {"router": 1, "route": 1, "expert_gate_up": up_parts, "expert_down": down_parts,
+                             "moe_combine": row_tiles, "gate_up": 0, "down": 0,
                              "allreduce": 2 * row_tiles * (tp > 1)}, (tp, layer)
+            ups, downs = ([row for row in table.tasks.tolist() if row[LAYER] == layer and TASK_KINDS[row[TYPE]].name
+                           == kind] for kind in ("expert_gate_up", "expert_down"))
+            assert [row[A0:A2 + 1] for row in ups] == [[part, up_parts, sparse] for part in range(up_parts)]
+            assert [row[A0:A2 + 1] for row in downs] == [[part, down_parts, sparse] for part in range(down_parts)]
+            assert len({row[SIGNAL] for row in ups}) == 1 and {row[WAIT] for row in downs} == {ups[0][SIGNAL]}
         assert kinds.count(("gate_up", 1)) > 0 and kinds.count(("router", 1)) == 0
+
+
+def test_expert_tiles_at_batch_1_are_each_a_share_of_one_expert():
+    """Without tile_rows, workers // slots tiles a slot: at batch 1 (every slot leads) each tile is one expert's
+    share and none crosses an expert, as qwen3-30b-a3b's 8 x 16 tiles of 48 gate/up and 128 down rows."""
+    spec = preset("qwen3-30b-a3b")
+    config = GraphConfig(batch=1, workers=132)
+    for rows in (768, 2048):
+        parts, total = config.expert_parts(rows, 8), 8 * rows
+        assert parts == 128 and all(p * total // parts // rows == ((p + 1) * total // parts - 1) // rows
+                                    for p in range(parts))
+    assert config.expert_parts(14336, 2 * 8) == 16 * 8          # mixtral-8x7b at batch 8: 8 a slot
+    assert config.expert_parts(64, 2) == 2 * 4                  # at least 16 rows a tile
+    kinds = [TASK_KINDS[t].name for t in compile_step(spec, plan_shard(spec, 1, 0), config).tasks[:, 0].tolist()]
+    assert kinds.count("expert_gate_up") == kinds.count("expert_down") == 128 * len(spec.moe_layers)
 
 
 @pytest.mark.parametrize("config", [BATCH_1, SMALL], ids=["batch1", "batch4"])
@@ -187,18 +211,51 @@ def test_rows_of_four_sequences_in_one_step_match_transformers(checkpoints, name
     assert all(r == expected for r in results)
 
 
-def test_rows_that_choose_one_expert_share_its_tiles():
-    """A step of four rows in tiny-mixtral (top 2 of 4 experts: 8 choices, so some expert is chosen twice): each
-    chosen expert is run by exactly one slot, the first to choose it, and no other expert is run."""
+def shared_expert_step(tokens=(9, 8, 7, 42)):
+    """tiny-mixtral's reference engine after one step of four rows, each token at position 0 of a sequence of its
+    own (top 2 of 4 experts: 8 choices, so some expert is chosen twice; these four choose 3 distinct experts in
+    each sparse layer)."""
     engine = Engine("tiny-mixtral", config=SMALL, max_seqs=4)
-    blocks = [engine.kv.allocate([], 1) for _ in range(4)]
-    engine.step([3, 50, 100, 7], [0, 0, 0, 0], blocks)
+    blocks = [engine.kv.allocate([], 1) for _ in tokens]
+    engine.step(list(tokens), [0] * len(tokens), blocks)
+    return engine
+
+
+def test_rows_that_choose_one_expert_share_its_tiles():
+    """route_unique lists each chosen expert's leading slot (the first to choose it) once, in slot order, and the
+    expert tiles of a phase cut the distinct experts' rows laid end to end, covering each exactly once, some tile
+    crossing from one expert into the next."""
+    engine = shared_expert_step()
     ctx = engine.executor.ctx                          # the last sparse layer's routing
     chosen = ctx.buf["route_expert"][:4].flatten().tolist()
-    run = [leading_expert(ctx, slot) for slot in range(len(chosen))]
-    assert sorted(e for e in run if e is not None) == sorted(set(chosen))
-    assert all(run[slot] == chosen[slot] for slot in range(len(chosen)) if chosen.index(chosen[slot]) == slot)
-    assert len(set(chosen)) < len(chosen)
+    count = int(ctx.buf["route_count"][0])
+    unique = ctx.buf["route_unique"][:count].tolist()
+    assert unique == [chosen.index(e) for e in dict.fromkeys(chosen)]
+    assert count == len(set(chosen)) < len(chosen)
+    layer = engine.spec.moe_layers[-1]
+    for kind, rows in (("expert_gate_up", engine.plan.expert_inter), ("expert_down", engine.spec.hidden_size)):
+        covered, crossing = torch.zeros(count, rows, dtype=torch.int64), 0
+        for row in engine.table.tasks.tolist():
+            if row[LAYER] == layer and TASK_KINDS[row[TYPE]].name == kind:
+                segments = list(flat_segments(ctx, row[A0], row[A0 + 1], rows))
+                crossing += len(segments) > 1
+                for slot, expert, row0, nrows in segments:
+                    assert expert == chosen[slot] and nrows > 0
+                    covered[unique.index(slot), row0:row0 + nrows] += 1
+        assert bool((covered == 1).all()) and crossing > 0, kind
+
+
+def test_a_step_whose_rows_share_experts_matches_transformers():
+    """The step of test_rows_that_choose_one_expert_share_its_tiles (four rows sharing experts, tiles that cross
+    experts) gives each row transformers' logits of its token."""
+    tokens = (9, 8, 7, 42)
+    engine = shared_expert_step(tokens)
+    with torch.no_grad():
+        expected = hf_model("tiny-mixtral")(torch.tensor(tokens)[:, None]).logits[:, 0]
+    buf = engine.executor.ctx.buf
+    assert all(len(set(layer.flatten().tolist())) == 3 for layer in buf["route_history"][:, :4])
+    logits = buf["logits"][:4, :engine.spec.vocab_size]
+    assert (logits - expected).abs().max() / expected.abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("tp", [1, 2])

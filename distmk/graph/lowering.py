@@ -4,9 +4,9 @@ A consumer waits only on the event of the producer tiles it reads: attention for
 that head group's q/k/v tiles, an all-reduce tile for the one matmul tile that produced its slice. The
 tiles that read the RMSNorm of the residual stream (QKV, gate/up, lm_head) normalise it themselves, so
 they wait for every tile of the stream and no single norm task stands between two phases. A sparse
-(mixture-of-experts) layer's MLP is router tiles, a route task, expert tiles per slot (a row's k-th choice) and combine
-tiles in the place of the down tiles, all-reduced the same way. Tasks are emitted in a topological order,
-which the scheduler keeps within each worker queue.
+(mixture-of-experts) layer's MLP is router tiles, a route task, expert tiles that split the step's distinct
+experts' rows among themselves at run time, and combine tiles in the place of the down tiles, all-reduced
+the same way. Tasks are emitted in a topological order, which the scheduler keeps within each worker queue.
 """
 from __future__ import annotations
 
@@ -73,12 +73,17 @@ class GraphConfig:
         left a fifth of the workers without a gate/up tile (7168 rows: 112 tiles of 64 rows, not 131 of 55)."""
         return size or max(16, -(-total // self.workers))
 
-    def rows_per_expert_tile(self, total: int, slots: int) -> int:
-        """tile_rows, or when 0 the height that cuts each of `slots` experts' `total` rows into the same number
-        of tiles, as many as leaves every tile of the step to a worker of its own: the expert phases then take
-        one tile's time. Cutting slots x total rows as one (rows_per_tile) gave qwen3-30b-a3b at batch 1 17 tiles
-        a slot, 136 for 132 workers, and four workers a second tile each in both expert phases."""
-        return self.tile_rows or max(16, -(-total // max(1, self.workers // slots)))
+    def expert_parts(self, rows: int, slots: int) -> int:
+        """Tiles of a sparse layer's expert phase (gate/up: rows = an expert's width on this rank, down: the hidden
+        size), which cut the step's distinct experts' rows laid end to end at run time (tasks/route.py): with
+        tile_rows, tiles of at most tile_rows rows when every one of the `slots` leads; when 0, workers // slots
+        tiles for each slot (at least one, at least 16 rows each), so that when every slot leads (batch 1) each
+        tile is one expert's 1/(workers // slots), none crosses an expert and the phase is one wave over the
+        workers. Cutting slots x rows as one (rows_per_tile) gave qwen3-30b-a3b at batch 1 136 tiles for 132
+        workers, and four workers a second tile each in both expert phases."""
+        if self.tile_rows:
+            return -(-slots * rows // self.tile_rows)
+        return slots * max(1, min(self.workers // slots, -(-rows // 16)))
 
 
 class GraphBuilder:
@@ -141,10 +146,11 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
         return done
 
     def sparse_mlp(layer: int, wait: int) -> int:
-        """The router tiles (the gate's logits, cut over the experts), the route task (each row's choices,
-        tasks/route.py), then each slot's expert tiles: gate/up, and down once the slot's gate/up tiles are done;
-        returns 'every expert output stored', which the combine tiles wait for. Expert tiles are cut so that a
-        step's slots together give at most one per worker (rows_per_expert_tile)."""
+        """The router tiles (the gate's logits, cut over the experts), the route task (each row's choices and the
+        step's distinct experts, tasks/route.py), then the expert tiles: gate/up, and down once every gate/up
+        tile is done (a down tile may read any expert's expert_h); returns 'every expert output stored', which
+        the combine tiles wait for. Each phase's tiles split the distinct experts' rows evenly at run time, so
+        they stay balanced when rows share experts (GraphConfig.expert_parts says how many)."""
         sparse, slots = spec.moe_layers.index(layer), B * spec.experts_per_token
         router_tiles = tiles(spec.num_experts, config.rows_per_tile(spec.num_experts, config.tile_rows))
         logits = g.event(f"L{layer}.router", len(router_tiles))
@@ -152,15 +158,13 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
             g.task("router", layer, (sparse, expert0, nexperts), wait=wait, signal=logits)
         routed = g.event(f"L{layer}.route", 1)
         g.task("route", layer, (sparse,), wait=logits, signal=routed)
-        up_tiles = tiles(plan.expert_inter, config.rows_per_expert_tile(plan.expert_inter, slots))
-        down_tiles = tiles(H, config.rows_per_expert_tile(H, slots))
-        stored = g.event(f"L{layer}.experts", slots * len(down_tiles))
-        for slot in range(slots):
-            h_done = g.event(f"L{layer}.expert_h.slot{slot}", len(up_tiles))
-            for row0, nrows in up_tiles:
-                g.task("expert_gate_up", layer, (slot, row0, nrows, sparse), wait=routed, signal=h_done)
-            for row0, nrows in down_tiles:
-                g.task("expert_down", layer, (slot, row0, nrows, sparse), wait=h_done, signal=stored)
+        up_parts, down_parts = config.expert_parts(plan.expert_inter, slots), config.expert_parts(H, slots)
+        h_done = g.event(f"L{layer}.expert_h", up_parts)
+        for part in range(up_parts):
+            g.task("expert_gate_up", layer, (part, up_parts, sparse), wait=routed, signal=h_done)
+        stored = g.event(f"L{layer}.experts", down_parts)
+        for part in range(down_parts):
+            g.task("expert_down", layer, (part, down_parts, sparse), wait=h_done, signal=stored)
         return stored
 
     x_ready = g.event("x.embed", B)

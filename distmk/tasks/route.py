@@ -2,13 +2,16 @@
 router tiles', tasks/router.py): softmax in float32 and the top-k experts of each row, their probabilities
 renormalised to sum to 1 where the model says so (norm_topk_prob).
 
-A row's k-th choice is slot b * top_k + k. The task writes each slot's expert and weight, and the first
-slot of the step that chose the same expert (route_slot): the expert tiles of that slot alone run the expert,
-for every row that chose it, so rows that pick the same expert share one stream of its weights, while the
-table stays static (tiles of the other slots find they do not lead and return). It also keeps each sparse
-layer's choices of the step in route_history (the next layer's route task overwrites route_expert), which
-nothing in the step reads: what a benchmark or a test asks of the step afterwards. Replicated under tensor
-parallelism: every rank routes every row to the same experts."""
+A row's k-th choice is slot b * top_k + k. The task writes each slot's expert and weight, the first slot of
+the step that chose the same expert (route_slot: the slot that *leads* for it), and the leading slots in
+increasing order with their count (route_unique, route_count): the step's distinct experts. The expert tiles
+(expert_gate_up.py, expert_down.py) cut the distinct experts' rows, laid end to end, evenly over themselves at
+run time (flat_segments), so rows that pick the same expert share one stream of its weights and the tiles
+stay balanced however many rows share experts, while the table stays static: at batch 8 of mixtral-8x7b about
+7 of 16 slots lead, and tiles fixed to a slot left most of the workers idle behind the leaders' tiles. It also
+keeps each sparse layer's choices of the step in route_history (the next layer's route task overwrites
+route_expert), which nothing in the step reads: what a benchmark or a test asks of the step afterwards.
+Replicated under tensor parallelism: every rank routes every row to the same experts."""
 import torch
 import triton
 import triton.language as tl
@@ -26,30 +29,56 @@ def choose(logits: torch.Tensor, top_k: int, renormalise: bool):
     return weights, experts
 
 
-def leading_expert(ctx, slot: int) -> int | None:
-    """The expert whose tiles `slot` runs this step: its choice if it is the first slot to have chosen it, else
-    None (another slot runs it, or the slot's row is not active)."""
-    top_k = ctx.spec.experts_per_token
-    if slot // top_k >= ctx.num_rows or int(ctx.buf["route_slot"].view(-1)[slot]) != slot:
-        return None
-    return int(ctx.buf["route_expert"].view(-1)[slot])
+def flat_segments(ctx, part: int, parts: int, rows: int):
+    """The pieces of tile `part` of `parts` over the step's distinct experts' `rows` rows each, laid end to end
+    in route_unique's order (the u-th distinct expert's rows are [u * rows, (u + 1) * rows)): (slot, expert,
+    row0, nrows) for each expert the tile's range [part * F // parts, (part + 1) * F // parts) of the F =
+    route_count * rows rows touches, row0 and nrows within that expert; its leading slot runs it for every row
+    that chose it."""
+    total = int(ctx.buf["route_count"][0]) * rows
+    lo, hi = part * total // parts, (part + 1) * total // parts
+    for u in range(lo // rows, -(-hi // rows) if lo < hi else 0):
+        slot = int(ctx.buf["route_unique"][u])
+        row0 = max(lo - u * rows, 0)
+        yield slot, int(ctx.buf["route_expert"].view(-1)[slot]), row0, min(hi - u * rows, rows) - row0
+
+
+def tile_rows_at_most(shape, a, rows: int) -> int:
+    """The rows of expert tile a = (part, parts, ...) when every slot leads (the most a step can give it): the
+    tile's cost, for the scheduler."""
+    part, parts, total = a[0], a[1], shape.batch * shape.spec.experts_per_token * rows
+    return (part + 1) * total // parts - part * total // parts
 
 
 @triton.jit
-def slot_expert(slot, n, route_expert, route_slot, TOP_K: tl.constexpr):
-    """leading_expert on the device: the expert slot runs, or -1."""
-    leads = (slot < n * TOP_K) & (tl.load(route_slot + slot) == slot)    # slot < batch * top_k: in bounds
-    return tl.where(leads, tl.load(route_expert + slot), -1)
+def flat_range(part, parts, route_count, ROWS: tl.constexpr):
+    """flat_segments on the device: the tile's rows [lo, hi) of the flattened distinct experts' ROWS rows each,
+    and the distinct experts [u0, u1) they touch, none when the range is empty (int64: parts x experts x rows
+    may pass 2^31)."""
+    total = tl.load(route_count) * ROWS
+    lo = part * total // parts
+    hi = (part + 1) * total // parts
+    return lo, hi, lo // ROWS, tl.where(lo < hi, (hi + ROWS - 1) // ROWS, 0)
 
 
 @triton.jit
-def route_gpu(sparse_layer, n, router_logits, route_expert, route_weight, route_slot, route_history,
-              EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr,
-              NORM_TOPK: tl.constexpr, BATCH: tl.constexpr):
+def flat_segment(u, lo, hi, route_unique, route_expert, ROWS: tl.constexpr):
+    """The tile's piece of distinct expert u (u0 <= u < u1 of flat_range): its leading slot, the expert, and
+    the rows [row0, row0 + nrows) of that expert."""
+    slot = tl.load(route_unique + u)
+    row0 = tl.maximum(lo - u * ROWS, 0)
+    return slot, tl.load(route_expert + slot), row0, tl.minimum(hi - u * ROWS, ROWS) - row0
+
+
+@triton.jit
+def route_gpu(sparse_layer, n, router_logits, route_expert, route_weight, route_slot, route_unique, route_count,
+              route_history, EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr,
+              SLOTS_PAD: tl.constexpr, NORM_TOPK: tl.constexpr, BATCH: tl.constexpr):
     """A row at a time: its probabilities, then each expert's rank among them from one [experts, experts]
     comparison (ties to the lower index, as a left-first argmax), and the experts ranked below TOP_K stored at
     their rank's slot. One pass of reductions a row, where picking the top k one argmax at a time took 2k
-    dependent reductions over the padded batch."""
+    dependent reductions over the padded batch. Then each slot's leading slot, and the leading slots in order,
+    each stored at the number of leading slots before it (a prefix sum, no atomics)."""
     re = tl.arange(0, EXPERTS_PAD)
     for b in range(n):
         logits = tl.load(router_logits + b * EXPERTS + re, mask=re < EXPERTS, other=float("-inf"))
@@ -70,6 +99,8 @@ def route_gpu(sparse_layer, n, router_logits, route_expert, route_weight, route_
     slots = rs < n * TOP_K
     if n == 1:      # a row's choices are distinct experts: every slot leads (no round trip through memory)
         tl.store(route_slot + rs, rs.to(tl.int64), mask=slots)
+        tl.store(route_unique + rs, rs.to(tl.int64), mask=slots)
+        tl.store(route_count, TOP_K)
     else:
         tl.debug_barrier()      # the whole CTA reads the choices its threads wrote
         # each slot's first slot with the same expert, comparing all slots with 16 of them at a time
@@ -81,6 +112,9 @@ def route_gpu(sparse_layer, n, router_logits, route_expert, route_weight, route_
             same = expert[:, None] == other[None, :]
             first = tl.minimum(first, tl.min(tl.where(same, cs[None, :].to(tl.int64), SLOTS_PAD), axis=1))
         tl.store(route_slot + rs, first, mask=slots)
+        lead = (slots & (first == rs)).to(tl.int32)      # route_unique: a leader at the count of leaders before it
+        tl.store(route_unique + tl.cumsum(lead, axis=0) - lead, rs.to(tl.int64), mask=lead > 0)
+        tl.store(route_count, tl.sum(lead, axis=0))
 
 
 class Route(TaskKind):
@@ -98,4 +132,8 @@ class Route(TaskKind):
         ctx.buf["route_expert"][:n] = experts
         ctx.buf["route_history"][a[0], :n] = experts
         flat = experts.flatten()
-        ctx.buf["route_slot"][:n] = (flat[:, None] == flat[None, :]).int().argmax(dim=1).view(n, top_k)
+        first = (flat[:, None] == flat[None, :]).int().argmax(dim=1)
+        ctx.buf["route_slot"][:n] = first.view(n, top_k)
+        unique = (first == torch.arange(len(flat), device=flat.device)).nonzero().flatten()
+        ctx.buf["route_unique"][:len(unique)] = unique
+        ctx.buf["route_count"][0] = len(unique)
