@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import json
 import statistics
 import sys
 
+from serve_load import percentiles
+
 PARTS = ("gap", "launch", "prefill", "host")
 
 
-def percentile(values, q):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else None
+def ms_percentiles(values: list[float]) -> dict:
+    """p50 and p99 of seconds, in ms, by the rule serve_load.py gives the client's inter-token latency."""
+    p = percentiles(values)
+    return {q: None if p[q] is None else round(p[q] * 1e3, 3) for q in ("p50", "p99")}
 
 
 def summarise(records: list[dict]) -> dict:
@@ -31,10 +35,7 @@ def summarise(records: list[dict]) -> dict:
     gaps = {"no prefill": [], "prefill": []}
     last_seen: dict[int, float] = {}
     for r in (r for r in records if r["kind"] == "tokens"):
-        count: dict[int, int] = {}
-        for i in r["ids"]:
-            count[i] = count.get(i, 0) + 1
-        for seq, n in count.items():
+        for seq, n in collections.Counter(r["ids"]).items():
             if seq in last_seen:
                 since = last_seen[seq]
                 inside = spans[bisect.bisect_right(ends, since):bisect.bisect_right(ends, r["time"])]
@@ -46,19 +47,15 @@ def summarise(records: list[dict]) -> dict:
                      "host": (gap - parts["step"] - parts["prefill"]) / n})
             last_seen[seq] = r["time"]
 
-    def ms(values, q):
-        v = percentile(values, q)
-        return None if v is None else round(v * 1e3, 3)
-
     total = sum(len(g) for g in gaps.values())
+    every = ms_percentiles([g["gap"] for v in gaps.values() for g in v])
     out = {"launches": sum(r["kind"] == "step" for r in records),
            "prefill_chunks": sum(r["kind"] == "prefill" for r in records),
-           "gap_ms_p50": ms([g["gap"] for v in gaps.values() for g in v], 0.5),
-           "gap_ms_p99": ms([g["gap"] for v in gaps.values() for g in v], 0.99), "gaps": {}}
+           "gap_ms_p50": every["p50"], "gap_ms_p99": every["p99"], "gaps": {}}
     for name, g in gaps.items():
         out["gaps"][name] = {"count": len(g), "share": round(len(g) / total, 4) if total else None,
-                             **{f"{part}_ms_p{int(q * 100)}": ms([x[part] for x in g], q)
-                                for part in PARTS for q in (0.5, 0.99)}}
+                             **{f"{part}_ms_{q}": value for part in PARTS
+                                for q, value in ms_percentiles([x[part] for x in g]).items()}}
     sizes: dict[int, list[float]] = {}
     for r in spans:
         if r["kind"] == "prefill":
