@@ -144,6 +144,7 @@ CONSTANTS = (
     # load two tiles a step, so their K is halved
     Arg("BLOCK_N", lambda l: l.block_n),
     Arg("BLOCK_K", lambda l: l.block_k),
+    Arg("EXPERT_BLOCK_N", lambda l: l.options.expert_block_n),
     Arg("MLP_BLOCK_N", lambda l: l.options.mlp_block_n),
     Arg("MLP_BLOCK_K", lambda l: l.block_k // 2),
     Arg("LM_BLOCK_N", lambda l: l.options.lm_block_n),

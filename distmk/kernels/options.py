@@ -24,6 +24,7 @@ class KernelOptions:
                              "32)")
     block_k: int | None = option(None, "tl kernel: columns of a load step (default: 256 in bf16, 128 in float32)")
     mlp_block_n: int = option(64, "tl kernel: rows of a gate_up load step")
+    expert_block_n: int = option(64, "tl kernel: rows of an expert down load step")
     lm_block_n: int = option(128, "tl kernel: rows of an lm_head load step")
     prefetch_kb: int = option(256, "tl kernel: KB of L2 prefetch of a task's weights before its wait (0: none)")
     trace: bool = False             # record every task's wait, start, end and SM (kernels/trace.py)
@@ -40,8 +41,8 @@ class KernelOptions:
     def __post_init__(self):
         if not self.timeout_s > 0:
             raise DistmkError(f"kernel option timeout_s must be > 0, got {self.timeout_s}")
-        for name in ("num_warps", "mlp_block_n", "lm_block_n") + tuple(n for n in ("block_n", "block_k")
-                                                                         if getattr(self, n)):
+        sized = tuple(n for n in ("block_n", "block_k") if getattr(self, n))
+        for name in ("num_warps", "mlp_block_n", "expert_block_n", "lm_block_n") + sized:
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise DistmkError(f"kernel option {name} must be a power of two, got {value}")

@@ -17,11 +17,12 @@ from distmk.tasks.route import flat_range, flat_segment, flat_segments, tile_row
 def expert_down_gpu(layer, part, parts, sparse_layer, n, expert_h, expert_down, route_expert, route_slot,
                     route_unique, route_count, expert_out, H: tl.constexpr, EXPERTS: tl.constexpr,
                     EXPERT_INTER: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BATCH: tl.constexpr,
-                    B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    B_PAD: tl.constexpr, EXPERT_BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
     lo, hi, u0, u1 = flat_range(part, parts, route_count, H)
     rb = tl.arange(0, B_PAD)
     rk = tl.arange(0, TOP_K_PAD)
-    rn = tl.arange(0, BLOCK_N)
+    rn = tl.arange(0, EXPERT_BLOCK_N)
     for u in range(u0, u1):
         slot, expert, row0, nrows = flat_segment(u, lo, hi, route_unique, route_expert, H)
         w = expert_down + (sparse_layer.to(tl.int64) * EXPERTS + expert) * H * EXPERT_INTER
@@ -31,8 +32,9 @@ def expert_down_gpu(layer, part, parts, sparse_layer, n, expert_h, expert_down, 
                        other=-1) == slot
         choice = tl.sum(tl.where(mine, rk[None, :], 0), axis=1)
         chose = tl.sum(mine.to(tl.int32), axis=1) > 0
-        for j in range(0, nrows, BLOCK_N):
-            acc = matmul_block(inp, w, n, row0 + j, nrows - j, EXPERT_INTER, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        for j in range(0, nrows, EXPERT_BLOCK_N):
+            acc = matmul_block(inp, w, n, row0 + j, nrows - j, EXPERT_INTER, B_PAD, EXPERT_BLOCK_N, BLOCK_K,
+                               DOT_PRECISION)
             offs = (rb * TOP_K + choice)[:, None] * H + (row0 + j + rn)[None, :]
             tl.store(expert_out + offs, acc, mask=chose[:, None] & (rn < nrows - j)[None, :])
 
