@@ -57,6 +57,15 @@ class Launch:
         return self.options.block_n or min(32, padded(o_proj_rows))
 
     @property
+    def expert_block_k(self) -> int:
+        """block_k for the expert down tiles' taller steps, halved while a step (the input's padded rows and
+        expert_block_n weight rows) is over 40 KB: at 64 rows a step, batch 64 took 256 KB of shared memory."""
+        k = self.block_k
+        while k > 16 and (self.b_pad + self.options.expert_block_n) * k * self.dtype.itemsize > 40 * 1024:
+            k //= 2
+        return k
+
+    @property
     def block_k(self) -> int:
         """16-32 KB of weights per load step in bf16; float32 (tests) halves K to stay in shared memory."""
         return self.options.block_k or (128 if self.dtype == torch.float32 else 256)
@@ -145,6 +154,7 @@ CONSTANTS = (
     Arg("BLOCK_N", lambda l: l.block_n),
     Arg("BLOCK_K", lambda l: l.block_k),
     Arg("EXPERT_BLOCK_N", lambda l: l.options.expert_block_n),
+    Arg("EXPERT_BLOCK_K", lambda l: l.expert_block_k),
     Arg("MLP_BLOCK_N", lambda l: l.options.mlp_block_n),
     Arg("MLP_BLOCK_K", lambda l: l.block_k // 2),
     Arg("LM_BLOCK_N", lambda l: l.options.lm_block_n),

@@ -17,7 +17,7 @@ from distmk.tasks.route import flat_range, flat_segment, flat_segments, tile_row
 def expert_down_gpu(layer, part, parts, sparse_layer, n, expert_h, expert_down, route_expert, route_slot,
                     route_unique, route_count, expert_out, H: tl.constexpr, EXPERTS: tl.constexpr,
                     EXPERT_INTER: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BATCH: tl.constexpr,
-                    B_PAD: tl.constexpr, EXPERT_BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    B_PAD: tl.constexpr, EXPERT_BLOCK_N: tl.constexpr, EXPERT_BLOCK_K: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
     lo, hi, u0, u1 = flat_range(part, parts, route_count, H)
     rb = tl.arange(0, B_PAD)
@@ -33,7 +33,7 @@ def expert_down_gpu(layer, part, parts, sparse_layer, n, expert_h, expert_down, 
         choice = tl.sum(tl.where(mine, rk[None, :], 0), axis=1)
         chose = tl.sum(mine.to(tl.int32), axis=1) > 0
         for j in range(0, nrows, EXPERT_BLOCK_N):
-            acc = matmul_block(inp, w, n, row0 + j, nrows - j, EXPERT_INTER, B_PAD, EXPERT_BLOCK_N, BLOCK_K,
+            acc = matmul_block(inp, w, n, row0 + j, nrows - j, EXPERT_INTER, B_PAD, EXPERT_BLOCK_N, EXPERT_BLOCK_K,
                                DOT_PRECISION)
             offs = (rb * TOP_K + choice)[:, None] * H + (row0 + j + rn)[None, :]
             tl.store(expert_out + offs, acc, mask=chose[:, None] & (rn < nrows - j)[None, :])
