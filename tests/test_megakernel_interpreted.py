@@ -22,7 +22,8 @@ for name in sys.argv[1:]:
     # QKV tiles of half a head (under q/k-norm finished by qk_finish tasks); matmul tiles of 24 rows, not a
     # multiple of the kernels' row blocks
     config = GraphConfig(batch=4, kv_splits=3, tile_rows=24, lm_tile_rows=48, workers=1, qkv_parts=2)
-    engines = [Engine(name, backend=b, config=config) for b in ("reference", "triton")]
+    # the one-row decode steps run a table of their own (BATCH 1: the expert tiles' every-slot-leads path)
+    engines = [Engine(name, backend=b, config=config, step_batches=(1,)) for b in ("reference", "triton")]
     runs = [e.generate([1, 2, 3, 4, 5, 6, 7], 5, return_logits=True) for e in engines]
     (ref_tokens, ref_logits), (tokens, logits) = runs
     err = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
@@ -37,7 +38,8 @@ for name in sys.argv[1:]:
 def test_interpreted_megakernel_matches_reference(models):
     """Every task type's tl device function against its reference semantics; for the mixture-of-experts presets
     the router, the route task's distinct experts, the expert tiles that cut their rows at run time (crossing from
-    one expert into the next) and the combine (prompt steps of 4 and 3 rows)."""
+    one expert into the next) and the combine (prompt steps of 4 and 3 rows, then one-row steps on a one-row
+    table)."""
     # a process per model, all at once: the interpreter is single-threaded and CI has two cores
     procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, name], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=INTERPRETED) for name in models]

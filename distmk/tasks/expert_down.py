@@ -19,12 +19,12 @@ def expert_down_gpu(layer, part, parts, sparse_layer, n, expert_h, expert_down, 
                     EXPERT_INTER: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BATCH: tl.constexpr,
                     B_PAD: tl.constexpr, EXPERT_BLOCK_N: tl.constexpr, EXPERT_BLOCK_K: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
-    lo, hi, u0, u1 = flat_range(part, parts, route_count, H)
+    lo, hi, u0, u1 = flat_range(part, parts, route_count, H, TOP_K, BATCH)
     rb = tl.arange(0, B_PAD)
     rk = tl.arange(0, TOP_K_PAD)
     rn = tl.arange(0, EXPERT_BLOCK_N)
     for u in range(u0, u1):
-        slot, expert, row0, nrows = flat_segment(u, lo, hi, route_unique, route_expert, H)
+        slot, expert, row0, nrows = flat_segment(u, lo, hi, route_unique, route_expert, H, BATCH)
         w = expert_down + (sparse_layer.to(tl.int64) * EXPERTS + expert) * H * EXPERT_INTER
         inp = expert_h + slot * BATCH * EXPERT_INTER
         # the rows whose choice this slot runs, and which of their choices it is

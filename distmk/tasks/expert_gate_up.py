@@ -20,10 +20,10 @@ from distmk.tasks.route import flat_range, flat_segment, flat_segments, tile_row
 @triton.jit(noinline=True)
 def expert_gate_up_gpu(layer, part, parts, sparse_layer, n, worker, x, xn, norms, expert_gate, expert_up,
                        route_expert, route_unique, route_count, expert_h, H: tl.constexpr, EXPERTS: tl.constexpr,
-                       EXPERT_INTER: tl.constexpr, BATCH: tl.constexpr, B_PAD: tl.constexpr, EPS: tl.constexpr,
-                       NORM_BLOCK: tl.constexpr, MLP_BLOCK_N: tl.constexpr, MLP_BLOCK_K: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
-    lo, hi, u0, u1 = flat_range(part, parts, route_count, EXPERT_INTER)
+                       EXPERT_INTER: tl.constexpr, TOP_K: tl.constexpr, BATCH: tl.constexpr, B_PAD: tl.constexpr,
+                       EPS: tl.constexpr, NORM_BLOCK: tl.constexpr, MLP_BLOCK_N: tl.constexpr,
+                       MLP_BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    lo, hi, u0, u1 = flat_range(part, parts, route_count, EXPERT_INTER, TOP_K, BATCH)
     if lo < hi:
         act = expert_h.dtype.element_ty
         rb = tl.arange(0, B_PAD)
@@ -31,7 +31,7 @@ def expert_gate_up_gpu(layer, part, parts, sparse_layer, n, worker, x, xn, norms
         inp = xn + worker * B_PAD * H
         rms_norm_rows(x, n, norms + (2 * layer + 1) * H, inp, H, EPS, NORM_BLOCK)
         for u in range(u0, u1):
-            slot, expert, row0, nrows = flat_segment(u, lo, hi, route_unique, route_expert, EXPERT_INTER)
+            slot, expert, row0, nrows = flat_segment(u, lo, hi, route_unique, route_expert, EXPERT_INTER, BATCH)
             offset = (sparse_layer.to(tl.int64) * EXPERTS + expert) * EXPERT_INTER * H
             out = expert_h + slot * BATCH * EXPERT_INTER
             for j in range(0, nrows, MLP_BLOCK_N):

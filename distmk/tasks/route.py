@@ -51,21 +51,28 @@ def tile_rows_at_most(shape, a, rows: int) -> int:
 
 
 @triton.jit
-def flat_range(part, parts, route_count, ROWS: tl.constexpr):
+def flat_range(part, parts, route_count, ROWS: tl.constexpr, TOP_K: tl.constexpr, BATCH: tl.constexpr):
     """flat_segments on the device: the tile's rows [lo, hi) of the flattened distinct experts' ROWS rows each,
     and the distinct experts [u0, u1) they touch, none when the range is empty (int64: parts x experts x rows
-    may pass 2^31)."""
-    total = tl.load(route_count) * ROWS
+    may pass 2^31). A table of one row (BATCH 1) knows the count without loading it: every slot leads, and the
+    tile's weight address then waits for one load (its expert) instead of three in a row."""
+    if BATCH == 1:
+        total = tl.full((), TOP_K * ROWS, tl.int64)
+    else:
+        total = tl.load(route_count) * ROWS
     lo = part * total // parts
     hi = (part + 1) * total // parts
     return lo, hi, lo // ROWS, tl.where(lo < hi, (hi + ROWS - 1) // ROWS, 0)
 
 
 @triton.jit
-def flat_segment(u, lo, hi, route_unique, route_expert, ROWS: tl.constexpr):
+def flat_segment(u, lo, hi, route_unique, route_expert, ROWS: tl.constexpr, BATCH: tl.constexpr):
     """The tile's piece of distinct expert u (u0 <= u < u1 of flat_range): its leading slot, the expert, and
-    the rows [row0, row0 + nrows) of that expert."""
-    slot = tl.load(route_unique + u)
+    the rows [row0, row0 + nrows) of that expert (at BATCH 1 the u-th slot leads for the u-th expert)."""
+    if BATCH == 1:
+        slot = u
+    else:
+        slot = tl.load(route_unique + u)
     row0 = tl.maximum(lo - u * ROWS, 0)
     return slot, tl.load(route_expert + slot), row0, tl.minimum(hi - u * ROWS, ROWS) - row0
 
