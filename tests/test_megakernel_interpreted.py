@@ -18,19 +18,19 @@ SCRIPT = """
 import json, sys
 from distmk.graph import GraphConfig
 from distmk.runtime.engine import Engine
-for name in sys.argv[1:]:
-    # QKV tiles of half a head (under q/k-norm finished by qk_finish tasks); matmul tiles of 24 rows, not a
-    # multiple of the kernels' row blocks
-    config = GraphConfig(batch=4, kv_splits=3, tile_rows=24, lm_tile_rows=48, workers=1, qkv_parts=2)
-    # the one-row decode steps run a table of their own (BATCH 1: the expert tiles' every-slot-leads path)
-    engines = [Engine(name, backend=b, config=config, step_batches=(1,)) for b in ("reference", "triton")]
-    runs = [e.generate([1, 2, 3, 4, 5, 6, 7], 5, return_logits=True) for e in engines]
-    (ref_tokens, ref_logits), (tokens, logits) = runs
-    err = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
-    # every sparse layer's choices of the last step (one row), as the route tasks kept them
-    history = [(e.executor.buf if hasattr(e.executor, "buf") else e.executor.ctx.buf)["route_history"][:, :1].tolist()
-               for e in engines]
-    print(json.dumps({"model": name, "equal": tokens == ref_tokens, "rel_err": err, "history": history}))
+name = sys.argv[1]
+# QKV tiles of half a head (under q/k-norm finished by qk_finish tasks); matmul tiles of 24 rows, not a multiple of
+# the kernels' row blocks; the one-row decode steps run a table of their own (BATCH 1: the expert tiles' path where
+# every slot leads; the tensor-parallel test below runs one-row steps on a four-row table)
+config = GraphConfig(batch=4, kv_splits=3, tile_rows=24, lm_tile_rows=48, workers=1, qkv_parts=2)
+engines = [Engine(name, backend=b, config=config, step_batches=(1,)) for b in ("reference", "triton")]
+runs = [e.generate([1, 2, 3, 4, 5, 6, 7], 5, return_logits=True) for e in engines]
+(ref_tokens, ref_logits), (tokens, logits) = runs
+err = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
+# every sparse layer's choices of the last step (one row, on the one-row table), as the route tasks kept them
+history = [(e.last_executor.buf if hasattr(e.last_executor, "buf") else e.last_executor.ctx.buf)["route_history"]
+           [:, :1].tolist() for e in engines]
+print(json.dumps({"model": name, "equal": tokens == ref_tokens, "rel_err": err, "history": history}))
 """
 
 
@@ -44,10 +44,15 @@ def test_interpreted_megakernel_matches_reference(models):
     procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, name], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=INTERPRETED) for name in models]
     results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, err
-        results += [json.loads(line) for line in out.splitlines()]
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=900)
+            assert proc.returncode == 0, err
+            results += [json.loads(line) for line in out.splitlines()]
+    finally:
+        for proc in procs:      # a failure or a timeout leaves no interpreter running
+            proc.kill()
+            proc.wait()
     assert [r["model"] for r in results] == models
     for r in results:
         assert r["equal"] and r["rel_err"] < 1e-4, r
