@@ -18,7 +18,7 @@ from distmk.models.spec import spec_from_hf_config
 from distmk.models.weights import RandomWeights, open_model
 from distmk.runtime.batcher import Batcher, Sequence
 from distmk.runtime.engine import Engine
-from distmk.tasks import TASK_KINDS
+from distmk.tasks import TASK_KINDS, TYPE_ID
 from distmk.tasks.route import flat_segments
 from conftest import PROMPT, SMALL, TINY_MOE, hf_generate, hf_model
 
@@ -135,14 +135,15 @@ def test_tp_that_does_not_divide_the_experts_is_refused():
 
 
 def test_sparse_layers_are_lowered_to_router_expert_and_combine_tiles():
-    """tiny-qwen3-moe: its sparse layers have a router tile (of all 8 experts), a route task, expert tiles that
-    cut the batch * top_k slots' rows (at most tile_rows each when every slot leads) whatever slots lead, every
-    down tile waiting for all the gate/up tiles, and combine tiles in the place of the down tiles (all-reduced at
-    tp 2); its dense layer 1 a dense MLP."""
+    """tiny-qwen3-moe: its sparse layers have a route task, at tp 2 after a router tile (of all 8 experts), at tp 1
+    (router_partials 1) after the o_proj tiles that add their shares of the logits (the layer's sparse index as
+    their router_layer), expert tiles that cut the batch * top_k slots' rows (at most tile_rows each when every
+    slot leads) whatever slots lead, every down tile waiting for all the gate/up tiles, and combine tiles in the
+    place of the down tiles (all-reduced at tp 2); its dense layer 1 a dense MLP, whose o_proj tiles add none."""
     spec = preset("tiny-qwen3-moe")
     for tp in (1, 2):
         plan = plan_shard(spec, tp, 0)
-        table = compile_step(spec, plan, SMALL)
+        table = compile_step(spec, plan, dataclasses.replace(SMALL, router_partials=1 if tp == 1 else 0))
         kinds = [(TASK_KINDS[t].name, layer) for t, layer in table.tasks[:, :2].tolist()]
         slots = SMALL.batch * spec.experts_per_token
         for sparse, layer in enumerate(spec.moe_layers):
@@ -151,15 +152,38 @@ def test_sparse_layers_are_lowered_to_router_expert_and_combine_tiles():
             row_tiles = spec.hidden_size // SMALL.tile_rows
             up_parts = -(-slots * plan.expert_inter // SMALL.tile_rows)
             down_parts = -(-slots * spec.hidden_size // SMALL.tile_rows)
-            assert count == {"router": 1, "route": 1, "expert_gate_up": up_parts, "expert_down": down_parts,
-                             "moe_combine": row_tiles, "gate_up": 0, "down": 0,
+            assert count == {"router": int(tp > 1), "route": 1, "expert_gate_up": up_parts,
+                             "expert_down": down_parts, "moe_combine": row_tiles, "gate_up": 0, "down": 0,
                              "allreduce": 2 * row_tiles * (tp > 1)}, (tp, layer)
+            shares = {row[A0 + 3] for row in table.tasks.tolist()
+                      if row[LAYER] == layer and TASK_KINDS[row[TYPE]].name == "o_proj"}
+            assert shares == {sparse if tp == 1 else -1}, (tp, layer)
             ups, downs = ([row for row in table.tasks.tolist() if row[LAYER] == layer and TASK_KINDS[row[TYPE]].name
                            == kind] for kind in ("expert_gate_up", "expert_down"))
             assert [row[A0:A2 + 1] for row in ups] == [[part, up_parts, sparse] for part in range(up_parts)]
             assert [row[A0:A2 + 1] for row in downs] == [[part, down_parts, sparse] for part in range(down_parts)]
             assert len({row[SIGNAL] for row in ups}) == 1 and {row[WAIT] for row in downs} == {ups[0][SIGNAL]}
         assert kinds.count(("gate_up", 1)) > 0 and kinds.count(("router", 1)) == 0
+        dense_o_proj = [row for row in table.tasks.tolist() if row[LAYER] == 1 and row[TYPE] == TYPE_ID["o_proj"]]
+        assert {row[A0 + 3] for row in dense_o_proj} == {-1}
+
+
+def test_router_partials_choice():
+    """router_partials 0 (automatic) takes the o_proj tiles' shares at tp=1 and batch 1 while they are at most
+    64 KB (qwen3-30b-a3b: 128 tiles x 128 experts x 4 bytes), router tiles otherwise (mixtral-8x7b's 8 experts at
+    batch 8 too) and always at tp > 1, where asking for the shares is refused by name."""
+    from distmk.errors import GraphError
+    for name, tp, batch, want in (("qwen3-30b-a3b", 1, 1, 1), ("qwen3-30b-a3b", 1, 8, 2), ("qwen3-30b-a3b", 2, 1, 2),
+                                  ("mixtral-8x7b", 1, 1, 1), ("mixtral-8x7b", 1, 8, 2), ("qwen3-8b", 1, 1, 2)):
+        spec = preset(name)
+        config = GraphConfig(batch=batch, workers=132).resolved(spec, plan_shard(spec, tp, 0))
+        assert config.router_partials == want, (name, tp, batch)
+    spec = preset("qwen3-30b-a3b")
+    assert GraphConfig(router_partials=2).resolved(spec, plan_shard(spec, 1, 0)).router_partials == 2
+    with pytest.raises(GraphError, match="router_partials=1 needs tp=1"):
+        GraphConfig(router_partials=1).resolved(spec, plan_shard(spec, 2, 0))
+    with pytest.raises(GraphError, match="router_partials must be 0, 1 or 2, got 3"):
+        GraphConfig(router_partials=3).resolved(spec, plan_shard(spec, 1, 0))
 
 
 def test_expert_tiles_at_batch_1_are_each_a_share_of_one_expert():
@@ -293,7 +317,7 @@ def test_ring_megakernel_refuses_moe_steps_naming_the_task_types():
     from distmk.kernels.ring_megakernel import ring_unsupported
     spec = preset("tiny-mixtral")
     plan = plan_shard(spec, 1, 0)
-    table = compile_step(spec, plan, SMALL)
+    table = compile_step(spec, plan, dataclasses.replace(SMALL, router_partials=2))
     kinds = {TASK_KINDS[t] for t in table.tasks[:, 0].tolist()}
     assert ring_unsupported(spec, plan, table.config, torch.bfloat16, 1, kinds) == (
         "task types ['expert_down', 'expert_gate_up', 'moe_combine', 'route', 'router'] have no ring device "
@@ -301,18 +325,19 @@ def test_ring_megakernel_refuses_moe_steps_naming_the_task_types():
 
 
 def test_router_cut_over_the_experts_matches_transformers(tmp_path):
-    """40 experts: the gate's logits come from two router tiles (32 and 8 experts), the route task chooses from
-    both."""
+    """40 experts: the gate's logits come from two router tiles (32 and 8 experts, router_partials 2), the route
+    task chooses from both."""
     spec = dataclasses.replace(preset("tiny-mixtral"), num_experts=40)
     model = hf_model(spec)
     model.save_pretrained(tmp_path / "forty-experts")
     expected = hf_generate(model, PROMPT, 16)[0, len(PROMPT):].tolist()
     plan = plan_shard(spec, 1, 0)
-    kinds = [TASK_KINDS[t].name for t in compile_step(spec, plan, SMALL).tasks[:, 0].tolist()]
+    config = dataclasses.replace(SMALL, router_partials=2)
+    kinds = [TASK_KINDS[t].name for t in compile_step(spec, plan, config).tasks[:, 0].tolist()]
     assert kinds.count("router") == 2 * spec.num_layers
     for tp in (1, 2):
         results = run_simulated_ranks(tp, lambda rank, comm: Engine(str(tmp_path / "forty-experts"), tp=tp, rank=rank,
-                                                                    comm=comm, config=SMALL)
+                                                                    comm=comm, config=config)
                                       .generate(PROMPT, 16, stop_on_eos=False))
         assert all(r == expected for r in results)
 

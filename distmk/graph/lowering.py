@@ -36,6 +36,9 @@ class GraphConfig:
                                                            "worker"})
     qkv_parts: int = field(default=0, metadata={"help": "QKV tiles per head (column slices of both RoPE halves); "
                                                         "0 = about one tile per worker"})
+    router_partials: int = field(default=0, metadata={
+        "help": "a sparse layer's gate logits: 1 = each o_proj tile adds its rows' share (no router phase; tp=1), "
+                "2 = router tiles; 0 = 1 at tp=1 and batch 1 when the shares are at most 64 KB"})
     workers: int = DEFAULT_WORKERS  # worker queues (one per SM on the GPU: graph/hardware.py)
     context: int = 512        # expected context length, for the cost model only
     dtype_bytes: int = 2      # element size of weights and activations, for the cost model
@@ -45,7 +48,7 @@ class GraphConfig:
         for name in ("batch", "workers", "context", "dtype_bytes", "hbm_bytes_per_s"):
             if getattr(self, name) < 1:
                 raise GraphError(f"GraphConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("kv_splits", "tile_rows", "lm_tile_rows", "qkv_parts"):
+        for name in ("kv_splits", "tile_rows", "lm_tile_rows", "qkv_parts", "router_partials"):
             if getattr(self, name) < 0:
                 raise GraphError(f"GraphConfig.{name} must be >= 0 (0 = automatic), got {getattr(self, name)}")
 
@@ -65,7 +68,24 @@ class GraphConfig:
             slots = plan.num_heads + 2 * plan.num_kv_heads
             while slots * parts * 2 <= self.workers and half % (2 * parts) == 0 and half // (2 * parts) >= 16:
                 parts *= 2
-        return dataclasses.replace(self, kv_splits=splits, qkv_parts=parts)
+        return dataclasses.replace(self, kv_splits=splits, qkv_parts=parts,
+                                   router_partials=self.router_partials_choice(spec, plan))
+
+    def router_partials_choice(self, spec: ModelSpec, plan: ShardPlan) -> int:
+        """router_partials made concrete (see tasks/router.py for what the o_proj tiles add). At tp > 1 an o_proj
+        tile holds a partial sum, not the residual stream's rows, so only router tiles can do it there. The
+        route task sums every tile's share of a row, one row after another, so the shares serve one row of at
+        most 64 KB (qwen3-30b-a3b: 128 tiles x 128 experts). On an H200 (ninth session, call 3) they took
+        qwen3-30b-a3b at batch 1 from 4.845 to 4.574 ms a step (no router phase, 8 us a layer), and lost at
+        batch 8: 13.47 against 11.49 ms."""
+        if self.router_partials > 2:
+            raise GraphError(f"GraphConfig.router_partials must be 0, 1 or 2, got {self.router_partials}")
+        if self.router_partials == 1 and plan.tp > 1:
+            raise GraphError("router_partials=1 needs tp=1: at tp > 1 an o_proj tile holds this rank's partial sum")
+        if self.router_partials:
+            return self.router_partials
+        shares = len(hidden_tiles(spec, self)) * self.batch * spec.num_experts * 4
+        return 1 if plan.tp == 1 and self.batch == 1 and spec.num_experts and shares <= 64 * 1024 else 2
 
     def rows_per_tile(self, total: int, size: int) -> int:
         """`size`, or when 0 the height that cuts `total` rows into at most one tile per worker (at least 16
@@ -123,6 +143,11 @@ def tiles(total: int, size: int) -> list[tuple[int, int]]:
     return [(r, min(size, total - r)) for r in range(0, total, size)]
 
 
+def hidden_tiles(spec: ModelSpec, config: GraphConfig) -> list[tuple[int, int]]:
+    """(row0, nrows) of the row-parallel tiles over the hidden size: o_proj, down, moe_combine."""
+    return tiles(spec.hidden_size, config.rows_per_tile(spec.hidden_size, config.tile_rows))
+
+
 def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> GraphBuilder:
     config = config.resolved(spec, plan)
     g = GraphBuilder()
@@ -130,15 +155,19 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
     hq, hkv, group = plan.num_heads, plan.num_kv_heads, plan.group
 
     def row_parallel(kind: str, layer: int, wait: int, name: str) -> int:
-        """o_proj/down/moe_combine tiles, each followed (tp>1) by the all-reduce of its slice; returns 'x updated'."""
-        row_tiles = tiles(H, config.rows_per_tile(H, config.tile_rows))
+        """o_proj/down/moe_combine tiles, each followed (tp>1) by the all-reduce of its slice; returns 'x updated'.
+        The o_proj tiles of a sparse layer also add their rows' shares of the gate's logits where the config
+        says so (router_partials 1: `router_layer`, the layer's index among the sparse ones, else -1)."""
+        row_tiles = hidden_tiles(spec, config)
         done = g.event(f"L{layer}.{name}.x", len(row_tiles))
+        partials = kind == "o_proj" and layer in spec.moe_layers and config.router_partials == 1
+        extra = ((spec.moe_layers.index(layer) if partials else -1),) if kind == "o_proj" else ()
         for row0, nrows in row_tiles:
             if plan.tp == 1:
-                g.task(kind, layer, (row0, nrows, ADD_RESIDUAL), wait=wait, signal=done)
+                g.task(kind, layer, (row0, nrows, ADD_RESIDUAL, *extra), wait=wait, signal=done)
             else:
                 tile_done = g.event(f"L{layer}.{name}.tile{row0}", 1)
-                g.task(kind, layer, (row0, nrows, WRITE_PARTIAL), wait=wait, signal=tile_done)
+                g.task(kind, layer, (row0, nrows, WRITE_PARTIAL, *extra), wait=wait, signal=tile_done)
                 slot = 2 * layer + (kind != "o_proj")      # the MLP's output (down, moe_combine): odd
                 arrived = g.event(f"L{layer}.{name}.ar{row0}", plan.tp)    # one push from every rank
                 g.task("ar_push", layer, (row0, nrows, slot), wait=tile_done, signal=arrived)
@@ -146,18 +175,21 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
         return done
 
     def sparse_mlp(layer: int, wait: int) -> int:
-        """The router tiles (the gate's logits, cut over the experts), the route task (each row's choices and the
-        step's distinct experts, tasks/route.py), then the expert tiles: gate/up, and down once every gate/up
-        tile is done (a down tile may read any expert's expert_h); returns 'every expert output stored', which
-        the combine tiles wait for. Each phase's tiles split the distinct experts' rows evenly at run time, so
-        they stay balanced when rows share experts (GraphConfig.expert_parts says how many)."""
+        """The router tiles (the gate's logits, cut over the experts) unless the o_proj tiles added their shares
+        (router_partials 1), the route task (each row's choices and the step's distinct experts,
+        tasks/route.py), then the expert tiles: gate/up, and down once every gate/up tile is done (a down tile
+        may read any expert's expert_h); returns 'every expert output stored', which the combine tiles wait
+        for. Each phase's tiles split the distinct experts' rows evenly at run time, so they stay balanced when
+        rows share experts (GraphConfig.expert_parts says how many)."""
         sparse, slots = spec.moe_layers.index(layer), B * spec.experts_per_token
-        router_tiles = tiles(spec.num_experts, config.rows_per_tile(spec.num_experts, config.tile_rows))
-        logits = g.event(f"L{layer}.router", len(router_tiles))
-        for expert0, nexperts in router_tiles:
-            g.task("router", layer, (sparse, expert0, nexperts), wait=wait, signal=logits)
+        logits, partials = wait, int(config.router_partials == 1)
+        if not partials:
+            router_tiles = tiles(spec.num_experts, config.rows_per_tile(spec.num_experts, config.tile_rows))
+            logits = g.event(f"L{layer}.router", len(router_tiles))
+            for expert0, nexperts in router_tiles:
+                g.task("router", layer, (sparse, expert0, nexperts), wait=wait, signal=logits)
         routed = g.event(f"L{layer}.route", 1)
-        g.task("route", layer, (sparse,), wait=logits, signal=routed)
+        g.task("route", layer, (sparse, partials), wait=logits, signal=routed)
         up_parts, down_parts = config.expert_parts(plan.expert_inter, slots), config.expert_parts(H, slots)
         h_done = g.event(f"L{layer}.expert_h", up_parts)
         for part in range(up_parts):
@@ -218,8 +250,8 @@ def compile_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> TaskT
     config = config.resolved(spec, plan)
     builder = lower_decode_step(spec, plan, config)
     tasks, need = builder.tensors(plan.tp)
-    shape = StepShape(spec, plan, config.batch, config.kv_splits, config.context,
-                      config.dtype_bytes, config.dtype_bytes, config.qkv_parts)
+    shape = StepShape(spec, plan, config.batch, config.kv_splits, config.context, config.dtype_bytes,
+                      config.dtype_bytes, config.qkv_parts, config.rows_per_tile(spec.hidden_size, config.tile_rows))
     cost = torch.tensor([TASK_KINDS[t[0]].cost(shape, t[1], tuple(t[2:6])) for t in builder.rows],
                         dtype=torch.int64)
     table = schedule(tasks, need, cost, builder.event_names, config)

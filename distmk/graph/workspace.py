@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from distmk.graph.lowering import num_lm_tiles
+from distmk.graph.lowering import hidden_tiles, num_lm_tiles
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class Dims:
     top_k: int = 0          # experts each token picks
     expert_inter: int = 0   # this rank's rows of each expert
     sparse_layers: int = 0  # layers with experts
+    router_parts: int = 1   # o_proj tiles that add shares of the gate's logits (GraphConfig.router_partials 1)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,10 @@ WORKSPACE = (
     Buffer("next_token", lambda d: (d.batch,), "int64", "the greedy token of each row"),
     # mixture of experts (tasks/router.py, tasks/route.py): slot b * top_k + k is row b's k-th choice
     Buffer("router_logits", lambda d: (d.batch, max(1, d.experts)), "float32", "the gate's logits of each expert"),
+    Buffer("router_partial", lambda d: (d.router_parts, d.batch, max(1, d.experts)), "float32",
+           "each o_proj tile's share of the gate's logits, before the RMSNorm's scale (router_partials 1)"),
+    Buffer("router_sumsq", lambda d: (d.router_parts, d.batch), "float32",
+           "and of the residual stream's sum of squares, of which the route task takes that scale"),
     Buffer("route_expert", lambda d: (d.batch, max(1, d.top_k)), "int64", "the expert of each slot"),
     Buffer("route_weight", lambda d: (d.batch, max(1, d.top_k)), "float32", "its routing weight"),
     Buffer("route_slot", lambda d: (d.batch, max(1, d.top_k)), "int64",
@@ -77,6 +82,7 @@ def allocate_workspace(spec, plan, config, dtype, device) -> dict:
     dims = Dims(batch=config.batch, hidden=spec.hidden_size, head_dim=spec.head_dim, heads=plan.num_heads,
                 kv_heads=plan.num_kv_heads, group=plan.group, inter=plan.inter, vocab=plan.vocab,
                 kv_splits=config.kv_splits, lm_tiles=num_lm_tiles(plan, config), experts=spec.num_experts,
-                top_k=spec.experts_per_token, expert_inter=plan.expert_inter, sparse_layers=len(spec.moe_layers))
+                top_k=spec.experts_per_token, expert_inter=plan.expert_inter, sparse_layers=len(spec.moe_layers),
+                router_parts=len(hidden_tiles(spec, config)) if config.router_partials == 1 else 1)
     dtypes = {"float32": torch.float32, "int64": torch.int64, "act": dtype}
     return {b.name: torch.zeros(b.shape(dims), dtype=dtypes[b.dtype], device=device) for b in WORKSPACE}

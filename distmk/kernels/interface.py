@@ -16,6 +16,7 @@ import torch
 import triton
 
 from distmk.errors import DistmkError
+from distmk.graph.lowering import hidden_tiles
 from distmk.graph.table import COLUMNS
 from distmk.graph.workspace import WORKSPACE
 from distmk.kernels.layout import STACKED
@@ -122,6 +123,10 @@ CONSTANTS = (
     Arg("TOP_K_PAD", lambda l: padded(l.spec.experts_per_token, 2)),
     Arg("SLOTS_PAD", lambda l: padded(l.config.batch * l.spec.experts_per_token), "a step's choices, padded"),
     Arg("NORM_TOPK", lambda l: l.spec.norm_topk_prob, "the chosen experts' probabilities renormalised"),
+    Arg("ROUTER_PARTS", lambda l: len(hidden_tiles(l.spec, l.config)) if l.config.router_partials == 1 else 1,
+        "o_proj tiles that add shares of the gate's logits (router_partials 1)"),
+    Arg("O_PROJ_ROWS", lambda l: l.config.rows_per_tile(l.spec.hidden_size, l.config.tile_rows),
+        "rows of an o_proj tile (row0 // O_PROJ_ROWS: its share's index)"),
     Arg("EXPERT_INTER", lambda l: l.plan.expert_inter, "an expert's MLP width on this rank"),
     Arg("BATCH", lambda l: l.config.batch, "rows a step holds at most"),
     Arg("VOCAB_L", lambda l: l.plan.vocab, "this rank's vocabulary slice, padded"),

@@ -29,6 +29,7 @@ class StepContext:
     block_size: int
     kv_splits: int
     qkv_parts: int                    # column slices of a QKV head (GraphConfig.qkv_parts)
+    o_proj_rows: int                  # rows of an o_proj tile (a router share's index: row0 // o_proj_rows)
     comm: object
     dtype: torch.dtype
     tokens: torch.Tensor = None       # [rows] int64
@@ -49,7 +50,8 @@ class ReferenceExecutor:
             spec=spec, plan=plan, weights=weights,
             buf=allocate_workspace(spec, plan, config, dtype, device),
             k_cache=kv_cache.k, v_cache=kv_cache.v, block_size=kv_cache.block_size,
-            kv_splits=config.kv_splits, qkv_parts=config.qkv_parts, comm=comm, dtype=dtype, published={})
+            kv_splits=config.kv_splits, qkv_parts=config.qkv_parts,
+            o_proj_rows=config.rows_per_tile(spec.hidden_size, config.tile_rows), comm=comm, dtype=dtype, published={})
         self.rows = [(TASK_KINDS[r[TYPE]], r[LAYER], tuple(r[A0:A0 + len(TASK_KINDS[r[TYPE]].args)]),
                       r[WAIT], r[SIGNAL]) for r in table.tasks.tolist()]
         # an exchange's event counts one signal per rank; here the other ranks meet inside comm.gather

@@ -1,5 +1,6 @@
 """A row tile of the attention output projection (row-parallel): attn @ Wo[rows]^T, into the residual
-stream (tp=1) or this rank's partial sum (tp>1, combined by an allreduce task)."""
+stream (tp=1) or this rank's partial sum (tp>1, combined by an allreduce task). In a sparse layer at tp=1 it
+can also add its rows' share of the gate's logits (router_layer >= 0: tasks/router.py)."""
 import triton
 import triton.language as tl
 from triton.experimental import gluon
@@ -8,13 +9,20 @@ from triton.experimental.gluon import language as gl
 from distmk.device import ring as rg
 from distmk.device.primitives import prefetch_l2
 from distmk.tasks.base import TaskKind, row_parallel_gpu, row_parallel_tile
+from distmk.tasks.router import router_share, router_share_gpu
 
 
 @triton.jit
-def o_proj_gpu(layer, row0, nrows, mode, n, attn, wo, x, partial, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
-               B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def o_proj_gpu(layer, row0, nrows, mode, router_layer, n, attn, wo, x, partial, norms, router, router_partial,
+               router_sumsq, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, EXPERTS: tl.constexpr,
+               EXPERTS_PAD: tl.constexpr, BATCH: tl.constexpr, O_PROJ_ROWS: tl.constexpr, B_PAD: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     w = wo + layer.to(tl.int64) * H * HQ * D
     row_parallel_gpu(attn, w, row0, nrows, mode, n, x, partial, HQ * D, H, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
+    if EXPERTS > 0:
+        if router_layer >= 0:
+            router_share_gpu(layer, router_layer, row0, nrows, n, x, norms, router, router_partial, router_sumsq,
+                             H, EXPERTS, EXPERTS_PAD, BATCH, O_PROJ_ROWS, B_PAD, BLOCK_N, DOT_PRECISION)
 
 
 @triton.jit
@@ -39,15 +47,18 @@ def o_proj_ring(row0, nrows, n, x, attn_desc, ring, ready, empty, xring, xready,
 
 class OProj(TaskKind):
     name = "o_proj"
-    args = ("row0", "nrows", "mode")
+    args = ("row0", "nrows", "mode", "router_layer")     # router_layer: the sparse layer's index, or -1
     gpu = o_proj_gpu
     gpu_prefetch = o_proj_prefetch
     ring = o_proj_ring
     ring_weights = o_proj_weights
 
     def cost(self, shape, layer, a):
-        return shape.matmul_bytes(a[1], shape.plan.num_heads * shape.spec.head_dim)
+        share = shape.matmul_bytes(shape.spec.num_experts, a[1]) if a[3] >= 0 else 0
+        return shape.matmul_bytes(a[1], shape.plan.num_heads * shape.spec.head_dim) + share
 
     def run(self, ctx, layer, a):
-        row0, nrows, mode = a
+        row0, nrows, mode, router_layer = a
         row_parallel_tile(ctx, ctx.buf["attn"], ctx.weights.layers[layer].wo, row0, nrows, mode)
+        if router_layer >= 0:
+            router_share(ctx, layer, router_layer, row0, nrows)

@@ -1,6 +1,6 @@
-"""The choice of a sparse (mixture-of-experts) layer's experts, for every row, from the gate's logits (the
-router tiles', tasks/router.py): softmax in float32 and the top-k experts of each row, their probabilities
-renormalised to sum to 1 where the model says so (norm_topk_prob).
+"""The choice of a sparse (mixture-of-experts) layer's experts, for every row, from the gate's logits (the router
+tiles', or the sum of the o_proj tiles' shares: tasks/router.py): softmax in float32 and the top-k experts of
+each row, their probabilities renormalised to sum to 1 where the model says so (norm_topk_prob).
 
 A row's k-th choice is slot b * top_k + k. The task writes each slot's expert and weight, the first slot of
 the step that chose the same expert (route_slot: the slot that *leads* for it), and the leading slots in
@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from distmk.tasks.base import TaskKind
+from distmk.tasks.router import router_logits
 
 
 def choose(logits: torch.Tensor, top_k: int, renormalise: bool):
@@ -77,31 +78,50 @@ def flat_segment(u, lo, hi, route_unique, route_expert, ROWS: tl.constexpr, BATC
     return slot, tl.load(route_expert + slot), row0, tl.minimum(hi - u * ROWS, ROWS) - row0
 
 
-@triton.jit
-def route_gpu(sparse_layer, n, router_logits, route_expert, route_weight, route_slot, route_unique, route_count,
-              route_history, EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr,
-              SLOTS_PAD: tl.constexpr, NORM_TOPK: tl.constexpr, BATCH: tl.constexpr):
-    """A row at a time: its probabilities, then each expert's rank among them from one [experts, experts]
-    comparison (ties to the lower index, as a left-first argmax), and the experts ranked below TOP_K stored at
-    their rank's slot. One pass of reductions a row, where picking the top k one argmax at a time took 2k
-    dependent reductions over the padded batch. Then each slot's leading slot, and the leading slots in order,
-    each stored at the number of leading slots before it (a prefix sum, no atomics)."""
+# noinline: inlined, it took the tl megakernel's entry from 136 / 184 to 236 / 280 bytes of spill stores / loads
+# (ptxas, sm_90a, qwen3-30b-a3b at batch 1), 188 / 240 as a function of its own
+@triton.jit(noinline=True)
+def route_gpu(sparse_layer, partials, n, router_logits, router_partial, router_sumsq, route_expert, route_weight,
+              route_slot, route_unique, route_count, route_history, H: tl.constexpr, EPS: tl.constexpr,
+              EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
+              SLOTS_PAD: tl.constexpr, NORM_TOPK: tl.constexpr, BATCH: tl.constexpr, ROUTER_PARTS: tl.constexpr):
+    """A row at a time: its probabilities, then its TOP_K largest by one bitonic top-k (tl.topk) of keys that
+    pack a probability's bits (non-negative floats order as their bits) above the expert's index reversed, so
+    the keys are distinct and ties go to the lower index, as a left-first argmax; the chosen slots are stored
+    in order. In one program alone on an H200 this took 1.1 us a row of qwen3-30b-a3b (128 experts, top 8),
+    against 3.1 us for each expert's rank from an [experts, experts] comparison, which it replaced (ninth
+    session's route_probe.py); in the step's trace the task still takes 7 us, summing shares or not. Then each
+    slot's leading slot, and the leading slots in order, each stored at the number of leading slots before it
+    (a prefix sum, no atomics). With `partials` a row's logits are the sum of the o_proj tiles' shares, 32
+    tiles at a time in tile order, scaled by the RMSNorm's rstd (router_logits)."""
     re = tl.arange(0, EXPERTS_PAD)
+    rk = tl.arange(0, TOP_K_PAD)
+    rt = tl.arange(0, 32)
     for b in range(n):
-        logits = tl.load(router_logits + b * EXPERTS + re, mask=re < EXPERTS, other=float("-inf"))
+        if partials:
+            total = tl.zeros((EXPERTS_PAD,), dtype=tl.float32)
+            sumsq = tl.zeros((32,), dtype=tl.float32)
+            for t0 in range(0, ROUTER_PARTS, 32):
+                shares = (t0 + rt) < ROUTER_PARTS
+                total += tl.sum(tl.load(router_partial + ((t0 + rt[:, None]) * BATCH + b) * EXPERTS + re[None, :],
+                                        mask=shares[:, None] & (re < EXPERTS)[None, :], other=0.0), axis=0)
+                sumsq += tl.load(router_sumsq + (t0 + rt) * BATCH + b, mask=shares, other=0.0)
+            logits = total * tl.math.rsqrt(tl.sum(sumsq, axis=0) / H + EPS)
+            logits = tl.where(re < EXPERTS, logits, float("-inf"))
+        else:
+            logits = tl.load(router_logits + b * EXPERTS + re, mask=re < EXPERTS, other=float("-inf"))
         p = tl.exp(logits - tl.max(logits, axis=0))
         p = tl.where(re < EXPERTS, p / tl.sum(p, axis=0), -1.0)      # padding ranks below every expert
-        # above[e, j]: expert j ranks above expert e
-        above = (p[None, :] > p[:, None]) | ((p[None, :] == p[:, None]) & (re[None, :] < re[:, None]))
-        rank = tl.sum(above.to(tl.int32), axis=1)
-        chosen = (rank < TOP_K) & (re < EXPERTS)
-        weight = p
+        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (EXPERTS_PAD - 1 - re).to(tl.int64)
+        top = tl.topk(key, TOP_K_PAD, dim=0)
+        expert = EXPERTS_PAD - 1 - (top & 0xFFFFFFFF)
+        weight = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
         if NORM_TOPK:
-            weight = p / tl.sum(tl.where(chosen, p, 0.0), axis=0)
-        slot = b * TOP_K + rank
-        tl.store(route_expert + slot, re.to(tl.int64), mask=chosen)
-        tl.store(route_weight + slot, weight, mask=chosen)
-        tl.store(route_history + sparse_layer.to(tl.int64) * BATCH * TOP_K + slot, re.to(tl.int64), mask=chosen)
+            weight = weight / tl.sum(tl.where(rk < TOP_K, weight, 0.0), axis=0)
+        slot = b * TOP_K + rk
+        tl.store(route_expert + slot, expert, mask=rk < TOP_K)
+        tl.store(route_weight + slot, weight, mask=rk < TOP_K)
+        tl.store(route_history + sparse_layer.to(tl.int64) * BATCH * TOP_K + slot, expert, mask=rk < TOP_K)
     rs = tl.arange(0, SLOTS_PAD)
     slots = rs < n * TOP_K
     if n == 1:      # a row's choices are distinct experts: every slot leads (no round trip through memory)
@@ -126,15 +146,18 @@ def route_gpu(sparse_layer, n, router_logits, route_expert, route_weight, route_
 
 class Route(TaskKind):
     name = "route"
-    args = ("sparse_layer",)    # the layer's index among the sparse ones (its route_history row)
+    # sparse_layer: the layer's index among the sparse ones (its route_history row); partials: 1 where the o_proj
+    # tiles added shares of the logits (GraphConfig.router_partials 1), 0 where router tiles wrote them
+    args = ("sparse_layer", "partials")
     gpu = route_gpu
 
     def cost(self, shape, layer, a):
-        return shape.batch * shape.spec.num_experts * 4
+        shares = -(-shape.spec.hidden_size // shape.o_proj_rows) if a[1] else 1
+        return shares * shape.batch * (shape.spec.num_experts + 1) * 4
 
     def run(self, ctx, layer, a):
         n, top_k = ctx.num_rows, ctx.spec.experts_per_token
-        weights, experts = choose(ctx.buf["router_logits"][:n], top_k, ctx.spec.norm_topk_prob)
+        weights, experts = choose(router_logits(ctx, a[1]), top_k, ctx.spec.norm_topk_prob)
         ctx.buf["route_weight"][:n] = weights
         ctx.buf["route_expert"][:n] = experts
         ctx.buf["route_history"][a[0], :n] = experts

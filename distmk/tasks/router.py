@@ -1,7 +1,14 @@
 """A tile of a sparse (mixture-of-experts) layer's router: the gate's logits of experts [expert0, expert0 +
 nexperts) for every row, in float32, over the post-attention RMSNorm of the residual stream (computed by each
 tile). The tiles of a layer cut its gate GEMV over the workers; the route task (tasks/route.py) then chooses
-each row's experts from all the logits. Replicated under tensor parallelism: every rank computes every logit."""
+each row's experts from all the logits. Replicated under tensor parallelism: every rank computes every logit.
+
+At tp=1 the o_proj tiles can do it instead (GraphConfig.router_partials 1, no router phase): the logits are
+rstd * ((x * g) @ W^T), linear in the residual stream x but for the RMSNorm's scale rstd, so the tile that
+finishes rows [row0, row0 + nrows) of x adds their share, (x * g) @ W[:, rows]^T and the sum of x^2 over them
+(router_share), and the route task sums the shares in tile order and scales. The logits are then those of the
+float32 normed stream, where router tiles round it to the activation dtype first."""
+import torch
 import triton
 import triton.language as tl
 
@@ -24,6 +31,58 @@ def router_gpu(layer, sparse_layer, expert0, nexperts, n, worker, x, xn, norms, 
         logits = matmul_block(inp, w, n, expert0 + j, nexperts - j, H, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
         tl.store(router_logits + rb[:, None] * EXPERTS + (expert0 + j + rn)[None, :], logits,
                  mask=(rb < n)[:, None] & (rn < nexperts - j)[None, :])
+
+
+@triton.jit(noinline=True)
+def router_share_gpu(layer, sparse_layer, row0, nrows, n, x, norms, router, router_partial, router_sumsq,
+                     H: tl.constexpr, EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, BATCH: tl.constexpr,
+                     O_PROJ_ROWS: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+    """The share of rows [row0, row0 + nrows) of the residual stream, which this CTA has just stored, in the gate's
+    logits: at share row0 // O_PROJ_ROWS of router_partial and router_sumsq (noinline: its [B_PAD, EXPERTS_PAD]
+    accumulator stays out of the o_proj tile's registers)."""
+    tl.debug_barrier()          # the whole CTA reads the rows its threads stored
+    rb = tl.arange(0, B_PAD)
+    rn = tl.arange(0, BLOCK_N)
+    re = tl.arange(0, EXPERTS_PAD)
+    w = router + sparse_layer.to(tl.int64) * EXPERTS * H
+    g_w = norms + (2 * layer + 1) * H                           # the post-attention RMSNorm's weight
+    acc = tl.zeros((B_PAD, EXPERTS_PAD), dtype=tl.float32)
+    sumsq = tl.zeros((B_PAD,), dtype=tl.float32)
+    for j in range(0, nrows, BLOCK_N):
+        cols = row0 + j + rn
+        valid = rn < nrows - j
+        xs = tl.load(x + rb[:, None] * H + cols[None, :], mask=(rb < n)[:, None] & valid[None, :], other=0.0)
+        xs = xs.to(tl.float32)
+        g = tl.load(g_w + cols, mask=valid, other=0.0).to(tl.float32)
+        wr = tl.load(w + re[:, None] * H + cols[None, :], mask=(re < EXPERTS)[:, None] & valid[None, :], other=0.0)
+        sumsq += tl.sum(xs * xs, axis=1)
+        acc += tl.dot(xs * g[None, :], tl.trans(wr.to(tl.float32)), input_precision=DOT_PRECISION)
+    share = row0 // O_PROJ_ROWS
+    tl.store(router_partial + (share * BATCH + rb[:, None]) * EXPERTS + re[None, :], acc,
+             mask=(rb < n)[:, None] & (re < EXPERTS)[None, :])
+    tl.store(router_sumsq + share * BATCH + rb, sumsq, mask=rb < n)
+
+
+def router_share(ctx, layer: int, sparse_layer: int, row0: int, nrows: int) -> None:
+    """router_share_gpu's semantics: rows [row0, row0 + nrows) of the residual stream's share of the logits."""
+    lw, n = ctx.weights.layers[layer], ctx.num_rows
+    rows = slice(row0, row0 + nrows)
+    x = ctx.buf["x"][:n, rows].float()
+    share = row0 // ctx.o_proj_rows
+    ctx.buf["router_partial"][share, :n] = (x * lw.post_norm[rows].float()) @ lw.router[:, rows].float().t()
+    ctx.buf["router_sumsq"][share, :n] = (x * x).sum(-1)
+
+
+def router_logits(ctx, partials: int) -> torch.Tensor:
+    """The gate's logits [rows, experts] of the step's rows: the router tiles', or the sum of the o_proj tiles'
+    shares in tile order, scaled by the RMSNorm's rstd (partials 1)."""
+    n = ctx.num_rows
+    if not partials:
+        return ctx.buf["router_logits"][:n]
+    sumsq = ctx.buf["router_sumsq"][:, :n].sum(0)
+    rstd = torch.rsqrt(sumsq / ctx.spec.hidden_size + ctx.spec.rms_norm_eps)
+    return ctx.buf["router_partial"][:, :n].sum(0) * rstd[:, None]
 
 
 class Router(TaskKind):
