@@ -18,11 +18,13 @@ SCRIPT = """
 import json, sys
 from distmk.graph import GraphConfig
 from distmk.runtime.engine import Engine
-name = sys.argv[1]
+name, router_partials = sys.argv[1], int(sys.argv[2])
 # QKV tiles of half a head (under q/k-norm finished by qk_finish tasks); matmul tiles of 24 rows, not a multiple of
 # the kernels' row blocks; the one-row decode steps run a table of their own (BATCH 1: the expert tiles' path where
-# every slot leads; the tensor-parallel test below runs one-row steps on a four-row table)
-config = GraphConfig(batch=4, kv_splits=3, tile_rows=24, lm_tile_rows=48, workers=1, qkv_parts=2)
+# every slot leads; the tensor-parallel test below runs one-row steps on a four-row table); router_partials 0 gives
+# the four-row table router tiles and the one-row table the o_proj tiles' shares, 1 shares to both
+config = GraphConfig(batch=4, kv_splits=3, tile_rows=24, lm_tile_rows=48, workers=1, qkv_parts=2,
+                     router_partials=router_partials)
 engines = [Engine(name, backend=b, config=config, step_batches=(1,)) for b in ("reference", "triton")]
 runs = [e.generate([1, 2, 3, 4, 5, 6, 7], 5, return_logits=True) for e in engines]
 (ref_tokens, ref_logits), (tokens, logits) = runs
@@ -39,10 +41,12 @@ def test_interpreted_megakernel_matches_reference(models):
     """Every task type's tl device function against its reference semantics; for the mixture-of-experts presets
     the router, the route task's distinct experts, the expert tiles that cut their rows at run time (crossing from
     one expert into the next) and the combine (prompt steps of 4 and 3 rows, then one-row steps on a one-row
-    table)."""
+    table); the gate's logits from router tiles and from the o_proj tiles' shares (the second model's prompt
+    steps too: router_partials 1)."""
     # a process per model, all at once: the interpreter is single-threaded and CI has two cores
-    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, name], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=INTERPRETED) for name in models]
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, name, str(int(i == 1))], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=INTERPRETED)
+             for i, name in enumerate(models)]
     results = []
     try:
         for proc in procs:

@@ -75,17 +75,18 @@ class GraphConfig:
         """router_partials made concrete (see tasks/router.py for what the o_proj tiles add). At tp > 1 an o_proj
         tile holds a partial sum, not the residual stream's rows, so only router tiles can do it there. The
         route task sums every tile's share of a row, one row after another, so the shares serve one row of at
-        most 64 KB (qwen3-30b-a3b: 128 tiles x 128 experts). On an H200 (ninth session, call 3) they took
-        qwen3-30b-a3b at batch 1 from 4.845 to 4.574 ms a step (no router phase, 8 us a layer), and lost at
-        batch 8: 13.47 against 11.49 ms."""
+        most 64 KB (qwen3-30b-a3b: 128 tiles x 128 experts). On an H200 (ninth session, call 3, a tree that also
+        had wider expert gate/up steps, since dropped) they took qwen3-30b-a3b at batch 1 from 4.845 to 4.574 ms
+        a step (no router phase: 5.6 us a layer), and lost at batch 8 (eight rows' shares, one row after
+        another): 13.47 against 11.49 ms."""
         if self.router_partials > 2:
             raise GraphError(f"GraphConfig.router_partials must be 0, 1 or 2, got {self.router_partials}")
-        if self.router_partials == 1 and plan.tp > 1:
+        if self.router_partials == 1 and plan.tp > 1 and spec.moe_layers:
             raise GraphError("router_partials=1 needs tp=1: at tp > 1 an o_proj tile holds this rank's partial sum")
         if self.router_partials:
             return self.router_partials
         shares = len(hidden_tiles(spec, self)) * self.batch * spec.num_experts * 4
-        return 1 if plan.tp == 1 and self.batch == 1 and spec.num_experts and shares <= 64 * 1024 else 2
+        return 1 if plan.tp == 1 and self.batch == 1 and spec.moe_layers and shares <= 64 * 1024 else 2
 
     def rows_per_tile(self, total: int, size: int) -> int:
         """`size`, or when 0 the height that cuts `total` rows into at most one tile per worker (at least 16

@@ -11,7 +11,8 @@ Numerics follow the graph's tasks (tasks/): the residual stream in float32, acti
 dtype where a task stores them, RMSNorm and RoPE in float32; the products run in the model's dtype (in bf16,
 cuBLAS accumulates in float32 and rounds each output once, where the tasks keep float32 until they store).
 Under tensor parallelism every rank runs its shard and the row-parallel outputs are summed in rank order
-(comm.gather), so the ranks stay bit-identical. A sparse layer routes and combines as its tasks do.
+(comm.gather), so the ranks stay bit-identical. A sparse layer routes and combines as router tiles do (a
+batch-1 decode table whose o_proj tiles add the logits' shares routes on the float32 normed stream instead).
 
 Even compiled, a chunk launched op by op is bound by the host: some 1300 kernel launches, which for a 256-token
 chunk of llama-3-8b took 27 ms on an H200 where its kernels need 8. So a chunk is replayed as a CUDA graph where
@@ -240,7 +241,7 @@ class ChunkGraphs:
 
 def sparse_mlp(xn: torch.Tensor, lw, spec) -> torch.Tensor:
     """A sparse layer's MLP output (this rank's partial sum, float32) for normed rows `xn`, as its tasks compute
-    it: the router's choices, each chosen expert's products over the rows that chose it, and the weighted sum
+    it with router tiles (GraphConfig.router_partials 2): the router's choices, each chosen expert's products over the rows that chose it, and the weighted sum
     in the order of the choices."""
     weights, experts = choose(xn.float() @ lw.router.float().t(), spec.experts_per_token, spec.norm_topk_prob)
     outs = torch.zeros(*experts.shape, spec.hidden_size, dtype=torch.float32, device=xn.device)

@@ -93,7 +93,7 @@ def route_gpu(sparse_layer, partials, n, router_logits, router_partial, router_s
     session's route_probe.py); in the step's trace the task still takes 7 us, summing shares or not. Then each
     slot's leading slot, and the leading slots in order, each stored at the number of leading slots before it
     (a prefix sum, no atomics). With `partials` a row's logits are the sum of the o_proj tiles' shares, 32
-    tiles at a time in tile order, scaled by the RMSNorm's rstd (router_logits)."""
+    tiles at a time (a fixed order: the same bits every run), scaled by the RMSNorm's rstd (router_logits)."""
     re = tl.arange(0, EXPERTS_PAD)
     rk = tl.arange(0, TOP_K_PAD)
     rt = tl.arange(0, 32)

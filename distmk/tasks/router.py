@@ -6,8 +6,9 @@ each row's experts from all the logits. Replicated under tensor parallelism: eve
 At tp=1 the o_proj tiles can do it instead (GraphConfig.router_partials 1, no router phase): the logits are
 rstd * ((x * g) @ W^T), linear in the residual stream x but for the RMSNorm's scale rstd, so the tile that
 finishes rows [row0, row0 + nrows) of x adds their share, (x * g) @ W[:, rows]^T and the sum of x^2 over them
-(router_share), and the route task sums the shares in tile order and scales. The logits are then those of the
-float32 normed stream, where router tiles round it to the activation dtype first."""
+(router_share), and the route task sums the shares in a fixed order and scales. The logits are then those of the
+float32 normed stream, where router tiles round it to the activation dtype first (on the GPU the share's dot
+rounds x * g to tf32, 10 bits of mantissa against bf16's 7)."""
 import torch
 import triton
 import triton.language as tl
@@ -76,7 +77,7 @@ def router_share(ctx, layer: int, sparse_layer: int, row0: int, nrows: int) -> N
 
 def router_logits(ctx, partials: int) -> torch.Tensor:
     """The gate's logits [rows, experts] of the step's rows: the router tiles', or the sum of the o_proj tiles'
-    shares in tile order, scaled by the RMSNorm's rstd (partials 1)."""
+    shares, scaled by the RMSNorm's rstd (partials 1)."""
     n = ctx.num_rows
     if not partials:
         return ctx.buf["router_logits"][:n]
