@@ -144,9 +144,20 @@ def tiles(total: int, size: int) -> list[tuple[int, int]]:
     return [(r, min(size, total - r)) for r in range(0, total, size)]
 
 
+def hidden_tile_rows(spec: ModelSpec, config: GraphConfig) -> int:
+    """Rows of a row-parallel tile over the hidden size (o_proj, down, moe_combine; the last may have fewer)."""
+    return config.rows_per_tile(spec.hidden_size, config.tile_rows)
+
+
 def hidden_tiles(spec: ModelSpec, config: GraphConfig) -> list[tuple[int, int]]:
-    """(row0, nrows) of the row-parallel tiles over the hidden size: o_proj, down, moe_combine."""
-    return tiles(spec.hidden_size, config.rows_per_tile(spec.hidden_size, config.tile_rows))
+    """(row0, nrows) of the row-parallel tiles over the hidden size."""
+    return tiles(spec.hidden_size, hidden_tile_rows(spec, config))
+
+
+def router_shares(spec: ModelSpec, config: GraphConfig) -> int:
+    """Shares of the gate's logits a row has (a resolved config): one per o_proj tile with router_partials 1,
+    else 1 (the buffers' least size; router tiles write the logits whole)."""
+    return len(hidden_tiles(spec, config)) if config.router_partials == 1 else 1
 
 
 def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> GraphBuilder:
@@ -252,7 +263,7 @@ def compile_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> TaskT
     builder = lower_decode_step(spec, plan, config)
     tasks, need = builder.tensors(plan.tp)
     shape = StepShape(spec, plan, config.batch, config.kv_splits, config.context, config.dtype_bytes,
-                      config.dtype_bytes, config.qkv_parts, config.rows_per_tile(spec.hidden_size, config.tile_rows))
+                      config.dtype_bytes, config.qkv_parts, hidden_tile_rows(spec, config))
     cost = torch.tensor([TASK_KINDS[t[0]].cost(shape, t[1], tuple(t[2:6])) for t in builder.rows],
                         dtype=torch.int64)
     table = schedule(tasks, need, cost, builder.event_names, config)

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from distmk.graph.lowering import hidden_tiles, num_lm_tiles
+from distmk.graph.lowering import num_lm_tiles, router_shares
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,6 @@ def allocate_workspace(spec, plan, config, dtype, device) -> dict:
                 kv_heads=plan.num_kv_heads, group=plan.group, inter=plan.inter, vocab=plan.vocab,
                 kv_splits=config.kv_splits, lm_tiles=num_lm_tiles(plan, config), experts=spec.num_experts,
                 top_k=spec.experts_per_token, expert_inter=plan.expert_inter, sparse_layers=len(spec.moe_layers),
-                router_parts=len(hidden_tiles(spec, config)) if config.router_partials == 1 else 1)
+                router_parts=router_shares(spec, config))
     dtypes = {"float32": torch.float32, "int64": torch.int64, "act": dtype}
     return {b.name: torch.zeros(b.shape(dims), dtype=dtypes[b.dtype], device=device) for b in WORKSPACE}

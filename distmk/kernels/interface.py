@@ -16,7 +16,7 @@ import torch
 import triton
 
 from distmk.errors import DistmkError
-from distmk.graph.lowering import hidden_tiles
+from distmk.graph.lowering import hidden_tile_rows, router_shares
 from distmk.graph.table import COLUMNS
 from distmk.graph.workspace import WORKSPACE
 from distmk.kernels.layout import STACKED
@@ -54,8 +54,7 @@ class Launch:
     def block_n(self) -> int:
         """An o_proj tile's height where that is under 32 (hidden size 2048 over 132 workers: 16 rows), so a load
         step reads no padding rows: qwen3-30b-a3b's step took 5.12 ms with 32-row steps, 4.76 ms with 16."""
-        o_proj_rows = self.config.rows_per_tile(self.spec.hidden_size, self.config.tile_rows)
-        return self.options.block_n or min(32, padded(o_proj_rows))
+        return self.options.block_n or min(32, padded(hidden_tile_rows(self.spec, self.config)))
 
     @property
     def expert_block_k(self) -> int:
@@ -123,9 +122,9 @@ CONSTANTS = (
     Arg("TOP_K_PAD", lambda l: padded(l.spec.experts_per_token, 2)),
     Arg("SLOTS_PAD", lambda l: padded(l.config.batch * l.spec.experts_per_token), "a step's choices, padded"),
     Arg("NORM_TOPK", lambda l: l.spec.norm_topk_prob, "the chosen experts' probabilities renormalised"),
-    Arg("ROUTER_PARTS", lambda l: len(hidden_tiles(l.spec, l.config)) if l.config.router_partials == 1 else 1,
+    Arg("ROUTER_PARTS", lambda l: router_shares(l.spec, l.config),
         "o_proj tiles that add shares of the gate's logits (router_partials 1)"),
-    Arg("O_PROJ_ROWS", lambda l: l.config.rows_per_tile(l.spec.hidden_size, l.config.tile_rows),
+    Arg("O_PROJ_ROWS", lambda l: hidden_tile_rows(l.spec, l.config),
         "rows of an o_proj tile (row0 // O_PROJ_ROWS: its share's index)"),
     Arg("EXPERT_INTER", lambda l: l.plan.expert_inter, "an expert's MLP width on this rank"),
     Arg("BATCH", lambda l: l.config.batch, "rows a step holds at most"),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from distmk.errors import DistmkError, GraphError
+from distmk.graph.lowering import hidden_tile_rows
 from distmk.graph.table import A0, LAYER, SIGNAL, TYPE, WAIT, TaskTable
 from distmk.tasks import TASK_KINDS
 from distmk.graph.workspace import allocate_workspace
@@ -51,7 +52,7 @@ class ReferenceExecutor:
             buf=allocate_workspace(spec, plan, config, dtype, device),
             k_cache=kv_cache.k, v_cache=kv_cache.v, block_size=kv_cache.block_size,
             kv_splits=config.kv_splits, qkv_parts=config.qkv_parts,
-            o_proj_rows=config.rows_per_tile(spec.hidden_size, config.tile_rows), comm=comm, dtype=dtype, published={})
+            o_proj_rows=hidden_tile_rows(spec, config), comm=comm, dtype=dtype, published={})
         self.rows = [(TASK_KINDS[r[TYPE]], r[LAYER], tuple(r[A0:A0 + len(TASK_KINDS[r[TYPE]].args)]),
                       r[WAIT], r[SIGNAL]) for r in table.tasks.tolist()]
         # an exchange's event counts one signal per rank; here the other ranks meet inside comm.gather
