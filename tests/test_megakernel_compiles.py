@@ -159,12 +159,28 @@ def test_ring_megakernel_refuses_rings_that_would_hang_or_overflow():
 
 @pytest.mark.parametrize("options, message", [({"num_wraps": 4}, r"unknown kernel options \['num_wraps'\]"),
                                               ({"num_warps": 3}, "num_warps must be a power of two, got 3"),
-                                              ({"timeout_s": 0}, "timeout_s must be > 0")])
+                                              ({"timeout_s": 0}, "timeout_s must be > 0"),
+                                              ({"prefetch_tasks": "o_proj,route"}, r"names \['route'\]")])
 def test_kernel_options_name_what_is_wrong(options, message):
     from distmk.errors import DistmkError
     with pytest.raises(DistmkError, match=message):
         Engine("tiny-llama", backend="triton", device="meta", dtype=torch.bfloat16, max_context=64,
                config=GraphConfig(batch=1, workers=DEFAULT_WORKERS), kernel_options=options)
+
+
+def test_kernel_holds_the_tables_task_types_and_prefetches_those_asked_for():
+    """A dense table's kernel has no expert code (on Triton 3.6 the expert gate/up tile at a dense model's
+    constants failed the compile), and prefetch_tasks keeps the other types' prefetches out of it."""
+    dense = Engine("tiny-llama", backend="triton", device="meta", dtype=torch.bfloat16, max_context=64,
+                   config=GraphConfig(batch=1, workers=DEFAULT_WORKERS), kernel_options={"kernel": "tl"})
+    moe = Engine("tiny-qwen3-moe", backend="triton", device="meta", dtype=torch.bfloat16, max_context=64,
+                 config=GraphConfig(batch=1, workers=DEFAULT_WORKERS),
+                 kernel_options={"kernel": "tl", "prefetch_tasks": "o_proj"})
+    # the generated module of each kernel
+    dense_source, moe_source = (open(e.executor.kernel.fn.__code__.co_filename).read() for e in (dense, moe))
+    assert "expert_gate_up_gpu(" not in dense_source and "gate_up_gpu(" in dense_source
+    assert "expert_gate_up_gpu(" in moe_source and "o_proj_prefetch(" in moe_source
+    assert "qkv_prefetch(" not in moe_source and "qkv_prefetch(" in dense_source
 
 
 def test_auto_kernel_is_tl_off_hopper():

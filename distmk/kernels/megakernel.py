@@ -72,11 +72,12 @@ def megakernel({parameters}):
 
 def _dispatch(kinds, attr: str, indent: str, imports: list, known=None, results=lambda params: "",
               before=lambda kind, indent: "") -> str:
-    """`if kind == id: fn(params...)` for every task type that has the device function `attr`; its parameters
-    must be in `known` (default: this kernel's vocabulary), `results(params)` is what the call assigns and
-    `before(kind, indent)` the lines that come first in the branch."""
+    """`if kind == id: fn(params...)` for every task type of `kinds` ({registry id: TaskKind}) that has the
+    device function `attr`; its parameters must be in `known` (default: this kernel's vocabulary),
+    `results(params)` is what the call assigns and `before(kind, indent)` the lines that come first in the
+    branch."""
     branches = []
-    for type_id, kind in enumerate(kinds):
+    for type_id, kind in kinds.items():
         if getattr(kind, attr) is None:
             continue
         params, call = device_call(kind, attr, imports, known)
@@ -118,11 +119,13 @@ def error_report(lang: str, indent: str) -> str:
                      for i, field in enumerate(ERROR_FIELDS) if i > 0)
 
 
-def generate_source(kinds) -> str:
+def generate_source(kinds, prefetched=None) -> str:
+    """The module of the kernel that runs the task types `kinds` and prefetches the weights of `prefetched`
+    (default: every one of kinds with a gpu_prefetch)."""
     imports = []
     dispatch = _dispatch(kinds, "gpu", " " * 12, imports)
-    prefetch = _dispatch(kinds, "gpu_prefetch", " " * 12, imports)
-    broadcast = " | ".join(f"(kind == {i})" for i, k in enumerate(kinds) if k.signals_all_ranks) or "(kind < 0)"
+    prefetch = _dispatch(kinds if prefetched is None else prefetched, "gpu_prefetch", " " * 12, imports)
+    broadcast = " | ".join(f"(kind == {i})" for i, k in kinds.items() if k.signals_all_ranks) or "(kind < 0)"
     return _TEMPLATE.format(imports="\n".join(imports), scalars=[a.name for a in SCALARS],
                             parameters=signature(), row_width=len(COLUMNS), row_loads=row_loads(" " * 8),
                             dispatch=dispatch, prefetch=prefetch, broadcast=broadcast,
@@ -154,13 +157,14 @@ def row_loads(indent: str) -> str:
 _LOADED = {}      # source digest -> kernel, one per process
 
 
-def load_megakernel(kinds):
-    """Generate, write and import the megakernel module; returns its @triton.jit kernel, the same object for
-    every executor of the process. Sharing it matters beyond the import: on Triton 3.6 a second import of the
+def load_megakernel(kinds, prefetched=None):
+    """Generate, write and import the megakernel module of the task types `kinds` ({registry id: TaskKind}: the
+    ones a table runs), prefetching those of `prefetched` (generate_source); returns its @triton.jit kernel, the
+    same object for every executor of the process that runs those types. Sharing it matters beyond the import: on Triton 3.6 a second import of the
     module hashed differently from the first, so of the candidates that autotuning had compiled through one
     import each, the next process found only the first in Triton's disk cache (the warm start compiled the
     chosen one again: 6-7 s)."""
-    return load_generated(generate_source(kinds), "megakernel")
+    return load_generated(generate_source(kinds, prefetched), "megakernel")
 
 
 def load_generated(source: str, name: str):

@@ -27,6 +27,8 @@ class KernelOptions:
     expert_block_n: int = option(64, "tl kernel: rows of an expert down load step")
     lm_block_n: int = option(128, "tl kernel: rows of an lm_head load step")
     prefetch_kb: int = option(256, "tl kernel: KB of L2 prefetch of a task's weights before its wait (0: none)")
+    prefetch_tasks: str = option("", "tl kernel: the task types that prefetch, comma-separated (empty: every type "
+                                     "with a prefetch)")
     trace: bool = False             # record every task's wait, start, end and SM (kernels/trace.py)
     cuda_graph: bool = True         # replay the launch as a CUDA graph
     transport: str = option("auto", "tp > 1: how exchange tiles reach peers (auto: peer pointers where every peer "

@@ -141,8 +141,8 @@ def generate_source(kinds) -> str:
 
     dispatch = _dispatch(kinds, "ring", " " * 8, imports, TASK_VOCABULARY | {"prepared"}, _results, prepare_and_wait)
     weights = _dispatch(kinds, "ring_weights", " " * 8, imports, WEIGHT_VOCABULARY, _results)
-    reads_weights = " | ".join(f"(kind == {i})" for i, k in enumerate(kinds) if k.ring_weights is not None)
-    waits_here = " & ".join(f"(kind != {i})" for i, k in enumerate(kinds) if k.ring_prepare is not None) or "kind >= 0"
+    reads_weights = " | ".join(f"(kind == {i})" for i, k in kinds.items() if k.ring_weights is not None)
+    waits_here = " & ".join(f"(kind != {i})" for i, k in kinds.items() if k.ring_prepare is not None) or "kind >= 0"
     control, scalars = ("queued", *CONTROL[1:]), [a.name for a in SCALARS]
     constants = [f"{c}: gl.constexpr" for c in CONSTANT_NAMES]
     tasks = [*control, *scalars, *BUFFERS, *DESCRIPTORS, "ring", "ready", "empty", "xring", "xready", "released"]
@@ -164,7 +164,8 @@ def generate_source(kinds) -> str:
 
 
 def load_ring_megakernel(kinds):
-    """The generated kernel (one per process, as load_megakernel)."""
+    """The generated kernel of the task types `kinds` ({registry id: TaskKind}; one per process, as
+    load_megakernel)."""
     return load_generated(generate_source(kinds), "ring_megakernel")
 
 
