@@ -1,5 +1,7 @@
 """The megakernel compiles for Hopper (sm_90) from this machine: Triton ships ptxas, so CI catches compile
 errors and shared-memory overruns without a GPU. Shapes come from meta tensors, so 8B models cost nothing."""
+import pathlib
+
 import pytest
 import torch
 
@@ -177,7 +179,8 @@ def test_kernel_holds_the_tables_task_types_and_prefetches_those_asked_for():
                  config=GraphConfig(batch=1, workers=DEFAULT_WORKERS),
                  kernel_options={"kernel": "tl", "prefetch_tasks": "o_proj"})
     # the generated module of each kernel
-    dense_source, moe_source = (open(e.executor.kernel.fn.__code__.co_filename).read() for e in (dense, moe))
+    dense_source, moe_source = (pathlib.Path(e.executor.kernel.fn.__code__.co_filename).read_text()
+                                for e in (dense, moe))
     assert "expert_gate_up_gpu(" not in dense_source and "gate_up_gpu(" in dense_source
     assert "expert_gate_up_gpu(" in moe_source and "o_proj_prefetch(" in moe_source
     assert "qkv_prefetch(" not in moe_source and "qkv_prefetch(" in dense_source

@@ -1,7 +1,7 @@
 """The persistent megakernel: one program per worker queue walks the task table, waits on events, runs tasks.
 
-Its source is generated from the task registry and the interface (kernels/interface.py): every TaskKind's
-`gpu` device function is called by the names of its parameters, which must come from the kernel's vocabulary
+Its source is generated from the task registry and the interface (kernels/interface.py), for the task types a
+table runs: every such TaskKind's `gpu` device function is called by the names of its parameters, which must come from the kernel's vocabulary
 (runtime values, buffers, compile-time shapes, all declared there), and the signature is the interface's.
 Adding a task type therefore touches its own file and the registry, never this one. The generated module is
 written next to Triton's cache (Triton reads source from files).
@@ -160,8 +160,8 @@ _LOADED = {}      # source digest -> kernel, one per process
 def load_megakernel(kinds, prefetched=None):
     """Generate, write and import the megakernel module of the task types `kinds` ({registry id: TaskKind}: the
     ones a table runs), prefetching those of `prefetched` (generate_source); returns its @triton.jit kernel, the
-    same object for every executor of the process that runs those types. Sharing it matters beyond the import: on Triton 3.6 a second import of the
-    module hashed differently from the first, so of the candidates that autotuning had compiled through one
+    same object for every executor of the process that runs those types. Sharing it matters beyond the import:
+    on Triton 3.6 a second import of the module hashed differently from the first, so of the candidates that autotuning had compiled through one
     import each, the next process found only the first in Triton's disk cache (the warm start compiled the
     chosen one again: 6-7 s)."""
     return load_generated(generate_source(kinds, prefetched), "megakernel")
