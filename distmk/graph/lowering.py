@@ -263,7 +263,7 @@ def compile_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> TaskT
     builder = lower_decode_step(spec, plan, config)
     tasks, need = builder.tensors(plan.tp)
     shape = StepShape(spec, plan, config.batch, config.kv_splits, config.context, config.dtype_bytes,
-                      config.dtype_bytes, config.qkv_parts, hidden_tile_rows(spec, config))
+                      config.dtype_bytes, config.qkv_parts, router_shares(spec, config))
     cost = torch.tensor([TASK_KINDS[t[0]].cost(shape, t[1], tuple(t[2:6])) for t in builder.rows],
                         dtype=torch.int64)
     table = schedule(tasks, need, cost, builder.event_names, config)

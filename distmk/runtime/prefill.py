@@ -241,8 +241,8 @@ class ChunkGraphs:
 
 def sparse_mlp(xn: torch.Tensor, lw, spec) -> torch.Tensor:
     """A sparse layer's MLP output (this rank's partial sum, float32) for normed rows `xn`, as its tasks compute
-    it with router tiles (GraphConfig.router_partials 2): the router's choices, each chosen expert's products over the rows that chose it, and the weighted sum
-    in the order of the choices."""
+    it with router tiles (GraphConfig.router_partials 2): the router's choices, each chosen expert's products
+    over the rows that chose it, and the weighted sum in the order of the choices."""
     weights, experts = choose(xn.float() @ lw.router.float().t(), spec.experts_per_token, spec.norm_topk_prob)
     outs = torch.zeros(*experts.shape, spec.hidden_size, dtype=torch.float32, device=xn.device)
     for expert in experts.unique().tolist():

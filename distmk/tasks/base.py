@@ -51,7 +51,7 @@ class StepShape:
     weight_bytes: int = 2
     act_bytes: int = 2
     qkv_parts: int = 1      # column slices of a QKV head (GraphConfig.qkv_parts)
-    o_proj_rows: int = 1    # rows of an o_proj tile (GraphConfig.rows_per_tile of the hidden size)
+    router_shares: int = 1  # shares of the gate's logits a row has (graph/lowering.router_shares)
 
     def matmul_bytes(self, rows: int, cols: int) -> int:
         """A [batch, cols] x [rows, cols]^T tile: weights once, input and output activations."""

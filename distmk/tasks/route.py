@@ -152,8 +152,7 @@ class Route(TaskKind):
     gpu = route_gpu
 
     def cost(self, shape, layer, a):
-        shares = -(-shape.spec.hidden_size // shape.o_proj_rows) if a[1] else 1
-        return shares * shape.batch * (shape.spec.num_experts + 1) * 4
+        return shape.router_shares * shape.batch * (shape.spec.num_experts + 1) * 4
 
     def run(self, ctx, layer, a):
         n, top_k = ctx.num_rows, ctx.spec.experts_per_token
