@@ -92,21 +92,24 @@ def route_gpu(sparse_layer, partials, n, router_logits, router_partial, router_s
     against 3.1 us for each expert's rank from an [experts, experts] comparison, which it replaced (ninth
     session's route_probe.py); in the step's trace the task still takes 7 us, summing shares or not. Then each
     slot's leading slot, and the leading slots in order, each stored at the number of leading slots before it
-    (a prefix sum, no atomics). With `partials` a row's logits are the sum of the o_proj tiles' shares, 32
-    tiles at a time (a fixed order: the same bits every run), scaled by the RMSNorm's rstd (router_logits)."""
+    (a prefix sum, no atomics). With `partials` a row's logits are the sum of the o_proj tiles' shares (in a
+    fixed order: the same bits every run), scaled by the RMSNorm's rstd (router_logits)."""
     re = tl.arange(0, EXPERTS_PAD)
     rk = tl.arange(0, TOP_K_PAD)
     rt = tl.arange(0, 32)
     for b in range(n):
         if partials:
-            total = tl.zeros((EXPERTS_PAD,), dtype=tl.float32)
+            # the shares of 32 tiles at a time added elementwise, reduced across tiles once at the end: unrolled
+            # and with no reduction (a CTA barrier) between them, every chunk's loads can be in flight together
+            # rather than one L2 round trip after another
+            total = tl.zeros((32, EXPERTS_PAD), dtype=tl.float32)
             sumsq = tl.zeros((32,), dtype=tl.float32)
-            for t0 in range(0, ROUTER_PARTS, 32):
+            for t0 in tl.static_range(0, ROUTER_PARTS, 32):
                 shares = (t0 + rt) < ROUTER_PARTS
-                total += tl.sum(tl.load(router_partial + ((t0 + rt[:, None]) * BATCH + b) * EXPERTS + re[None, :],
-                                        mask=shares[:, None] & (re < EXPERTS)[None, :], other=0.0), axis=0)
+                total += tl.load(router_partial + ((t0 + rt[:, None]) * BATCH + b) * EXPERTS + re[None, :],
+                                 mask=shares[:, None] & (re < EXPERTS)[None, :], other=0.0)
                 sumsq += tl.load(router_sumsq + (t0 + rt) * BATCH + b, mask=shares, other=0.0)
-            logits = total * tl.math.rsqrt(tl.sum(sumsq, axis=0) / H + EPS)
+            logits = tl.sum(total, axis=0) * tl.math.rsqrt(tl.sum(sumsq, axis=0) / H + EPS)
             logits = tl.where(re < EXPERTS, logits, float("-inf"))
         else:
             logits = tl.load(router_logits + b * EXPERTS + re, mask=re < EXPERTS, other=float("-inf"))
