@@ -26,7 +26,8 @@ def split_range(lo: int, hi: int, splits: int, s: int) -> tuple[int, int]:
     return min(hi, lo + s * chunk), min(hi, lo + (s + 1) * chunk)
 
 
-@triton.jit
+# noinline: see TaskKind.gpu (tasks/base.py)
+@triton.jit(noinline=True)
 def attention_gpu(layer, row, kv_head, split, n, q, k_cache, v_cache, positions, block_table, attn_o, attn_m, attn_l,
                   D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                   MAXB: tl.constexpr, BS: tl.constexpr, NBLK: tl.constexpr, S: tl.constexpr, WINDOW: tl.constexpr,

@@ -10,7 +10,8 @@ from distmk.device.ring import next_power_of_2, rows_layout
 from distmk.tasks.base import TaskKind
 
 
-@triton.jit
+# noinline: see TaskKind.gpu (tasks/base.py)
+@triton.jit(noinline=True)
 def attn_reduce_gpu(row, kv_head, n, attn_o, attn_m, attn_l, attn, D: tl.constexpr, HQ: tl.constexpr,
                     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, S: tl.constexpr):
     if row < n:

@@ -25,7 +25,10 @@ class TaskKind:
     args: tuple[str, ...] = ()   # meaning of a0..a3 (at most four)
     communicates = False         # needs the other ranks (all-reduce, distributed argmax)
     signals_all_ranks = False    # signals its event on every rank itself (need = tp), through the transport
-    gpu = None                   # the @triton.jit device function the megakernel dispatches to
+    gpu = None                   # the @triton.jit device function the megakernel dispatches to; noinline
+                                 # where it holds tiles (matmuls, attention and its reduction, the combine):
+                                 # inlined, their values spilled the kernel's registers (qwen3-30b-a3b b1 on
+                                 # Triton 3.6: 108 bytes), each a function of its own none spills
     gpu_prefetch = None          # optional: starts pulling the task's weights into L2 before it waits
     ring = None                  # the @gluon.jit device function of the weight-ring megakernel (ring_megakernel.py)
     ring_weights = None          # its producer half, for a task that reads weights: the ring slots it fills

@@ -10,7 +10,8 @@ from distmk.device.primitives import prefetch_l2
 from distmk.tasks.base import TaskKind, row_parallel_gpu, row_parallel_tile
 
 
-@triton.jit
+# noinline: see TaskKind.gpu (tasks/base.py)
+@triton.jit(noinline=True)
 def down_gpu(layer, row0, nrows, mode, n, h, w_down, x, partial, H: tl.constexpr, INTER: tl.constexpr,
              B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     w = w_down + layer.to(tl.int64) * H * INTER

@@ -12,7 +12,8 @@ from distmk.device.primitives import matmul_pair, prefetch_l2, rms_norm_rows
 from distmk.tasks.base import TaskKind, normed_stream
 
 
-@triton.jit
+# noinline: see TaskKind.gpu (tasks/base.py)
+@triton.jit(noinline=True)
 def gate_up_gpu(layer, row0, nrows, n, worker, x, xn, norms, w_gate, w_up, h, H: tl.constexpr, INTER: tl.constexpr,
                 B_PAD: tl.constexpr, EPS: tl.constexpr, NORM_BLOCK: tl.constexpr, MLP_BLOCK_N: tl.constexpr,
                 MLP_BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):

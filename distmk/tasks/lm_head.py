@@ -13,7 +13,8 @@ from distmk.device.primitives import matmul_block, prefetch_l2, rms_norm_rows
 from distmk.tasks.base import TaskKind, normed_stream
 
 
-@triton.jit
+# noinline: see TaskKind.gpu (tasks/base.py)
+@triton.jit(noinline=True)
 def lm_head_gpu(layer, row0, nrows, tile, n, worker, x, xn, norms, lm_head, logits, tile_max, tile_arg, vocab0,
                 vocab_valid, H: tl.constexpr, VOCAB_L: tl.constexpr, LM_TILES: tl.constexpr, B_PAD: tl.constexpr,
                 EPS: tl.constexpr, NORM_BLOCK: tl.constexpr, LM_BLOCK_N: tl.constexpr, LM_BLOCK_K: tl.constexpr,

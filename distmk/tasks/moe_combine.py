@@ -9,7 +9,8 @@ import triton.language as tl
 from distmk.tasks.base import TaskKind, _ADD_RESIDUAL, store_row_parallel
 
 
-@triton.jit
+# noinline: see TaskKind.gpu (tasks/base.py)
+@triton.jit(noinline=True)
 def moe_combine_gpu(row0, nrows, mode, n, route_weight, expert_out, x, partial, H: tl.constexpr, TOP_K: tl.constexpr,
                     B_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
     rb = tl.arange(0, B_PAD)

@@ -12,7 +12,8 @@ from distmk.tasks.base import TaskKind, row_parallel_gpu, row_parallel_tile
 from distmk.tasks.router import router_share, router_share_gpu
 
 
-@triton.jit
+# noinline: see TaskKind.gpu (tasks/base.py)
+@triton.jit(noinline=True)
 def o_proj_gpu(layer, row0, nrows, mode, router_layer, n, attn, wo, x, partial, norms, router, router_partial,
                router_sumsq, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, EXPERTS: tl.constexpr,
                EXPERTS_PAD: tl.constexpr, BATCH: tl.constexpr, O_PROJ_ROWS: tl.constexpr, B_PAD: tl.constexpr,

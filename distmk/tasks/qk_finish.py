@@ -10,7 +10,8 @@ from distmk.tasks.base import TaskKind
 from distmk.tasks.qkv import norm_rope_store, norm_rope_store_reference, norm_rope_store_ring
 
 
-@triton.jit
+# noinline: see TaskKind.gpu (tasks/base.py)
+@triton.jit(noinline=True)
 def qk_finish_gpu(layer, head_slot, n, qk_raw, qk_norm, inv_freq, positions, block_table, q, k_cache, D: tl.constexpr,
                   HQ: tl.constexpr, HKV: tl.constexpr, B_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
                   MAXB: tl.constexpr, BS: tl.constexpr, NBLK: tl.constexpr, EPS: tl.constexpr,

@@ -60,7 +60,8 @@ def norm_rope_store(lo, hi, layer, slot, col0, cols, rd, n, qk_norm, inv_freq, p
         tl.store(dst + HALF, hi.to(q.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# noinline: see TaskKind.gpu (tasks/base.py)
+@triton.jit(noinline=True)
 def qkv_gpu(layer, head_slot, part, n, worker, x, xn, norms, wqkv, bqkv, qk_norm, inv_freq, positions, block_table, q,
             qk_raw, k_cache, v_cache, H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
             B_PAD: tl.constexpr, QKV_PARTS: tl.constexpr, QKV_BLOCK_N: tl.constexpr, MAXB: tl.constexpr,
