@@ -144,7 +144,7 @@ CONSTANTS = (
     Arg("LM_TILES", lambda l: l.lm_tiles, "lm_head tiles (argmax reads their maxima)"),
     Arg("LM_TILES_PAD", lambda l: padded(l.lm_tiles, 2)),
     Arg("BLOCK_H", lambda l: min(1024, padded(l.spec.hidden_size)), "columns of an elementwise block"),
-    Arg("BLOCK_T", lambda l: 16, "keys of an attention block"),
+    Arg("BLOCK_T", lambda l: 32, "keys of an attention block"),
     Arg("DOT_PRECISION", lambda l: "ieee" if l.dtype == torch.float32 else "tf32"),
     Arg("PREFETCH", lambda l: 0 if l.interpret else l.options.prefetch_kb * 1024, "bytes of L2 prefetch a task"),
     Arg("NORM_BLOCK", lambda l: padded(l.spec.hidden_size), "columns of an RMSNorm block: a whole row"),
