@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from distmk.device.primitives import wait_event
-from distmk.tasks.allreduce import allreduce_gpu
+from distmk.tasks.allreduce import reduce_rows
 from distmk.tasks.ar_push import ar_push_gpu
 from distmk.tasks.base import WRITE_PARTIAL, row_parallel_gpu
 from distmk.timing import cuda_times
@@ -26,7 +26,7 @@ _WRITE_PARTIAL = tl.constexpr(WRITE_PARTIAL)
 
 
 @triton.jit
-def reduce_tiles(first, g, n, x, exchange, counters, error, timeout, TILE: tl.constexpr,
+def reduce_tiles(first, g, n, x, xs, next_norm_w, exchange, counters, error, timeout, TILE: tl.constexpr,
                  TILES_PER_PROGRAM: tl.constexpr, H: tl.constexpr, B_PAD: tl.constexpr, WORLD: tl.constexpr,
                  SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
     """Wait for every rank's push of round g (counted since the first launch) of this program's tiles and
@@ -39,13 +39,14 @@ def reduce_tiles(first, g, n, x, exchange, counters, error, timeout, TILE: tl.co
             tl.store(error, 1)
             ok = 0
         if ok == 1:
-            allreduce_gpu((first + i) * TILE, TILE, g, n, x, exchange, H, B_PAD, WORLD, SLOTS, BLOCK_N)
+            reduce_rows((first + i) * TILE, TILE, g, n, x, xs, next_norm_w, exchange, H, B_PAD, WORLD, SLOTS,
+                        BLOCK_N)
     return ok
 
 
 @triton.jit(do_not_specialize=["n", "rank", "epoch0", "rounds", "timeout"])
-def exchange_rounds(inp, w, partial, x, exchange, exchange_peers, counters, counter_peers, error, n, rank, epoch0,
-                    rounds, timeout, LAYERS: tl.constexpr, K: tl.constexpr, H: tl.constexpr, TILE: tl.constexpr,
+def exchange_rounds(inp, w, partial, x, xs, next_norm_w, exchange, exchange_peers, counters, counter_peers, error,
+                    n, rank, epoch0, rounds, timeout, LAYERS: tl.constexpr, K: tl.constexpr, H: tl.constexpr, TILE: tl.constexpr,
                     TILES_PER_PROGRAM: tl.constexpr, B_PAD: tl.constexpr, WORLD: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GEMV: tl.constexpr, EXCHANGE: tl.constexpr, PIPELINED: tl.constexpr,
                     TRANSPORT: tl.constexpr, SIGNAL_ADD: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -62,8 +63,8 @@ def exchange_rounds(inp, w, partial, x, exchange, exchange_peers, counters, coun
                 a0 = (first + i) * TILE
                 if GEMV:
                     layer = r % LAYERS
-                    row_parallel_gpu(inp, w + layer.to(tl.int64) * H * K, a0, TILE, _WRITE_PARTIAL, n, x, partial,
-                                     K, H, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                    row_parallel_gpu(inp, w + layer.to(tl.int64) * H * K, a0, TILE, _WRITE_PARTIAL, n, x, xs,
+                                     next_norm_w, partial, K, H, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
                     tl.debug_barrier()
                 if EXCHANGE:
                     ar_push_gpu(a0, TILE, g, n, rank, (first + i) * SLOTS + g % SLOTS, partial, exchange,
@@ -71,14 +72,14 @@ def exchange_rounds(inp, w, partial, x, exchange, exchange_peers, counters, coun
                                 SIGNAL_ADD)
             if EXCHANGE:
                 if not PIPELINED:
-                    ok = reduce_tiles(first, g, n, x, exchange, counters, error, timeout, TILE, TILES_PER_PROGRAM,
-                                      H, B_PAD, WORLD, SLOTS, BLOCK_N, INTERPRET)
-                elif r > 0:
-                    ok = reduce_tiles(first, g - 1, n, x, exchange, counters, error, timeout, TILE,
+                    ok = reduce_tiles(first, g, n, x, xs, next_norm_w, exchange, counters, error, timeout, TILE,
                                       TILES_PER_PROGRAM, H, B_PAD, WORLD, SLOTS, BLOCK_N, INTERPRET)
+                elif r > 0:
+                    ok = reduce_tiles(first, g - 1, n, x, xs, next_norm_w, exchange, counters, error, timeout,
+                                      TILE, TILES_PER_PROGRAM, H, B_PAD, WORLD, SLOTS, BLOCK_N, INTERPRET)
     if EXCHANGE and PIPELINED and ok == 1:
-        reduce_tiles(first, epoch0 + rounds - 1, n, x, exchange, counters, error, timeout, TILE, TILES_PER_PROGRAM,
-                     H, B_PAD, WORLD, SLOTS, BLOCK_N, INTERPRET)
+        reduce_tiles(first, epoch0 + rounds - 1, n, x, xs, next_norm_w, exchange, counters, error, timeout, TILE,
+                     TILES_PER_PROGRAM, H, B_PAD, WORLD, SLOTS, BLOCK_N, INTERPRET)
 
 
 def start_ranks(parser):
@@ -113,6 +114,7 @@ class ExchangeRounds:
         exchange_buf, exchange_peers = comm.symmetric((slots, comm.world, b_pad * H), torch.float32, dev)
         self.partial = torch.randn(b_pad, H, device=dev) * (comm.rank + 1)
         self.x = torch.zeros(b_pad, H, device=dev)
+        xs, next_norm_w = torch.zeros(b_pad, H, device=dev, dtype=dtype), torch.ones(H, device=dev, dtype=dtype)
         self.inp = torch.randn(n, K, device=dev).to(dtype)
         self.w = (torch.randn(layers, H, K, device=dev) / K ** 0.5).to(dtype) if gemv else self.inp
         self.error = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -122,7 +124,8 @@ class ExchangeRounds:
             signal_add = signal_constants()["SIGNAL_ADD"]
             self.options["extern_libs"] = extern_libs()
         self.grid = (tiles // tiles_per_program,)
-        self.args = dict(inp=self.inp, w=self.w, partial=self.partial, x=self.x, exchange=exchange_buf,
+        self.args = dict(inp=self.inp, w=self.w, partial=self.partial, x=self.x, xs=xs, next_norm_w=next_norm_w,
+                         exchange=exchange_buf,
                          exchange_peers=exchange_peers, counters=self.counters, counter_peers=counter_peers,
                          error=self.error, n=n, rank=comm.rank, timeout=10 ** 6 if interpret else int(5e9), LAYERS=layers, K=K, H=H,
                          TILE=H // tiles, TILES_PER_PROGRAM=tiles_per_program, B_PAD=b_pad, WORLD=comm.world,

@@ -1,6 +1,6 @@
-"""Device helpers shared by the task kernels: the matmul tile every projection is made of, the RMSNorm
-of the residual stream that a tile computes for itself, L2 prefetch, and the event
-wait/signal that orders tasks across workers (event counters are int64, the width of NVSHMEM signals).
+"""Device helpers shared by the task kernels: the matmul tile every projection is made of, the RMSNorm's
+scale of the residual stream, L2 prefetch, and the event wait/signal that orders tasks across workers (event
+counters are int64, the width of NVSHMEM signals).
 
 Ordering: a task's threads store their outputs, meet at a CTA barrier, then one release atomic bumps the
 event counter (gpu scope). A waiting worker polls the counter with acquire loads, then meets its own
@@ -12,24 +12,20 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_rows(x, n, norm_w, out, H: tl.constexpr, EPS: tl.constexpr, NORM_BLOCK: tl.constexpr):
-    """out[:n, :H] = RMSNorm(x[:n]) * norm_w, rounded once to out's dtype (as the reference's
-    rms_norm(...).to(dtype)): the input of a tile that reads the normed residual stream. Each such tile
-    writes it to its worker's own scratch rows (L2-resident) and streams it from there, so the matmul loop
-    stays a plain load-dot loop; normalising inside that loop instead cost a third of its bandwidth.
-    A row at a time, the whole row (NORM_BLOCK >= H columns) in one load, the next row's load issued before
-    this one is reduced, as the ring's (device/ring.py): one L2 round trip at batch 1, where the padded
-    [B_PAD, 512]-column blocks this replaced made two passes of H / 512 dependent loads."""
+def norm_rstd(x, n, H: tl.constexpr, EPS: tl.constexpr, B_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """The RMSNorm's scale of the residual stream's rows, rsqrt(mean(x[b]^2) + eps) for b < n ([B_PAD] float32,
+    1 past n): a tile that reads the normed stream multiplies its product of the scaled stream xs by it
+    (tasks/base.py normed_stream). A row at a time, the whole row (NORM_BLOCK >= H columns) in one load, the next
+    row's load issued before this one is reduced: one L2 round trip at batch 1."""
+    rb = tl.arange(0, B_PAD)
     rh = tl.arange(0, NORM_BLOCK)
-    cols = rh < H
-    w = tl.load(norm_w + rh, mask=cols, other=0.0).to(tl.float32)
+    rstd = tl.full((B_PAD,), 1.0, dtype=tl.float32)
     v = tl.load(x + rh, mask=rh < H * (n > 0), other=0.0).to(tl.float32)
     for b in range(n):
         v_next = tl.load(x + (b + 1) * H + rh, mask=rh < H * (b + 1 < n), other=0.0).to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(v * v, axis=0) / H + EPS)
-        tl.store(out + b * H + rh, (v * rstd * w).to(out.dtype.element_ty), mask=cols)
+        rstd = tl.where(rb == b, tl.math.rsqrt(tl.sum(v * v, axis=0) / H + EPS), rstd)
         v = v_next
-    tl.debug_barrier()      # the whole CTA reads what its threads wrote
+    return rstd
 
 
 @triton.jit

@@ -116,6 +116,28 @@ def load_pair(desc, row0, pair_row0, rows, K: gl.constexpr, ring, ready, empty, 
 
 
 @gluon.jit
+def _first_inputs(x_desc, x_row, KT: gl.constexpr, xring, xready, cx, issue):
+    """TMA copies of a block's first XD - 1 input slices (those of them it has), where `issue`."""
+    XD: gl.constexpr = xring.type.shape[0]
+    BK: gl.constexpr = xring.type.shape[2]
+    for p in gl.static_range(XD - 1):
+        slot = (cx + p) % XD
+        first = (p < KT) & issue
+        mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=first)
+        tma_load(x_desc, [x_row, (p % KT) * BK], xready.index(slot), xring.index(slot), pred=first)
+
+
+@gluon.jit
+def prime_inputs(x_desc, x_row, K: gl.constexpr, xring, xready, cx):
+    """Consumer: issue the first input slices of a task's first block before mma_block(primed=1) runs it, so that
+    their round trip overlaps what the task does in between (norm_rstd's loads)."""
+    XD: gl.constexpr = xring.type.shape[0]
+    BK: gl.constexpr = xring.type.shape[2]
+    KT: gl.constexpr = K // BK
+    _first_inputs(x_desc, x_row, KT, xring, xready, cx, KT >= XD - 1)    # else mma_block issues them itself
+
+
+@gluon.jit
 def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready, c, cx, primed, chained,
               num_warps: gl.constexpr):
     """Consumer: acc[BN, B_PAD] = W_block @ x[x_row:x_row + B_PAD, :K]^T in float32 over the ring's next K / BK
@@ -132,11 +154,7 @@ def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready,
     KT: gl.constexpr = K // BK
     # a block of fewer than XD - 1 slices cannot issue all of the next block's first ones: no chaining then
     CHAIN: gl.constexpr = KT >= XD - 1
-    for p in gl.static_range(XD - 1):
-        slot = (cx + p) % XD
-        first = (p < KT) & ((primed == 0) | (not CHAIN))
-        mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=first)
-        tma_load(x_desc, [x_row, (p % KT) * BK], xready.index(slot), xring.index(slot), pred=first)
+    _first_inputs(x_desc, x_row, KT, xring, xready, cx, (primed == 0) | (not CHAIN))
     acc = gl.zeros([BN, B_PAD], gl.float32, layout=acc_layout(BN, B_PAD, num_warps))
     for it in range(KT):
         xs = (cx + it) % XD
@@ -252,22 +270,22 @@ def next_power_of_2(n):
 
 
 @gluon.jit
-def rms_norm_rows(x, n, norm_w, out, H: gl.constexpr, EPS: gl.constexpr, num_warps: gl.constexpr):
-    """primitives.rms_norm_rows in Gluon: out[:n, :H] = RMSNorm(x[:n]) * norm_w, rounded once, into the worker's
-    scratch rows that the tile's input slices are then copied from by TMA. A row at a time, the whole row in one
-    load (no padded rows), the next row's load issued before this one is reduced: one L2 round trip in all
-    rather than one a row (a batch of 8 made QKV and gate/up tiles 5-6 us longer than a batch of 1)."""
+def norm_rstd(x, n, H: gl.constexpr, EPS: gl.constexpr, ring, xring, num_warps: gl.constexpr):
+    """primitives.norm_rstd in Gluon: the RMSNorm's scale of the residual stream's rows b < n (1 past n), in the
+    layout of a block's batch index (block_index), to multiply the block's product of the scaled stream by. A row
+    at a time, the whole row in one load, the next row's load issued before this one is reduced: one L2 round
+    trip in all rather than one a row (a batch of 8 made QKV and gate/up tiles 5-6 us longer than a batch of 1).
+    Call it after prime_inputs, so that the round trip of its loads overlaps the input slices'."""
     HP: gl.constexpr = next_power_of_2(H)
     rh = gl.arange(0, HP, layout=gl.BlockedLayout([4], [32], [num_warps], [0]))
-    w = gl.load(norm_w + rh, mask=rh < H, other=0.0).to(gl.float32)
+    _, rb = block_index(ring, xring, num_warps)
+    rstd = gl.full(rb.type.shape, 1.0, gl.float32, layout=rb.type.layout)
     v = gl.load(x + rh, mask=(rh < H) & (n > 0), other=0.0)
     for b in range(n):
         v_next = gl.load(x + (b + 1) * H + rh, mask=(rh < H) & (b + 1 < n), other=0.0)
-        rstd = gl.rsqrt(gl.sum(v * v, axis=0) / H + EPS)
-        gl.store(out + b * H + rh, (v * rstd * w).to(out.dtype.element_ty), mask=rh < H)
+        rstd = gl.where(rb == b, gl.rsqrt(gl.sum(v * v, axis=0) / H + EPS), rstd)
         v = v_next
-    fence_async_global()
-    cta_barrier()
+    return rstd
 
 
 @gluon.jit
@@ -298,17 +316,23 @@ def split_halves(acc, ring, xring, num_warps: gl.constexpr):
 
 
 @gluon.jit
-def add_residual_rows(x_desc, x_row, K: gl.constexpr, row0, rows, n, x, H: gl.constexpr, ring, ready, empty, xring,
-                      xready, c, cx, num_warps: gl.constexpr):
-    """x[:n, row0:row0 + rows] += x_in @ W[row0:row0 + rows]^T over the slots load_rows filled: the row-parallel
-    o_proj and down tiles at tp=1. The residual is loaded before the products, so its round trip overlaps them."""
+def add_residual_rows(x_desc, x_row, K: gl.constexpr, row0, rows, n, x, xs, next_norm_w, H: gl.constexpr, ring, ready,
+                      empty, xring, xready, c, cx, num_warps: gl.constexpr):
+    """x[:n, row0:row0 + rows] += x_in @ W[row0:row0 + rows]^T over the slots load_rows filled, and the scaled
+    stream's columns with it (next_norm_w: the next RMSNorm's weight; tasks/base.py store_residual): the
+    row-parallel o_proj and down tiles at tp=1. The residual and the norm's weight are loaded before the products,
+    so their round trip overlaps them."""
     BN: gl.constexpr = ring.type.shape[1]
     rn, rb = block_index(ring, xring, num_warps)
     for j in range(0, rows, BN):
-        offs = rb[None, :] * H + (row0 + j + rn)[:, None]
+        cols = row0 + j + rn
+        offs = rb[None, :] * H + cols[:, None]
         mask = (rn < rows - j)[:, None] & (rb < n)[None, :]
         residual = gl.load(x + offs, mask=mask, other=0.0)
+        g = gl.load(next_norm_w + cols, mask=rn < rows - j, other=0.0).to(gl.float32)
         acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, j > 0, j + BN < rows,
                                num_warps)
-        gl.store(x + offs, (residual + acc).to(x.dtype.element_ty), mask=mask)
+        value = (residual + acc).to(x.dtype.element_ty)
+        gl.store(x + offs, value, mask=mask)
+        gl.store(xs + offs, (value.to(gl.float32) * g[:, None]).to(xs.dtype.element_ty), mask=mask)
     return c, cx

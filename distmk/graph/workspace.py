@@ -41,6 +41,9 @@ class Buffer:
 
 WORKSPACE = (
     Buffer("x", lambda d: (d.batch, d.hidden), "float32", "residual stream, kept in float32"),
+    Buffer("xs", lambda d: (d.batch, d.hidden), "act",
+           "the residual stream times the weight of the RMSNorm that reads it next, rounded once: the input of the "
+           "tiles that read the normed stream (tasks/base.py normed_stream)"),
     Buffer("q", lambda d: (d.batch, d.heads, d.head_dim), "act", "roped queries"),
     Buffer("qk_raw", lambda d: (d.batch, d.heads + d.kv_heads, d.head_dim), "float32", "q/k heads before q/k-norm"),
     Buffer("attn_o", lambda d: (d.batch, d.kv_heads, d.kv_splits, d.group, d.head_dim), "float32",

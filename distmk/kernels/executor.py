@@ -195,7 +195,6 @@ class TritonExecutor:
                        error=self.error, trace=self.trace)
         tensors = dict(**stack_layers(weights), k_cache=kv_cache.k, v_cache=kv_cache.v, tokens=self.tokens,
                        positions=self.positions, block_table=self.block_table, **self.buf,
-                       xn=torch.zeros(table.num_workers, launch.b_pad, spec.hidden_size, dtype=dtype, device=device),
                        **self.symmetric.arguments())
         self.args = launch_arguments(launch, control, tensors)
         self.kernel_name = choose_kernel(o.kernel, device, self.interpret,

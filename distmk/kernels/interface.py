@@ -101,7 +101,6 @@ BUFFERS = (
     Arg("k_cache", "kv"), Arg("v_cache", "kv"),
     Arg("tokens", "step", "the step's inputs, rows 0..n-1"), Arg("positions", "step"), Arg("block_table", "step"),
     *(Arg(buffer.name, "workspace", buffer.doc) for buffer in WORKSPACE),
-    Arg("xn", "scratch", "each worker's RMS-normed input rows (primitives.rms_norm_rows)"),
     # symmetric memory (tp > 1): this rank's event counters and exchange buffers, and the peers' addresses
     *(Arg(name, "symmetric") for name in ("counters", "counter_peers", "exchange", "exchange_peers", "best",
                                           "best_id", "best_peers", "best_id_peers")),
@@ -147,7 +146,7 @@ CONSTANTS = (
     Arg("BLOCK_T", lambda l: 32, "keys of an attention block"),
     Arg("DOT_PRECISION", lambda l: "ieee" if l.dtype == torch.float32 else "tf32"),
     Arg("PREFETCH", lambda l: 0 if l.interpret else l.options.prefetch_kb * 1024, "bytes of L2 prefetch a task"),
-    Arg("NORM_BLOCK", lambda l: padded(l.spec.hidden_size), "columns of an RMSNorm block: a whole row"),
+    Arg("NORM_BLOCK", lambda l: padded(l.spec.hidden_size), "columns of an RMSNorm's load: a whole row"),
     Arg("WORLD", lambda l: l.world, "tensor-parallel ranks"),
     # exchanges: 0 = stores through peer pointers, 1 = NVSHMEM put-with-signal (tasks/ar_push.py)
     Arg("TRANSPORT", lambda l: l.transport),

@@ -28,9 +28,9 @@ from distmk.kernels.interface import CONTROL, ROW_VARIABLES, SCALARS
 from distmk.kernels.megakernel import (BUFFERS, CONSTANT_NAMES, RUNTIME, _dispatch, device_call, error_report,
                                        load_generated, parameter_list)
 
-# TMA descriptors (`<buffer>_desc`) of the weights the ring streams and of the tiles' inputs (xn: each worker's
-# normed rows)
-STREAMED, INPUTS = ("wqkv", "wo", "w_gate", "w_up", "w_down", "lm_head"), ("xn", "attn", "h")
+# TMA descriptors (`<buffer>_desc`) of the weights the ring streams and of the tiles' inputs (xs: the scaled
+# residual stream, tasks/base.py normed_stream)
+STREAMED, INPUTS = ("wqkv", "wo", "w_gate", "w_up", "w_down", "lm_head"), ("xs", "attn", "h")
 DESCRIPTORS = tuple(f"{name}_desc" for name in STREAMED + INPUTS)
 # the ring (weights, inputs, their mbarriers) and how far each partition has gone in it
 RING_STATE = ("ring", "ready", "empty", "xring", "xready", "c", "cx", "num_warps")
@@ -109,7 +109,7 @@ def _tasks({tasks_params}):
 
 @gluon.jit(do_not_specialize={scalars!r})
 def ring_megakernel({kernel_params}):
-    ring, ready, empty, xring, xready = make_rings(wqkv_desc, xn_desc, BN, NBUF, XD)
+    ring, ready, empty, xring, xready = make_rings(wqkv_desc, xs_desc, BN, NBUF, XD)
     released = make_handoff()
     gl.warp_specialize([
         (_tasks, ({tasks_args})),

@@ -1,17 +1,29 @@
 """Second half of the all-reduce of one row tile: once every rank's partial of the rows has arrived (the
 push event completes with one signal per rank), x[:, rows] += their sum, taken in rank order so that all
-ranks hold bit-identical results. The exchange layout is ar_push's."""
+ranks hold bit-identical results, and the scaled stream's rows with it (tasks/base.py store_residual). The
+exchange layout is ar_push's. Row-parallel output `slot` is 2l (layer l's o_proj) or 2l + 1 (its MLP), so the
+norm that reads the stream next is norm `slot + 1` in the stacked order (the post-attention one, or the next
+layer's input norm)."""
 import triton
 import triton.language as tl
 
 from distmk.comm import sum_in_rank_order
 from distmk.tasks.ar_push import exchange_region
-from distmk.tasks.base import TaskKind
+from distmk.tasks.base import TaskKind, store_residual, store_residual_gpu
 
 
 @triton.jit
-def allreduce_gpu(row0, nrows, slot, n, x, exchange, H: tl.constexpr, B_PAD: tl.constexpr, WORLD: tl.constexpr,
-                  EXCHANGE_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr):
+def allreduce_gpu(row0, nrows, slot, n, x, xs, norms, exchange, H: tl.constexpr, B_PAD: tl.constexpr,
+                  WORLD: tl.constexpr, EXCHANGE_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr):
+    reduce_rows(row0, nrows, slot, n, x, xs, norms + (slot + 1) * H, exchange, H, B_PAD, WORLD, EXCHANGE_SLOTS,
+                BLOCK_N)
+
+
+@triton.jit
+def reduce_rows(row0, nrows, slot, n, x, xs, next_norm_w, exchange, H: tl.constexpr, B_PAD: tl.constexpr,
+                WORLD: tl.constexpr, EXCHANGE_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile's reduction into the residual stream and the scaled stream (next_norm_w: the weight of the
+    RMSNorm that reads the stream next)."""
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, BLOCK_N)
     for j in range(0, nrows, BLOCK_N):
@@ -23,7 +35,8 @@ def allreduce_gpu(row0, nrows, slot, n, x, exchange, H: tl.constexpr, B_PAD: tl.
             total += tl.load(exchange + region + rb[:, None] * nrows + cols[None, :], mask=mask, other=0.0)
         offs = rb[:, None] * H + (row0 + cols)[None, :]
         residual = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(x + offs, (residual + total).to(x.dtype.element_ty), mask=mask)
+        g = tl.load(next_norm_w + row0 + cols, mask=cols < nrows, other=0.0).to(tl.float32)
+        store_residual_gpu(x, xs, offs, mask, residual + total, g[None, :])
 
 
 class AllReduce(TaskKind):
@@ -36,7 +49,7 @@ class AllReduce(TaskKind):
         return shape.batch * a[1] * (4 * shape.plan.tp + 8)
 
     def run(self, ctx, layer, a):
-        row0, nrows, _slot = a
-        n, x = ctx.num_rows, ctx.buf["x"]
+        row0, nrows, slot = a
+        rows, cols = slice(0, ctx.num_rows), slice(row0, row0 + nrows)
         total = sum_in_rank_order(ctx.comm, ctx.published.pop(ctx.wait))
-        x[:n, row0:row0 + nrows] = (x[:n, row0:row0 + nrows].float() + total).to(x.dtype)
+        store_residual(ctx, rows, cols, ctx.buf["x"][rows, cols].float() + total, slot + 1)

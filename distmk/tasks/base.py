@@ -61,35 +61,50 @@ class StepShape:
         return rows * cols * self.weight_bytes + self.batch * (rows + cols) * self.act_bytes
 
 
-def row_parallel_tile(ctx, inp: torch.Tensor, weight: torch.Tensor, row0: int, nrows: int, mode: int) -> None:
+def row_parallel_tile(ctx, inp: torch.Tensor, weight: torch.Tensor, row0: int, nrows: int, mode: int,
+                      next_norm: int) -> None:
     """out[:, rows] = inp @ weight[rows]^T, added to the residual stream or kept as this rank's partial sum."""
-    store_row_parallel(ctx, inp[:ctx.num_rows].float() @ weight[row0:row0 + nrows].float().t(), row0, nrows, mode)
+    store_row_parallel(ctx, inp[:ctx.num_rows].float() @ weight[row0:row0 + nrows].float().t(), row0, nrows, mode,
+                       next_norm)
 
 
-def store_row_parallel(ctx, out: torch.Tensor, row0: int, nrows: int, mode: int) -> None:
+def store_row_parallel(ctx, out: torch.Tensor, row0: int, nrows: int, mode: int, next_norm: int) -> None:
     """A row-parallel output's columns [row0, row0 + nrows) (float32, [rows, nrows]) by `mode`: added to the
-    residual stream, or kept as this rank's partial sum."""
+    residual stream (whose next RMSNorm is norm_weight's `next_norm`), or kept as this rank's partial sum."""
     n = ctx.num_rows
     if mode == ADD_RESIDUAL:
-        x = ctx.buf["x"]
-        x[:n, row0:row0 + nrows] = (x[:n, row0:row0 + nrows].float() + out).to(x.dtype)
+        cols = slice(row0, row0 + nrows)
+        store_residual(ctx, slice(0, n), cols, ctx.buf["x"][:n, cols].float() + out, next_norm)
     else:
         ctx.buf["partial"][:n, row0:row0 + nrows] = out
 
 
 @triton.jit
-def row_parallel_gpu(inp, w, row0, nrows, mode, n, x, partial, K: tl.constexpr, H: tl.constexpr, B_PAD: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """GPU twin of row_parallel_tile: rows [row0, row0 + nrows) of inp @ w^T, by `mode`."""
+def store_residual_gpu(x, xs, offs, mask, values, next_norm_w):
+    """GPU twin of store_residual: the residual stream's elements at offs become `values` (float32), the scaled
+    stream's the stored values times next_norm_w (the next RMSNorm's weight at these columns, broadcast against
+    `values`), rounded once."""
+    tl.store(x + offs, values.to(x.dtype.element_ty), mask=mask)
+    stored = values.to(x.dtype.element_ty).to(tl.float32)
+    tl.store(xs + offs, (stored * next_norm_w).to(xs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def row_parallel_gpu(inp, w, row0, nrows, mode, n, x, xs, next_norm_w, partial, K: tl.constexpr, H: tl.constexpr,
+                     B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """GPU twin of row_parallel_tile: rows [row0, row0 + nrows) of inp @ w^T, by `mode` (next_norm_w: the weight
+    of the residual stream's next RMSNorm)."""
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, BLOCK_N)
     for j in range(0, nrows, BLOCK_N):
         acc = matmul_block(inp, w, n, row0 + j, nrows - j, K, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
-        offs = rb[:, None] * H + (row0 + j + rn)[None, :]
+        cols = row0 + j + rn
+        offs = rb[:, None] * H + cols[None, :]
         mask = (rb < n)[:, None] & (rn < nrows - j)[None, :]
         if mode == _ADD_RESIDUAL:
             residual = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(x + offs, (residual + acc).to(x.dtype.element_ty), mask=mask)
+            g = tl.load(next_norm_w + cols, mask=rn < nrows - j, other=0.0).to(tl.float32)
+            store_residual_gpu(x, xs, offs, mask, residual + acc, g[None, :])
         else:
             tl.store(partial + offs, acc, mask=mask)
 
@@ -100,10 +115,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
 
 
-def normed_stream(ctx, weight: torch.Tensor) -> torch.Tensor:
-    """The RMSNorm of the residual stream's active rows in the activation dtype: the input of QKV, gate/up
-    and lm_head tiles, each of which computes it itself (the GPU tiles fuse it into their loads)."""
-    return rms_norm(ctx.buf["x"][:ctx.num_rows], weight, ctx.spec.rms_norm_eps).to(ctx.dtype)
+def norm_weight(ctx, index: int) -> torch.Tensor:
+    """RMSNorm weight `index`, in the order the megakernels stack them (kernels/layout.py's `norms`): 2l is layer
+    l's input norm, 2l + 1 its post-attention norm, 2L (L layers) the final norm."""
+    layer, post = divmod(index, 2)
+    if layer == ctx.spec.num_layers:
+        return ctx.weights.final_norm
+    lw = ctx.weights.layers[layer]
+    return lw.post_norm if post else lw.input_norm
+
+
+def store_residual(ctx, rows, cols, values: torch.Tensor, next_norm: int) -> None:
+    """x[rows, cols], the residual stream, becomes `values`, and the same elements of the scaled stream xs = x * w,
+    rounded once to the activation dtype, where w is the weight of the RMSNorm that reads the stream next
+    (norm_weight's `next_norm`). Whoever finishes elements of x stores them scaled, once: the tiles that read the
+    normed stream take xs as it is (normed_stream)."""
+    x = ctx.buf["x"]
+    x[rows, cols] = values.to(x.dtype)
+    ctx.buf["xs"][rows, cols] = (x[rows, cols].float() * norm_weight(ctx, next_norm)[cols].float()).to(ctx.dtype)
+
+
+def normed_stream(ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RMSNorm of the residual stream's active rows as the QKV, gate/up, router and lm_head tiles read it:
+    RMSNorm(x) @ W^T = (xs @ W^T) * rstd, xs the scaled stream (store_residual) and rstd = 1 / rms(x) of each
+    row, in float32. The scale comes after the product, so a tile's first weights meet its input as soon as its
+    event allows, with no normalisation of its own in between. Returns xs and rstd [rows, 1] in float32."""
+    n = ctx.num_rows
+    x = ctx.buf["x"][:n].float()
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.spec.rms_norm_eps)
+    return ctx.buf["xs"][:n].float(), rstd
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

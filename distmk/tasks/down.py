@@ -12,10 +12,12 @@ from distmk.tasks.base import TaskKind, row_parallel_gpu, row_parallel_tile
 
 # noinline: see TaskKind.gpu (tasks/base.py)
 @triton.jit(noinline=True)
-def down_gpu(layer, row0, nrows, mode, n, h, w_down, x, partial, H: tl.constexpr, INTER: tl.constexpr,
+def down_gpu(layer, row0, nrows, mode, n, h, w_down, x, xs, norms, partial, H: tl.constexpr, INTER: tl.constexpr,
              B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     w = w_down + layer.to(tl.int64) * H * INTER
-    row_parallel_gpu(h, w, row0, nrows, mode, n, x, partial, INTER, H, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
+    next_norm = norms + (2 * layer + 2) * H             # the next layer's input norm, or the final one
+    row_parallel_gpu(h, w, row0, nrows, mode, n, x, xs, next_norm, partial, INTER, H, B_PAD, BLOCK_N, BLOCK_K,
+                     DOT_PRECISION)
 
 
 @triton.jit
@@ -30,11 +32,11 @@ def down_weights(layer, row0, nrows, w_down_desc, ring, ready, empty, c, H: gl.c
 
 
 @gluon.jit
-def down_ring(row0, nrows, n, x, h_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr, INTER: gl.constexpr,
-              num_warps: gl.constexpr):
+def down_ring(layer, row0, nrows, n, x, xs, norms, h_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr,
+              INTER: gl.constexpr, num_warps: gl.constexpr):
     """The tp=1 tile (ADD_RESIDUAL: the ring megakernel runs only there)."""
-    return rg.add_residual_rows(h_desc, 0, INTER, row0, nrows, n, x, H, ring, ready, empty, xring, xready, c, cx,
-                                num_warps)
+    return rg.add_residual_rows(h_desc, 0, INTER, row0, nrows, n, x, xs, norms + (2 * layer + 2) * H, H, ring, ready,
+                                empty, xring, xready, c, cx, num_warps)
 
 
 class Down(TaskKind):
@@ -50,4 +52,4 @@ class Down(TaskKind):
 
     def run(self, ctx, layer, a):
         row0, nrows, mode = a
-        row_parallel_tile(ctx, ctx.buf["h"], ctx.weights.layers[layer].w_down, row0, nrows, mode)
+        row_parallel_tile(ctx, ctx.buf["h"], ctx.weights.layers[layer].w_down, row0, nrows, mode, 2 * layer + 2)

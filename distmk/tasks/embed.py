@@ -1,31 +1,36 @@
-"""Embedding lookup for one batch row: x[b] = E[token[b]]."""
+"""Embedding lookup for one batch row: x[b] = E[token[b]], and the scaled stream of the row for the first
+layer's input norm (tasks/base.py store_residual)."""
 import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from distmk.tasks.base import TaskKind
+from distmk.tasks.base import TaskKind, store_residual
 
 
 @triton.jit
-def embed_gpu(row, n, tokens, embed, x, H: tl.constexpr, BLOCK_H: tl.constexpr):
+def embed_gpu(row, n, tokens, embed, x, xs, norms, H: tl.constexpr, BLOCK_H: tl.constexpr):
     if row < n:
         token = tl.load(tokens + row).to(tl.int64)
         for h0 in range(0, H, BLOCK_H):
             offs = h0 + tl.arange(0, BLOCK_H)
-            values = tl.load(embed + token * H + offs, mask=offs < H)
-            tl.store(x + row * H + offs, values.to(x.dtype.element_ty), mask=offs < H)
+            values = tl.load(embed + token * H + offs, mask=offs < H).to(x.dtype.element_ty)
+            tl.store(x + row * H + offs, values, mask=offs < H)
+            g = tl.load(norms + offs, mask=offs < H).to(tl.float32)         # norm 0: the first input norm
+            tl.store(xs + row * H + offs, (values.to(tl.float32) * g).to(xs.dtype.element_ty), mask=offs < H)
 
 
 @gluon.jit
-def embed_ring(row, n, tokens, embed, x, H: gl.constexpr, BLOCK_H: gl.constexpr, num_warps: gl.constexpr):
+def embed_ring(row, n, tokens, embed, x, xs, norms, H: gl.constexpr, BLOCK_H: gl.constexpr, num_warps: gl.constexpr):
     if row < n:
         token = gl.load(tokens + row).to(gl.int64)
         offs0 = gl.arange(0, BLOCK_H, layout=gl.BlockedLayout([4], [32], [num_warps], [0]))
         for h0 in range(0, H, BLOCK_H):
             offs = h0 + offs0
-            values = gl.load(embed + token * H + offs, mask=offs < H)
-            gl.store(x + row * H + offs, values.to(x.dtype.element_ty), mask=offs < H)
+            values = gl.load(embed + token * H + offs, mask=offs < H).to(x.dtype.element_ty)
+            gl.store(x + row * H + offs, values, mask=offs < H)
+            g = gl.load(norms + offs, mask=offs < H).to(gl.float32)
+            gl.store(xs + row * H + offs, (values.to(gl.float32) * g).to(xs.dtype.element_ty), mask=offs < H)
 
 
 class Embed(TaskKind):
@@ -35,9 +40,9 @@ class Embed(TaskKind):
     ring = embed_ring
 
     def cost(self, shape, layer, a):
-        return 2 * shape.spec.hidden_size * shape.act_bytes
+        return 3 * shape.spec.hidden_size * shape.act_bytes
 
     def run(self, ctx, layer, a):
         (b,) = a
         if b < ctx.num_rows:
-            ctx.buf["x"][b] = ctx.weights.embed[ctx.tokens[b]]
+            store_residual(ctx, b, slice(None), ctx.weights.embed[ctx.tokens[b]].float(), 0)

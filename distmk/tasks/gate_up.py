@@ -1,6 +1,7 @@
 """A row tile of the MLP's gate and up projections with the SiLU-gated product: h[:, rows] =
 silu(xn @ Wgate[rows]^T) * (xn @ Wup[rows]^T), in float32, rounded once, where xn is the post-attention
-RMSNorm of the residual stream (computed by each tile). Column-parallel: no communication."""
+RMSNorm of the residual stream (each product taken of the scaled stream, then scaled: tasks/base.py
+normed_stream). Column-parallel: no communication."""
 import torch
 import triton
 import triton.language as tl
@@ -8,24 +9,24 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from distmk.device import ring as rg
-from distmk.device.primitives import matmul_pair, prefetch_l2, rms_norm_rows
+from distmk.device.primitives import matmul_pair, norm_rstd, prefetch_l2
 from distmk.tasks.base import TaskKind, normed_stream
 
 
 # noinline: see TaskKind.gpu (tasks/base.py)
 @triton.jit(noinline=True)
-def gate_up_gpu(layer, row0, nrows, n, worker, x, xn, norms, w_gate, w_up, h, H: tl.constexpr, INTER: tl.constexpr,
+def gate_up_gpu(layer, row0, nrows, n, x, xs, w_gate, w_up, h, H: tl.constexpr, INTER: tl.constexpr,
                 B_PAD: tl.constexpr, EPS: tl.constexpr, NORM_BLOCK: tl.constexpr, MLP_BLOCK_N: tl.constexpr,
                 MLP_BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offset = layer.to(tl.int64) * INTER * H
     act = h.dtype.element_ty
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, MLP_BLOCK_N)
-    inp = xn + worker * B_PAD * H                                 # post-attention RMSNorm, by this tile
-    rms_norm_rows(x, n, norms + (2 * layer + 1) * H, inp, H, EPS, NORM_BLOCK)
+    rstd = norm_rstd(x, n, H, EPS, B_PAD, NORM_BLOCK)[:, None]
     for j in range(0, nrows, MLP_BLOCK_N):
-        gate, up = matmul_pair(inp, w_gate + offset, w_up + offset, n, row0 + j, nrows - j, H, B_PAD, MLP_BLOCK_N,
+        gate, up = matmul_pair(xs, w_gate + offset, w_up + offset, n, row0 + j, nrows - j, H, B_PAD, MLP_BLOCK_N,
                                MLP_BLOCK_K, DOT_PRECISION)
+        gate, up = gate * rstd, up * rstd
         mask = (rb < n)[:, None] & (rn < nrows - j)[None, :]
         tl.store(h + rb[:, None] * INTER + (row0 + j + rn)[None, :], (gate * tl.sigmoid(gate) * up).to(act),
                  mask=mask)
@@ -50,17 +51,17 @@ def gate_up_weights(layer, row0, nrows, w_gate_desc, w_up_desc, ring, ready, emp
 
 
 @gluon.jit
-def gate_up_ring(layer, row0, nrows, n, worker, x, xn, norms, h, xn_desc, ring, ready, empty, xring, xready, c, cx,
-                 H: gl.constexpr, INTER: gl.constexpr, B_PAD: gl.constexpr, EPS: gl.constexpr,
-                 num_warps: gl.constexpr):
+def gate_up_ring(row0, nrows, n, x, h, xs_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr,
+                 INTER: gl.constexpr, EPS: gl.constexpr, num_warps: gl.constexpr):
     BN: gl.constexpr = ring.type.shape[1]
-    rg.rms_norm_rows(x, n, norms + (2 * layer + 1) * H, xn + worker * B_PAD * H, H, EPS, num_warps)
+    rg.prime_inputs(xs_desc, 0, H, xring, xready, cx)
+    rstd = rg.norm_rstd(x, n, H, EPS, ring, xring, num_warps)[None, :]     # the post-attention RMSNorm's scale
     rn, rb = rg.block_index(ring, xring, num_warps)
     for j in range(0, nrows, BN):
-        gate, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, j > 0, True,
-                                   num_warps)
-        up, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, True,
-                                 j + BN < nrows, num_warps)
+        gate, c, cx = rg.mma_block(xs_desc, 0, H, ring, ready, empty, xring, xready, c, cx, True, True, num_warps)
+        up, c, cx = rg.mma_block(xs_desc, 0, H, ring, ready, empty, xring, xready, c, cx, True, j + BN < nrows,
+                                 num_warps)
+        gate, up = gate * rstd, up * rstd
         mask = (rn < nrows - j)[:, None] & (rb < n)[None, :]
         value = gate / (1.0 + gl.exp(-gate)) * up
         gl.store(h + rb[None, :] * INTER + (row0 + j + rn)[:, None], value.to(h.dtype.element_ty), mask=mask)
@@ -81,7 +82,7 @@ class GateUp(TaskKind):
     def run(self, ctx, layer, a):
         row0, nrows = a
         lw, n = ctx.weights.layers[layer], ctx.num_rows
-        xn = normed_stream(ctx, lw.post_norm).float()
-        gate = xn @ lw.w_gate[row0:row0 + nrows].float().t()
-        up = xn @ lw.w_up[row0:row0 + nrows].float().t()
+        xs, rstd = normed_stream(ctx)
+        gate = (xs @ lw.w_gate[row0:row0 + nrows].float().t()) * rstd
+        up = (xs @ lw.w_up[row0:row0 + nrows].float().t()) * rstd
         ctx.buf["h"][:n, row0:row0 + nrows] = (gate * torch.sigmoid(gate) * up).to(ctx.dtype)

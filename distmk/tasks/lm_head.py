@@ -1,5 +1,5 @@
-"""A row tile of the vocab-parallel lm_head over the final RMSNorm of the residual stream (computed by each
-tile): logits for this rank's vocabulary rows, plus the tile's argmax per batch row (first index on ties;
+"""A row tile of the vocab-parallel lm_head over the final RMSNorm of the residual stream (tasks/base.py
+normed_stream): logits for this rank's vocabulary rows, plus the tile's argmax per batch row (first index on ties;
 padding rows past the vocabulary never win)."""
 import math
 
@@ -9,25 +9,24 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from distmk.device import ring as rg
-from distmk.device.primitives import matmul_block, prefetch_l2, rms_norm_rows
+from distmk.device.primitives import matmul_block, norm_rstd, prefetch_l2
 from distmk.tasks.base import TaskKind, normed_stream
 
 
 # noinline: see TaskKind.gpu (tasks/base.py)
 @triton.jit(noinline=True)
-def lm_head_gpu(layer, row0, nrows, tile, n, worker, x, xn, norms, lm_head, logits, tile_max, tile_arg, vocab0,
-                vocab_valid, H: tl.constexpr, VOCAB_L: tl.constexpr, LM_TILES: tl.constexpr, B_PAD: tl.constexpr,
+def lm_head_gpu(row0, nrows, tile, n, x, xs, lm_head, logits, tile_max, tile_arg, vocab0, vocab_valid, H: tl.constexpr, VOCAB_L: tl.constexpr, LM_TILES: tl.constexpr, B_PAD: tl.constexpr,
                 EPS: tl.constexpr, NORM_BLOCK: tl.constexpr, LM_BLOCK_N: tl.constexpr, LM_BLOCK_K: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, LM_BLOCK_N)
     best = tl.full((B_PAD,), float("-inf"), dtype=tl.float32)
     best_id = tl.full((B_PAD,), -1, dtype=tl.int64)
-    inp = xn + worker * B_PAD * H                                 # final RMSNorm (norms row `layers`)
-    rms_norm_rows(x, n, norms + 2 * layer * H, inp, H, EPS, NORM_BLOCK)
+    rstd = norm_rstd(x, n, H, EPS, B_PAD, NORM_BLOCK)[:, None]     # the final RMSNorm's scale
     for j in range(0, nrows, LM_BLOCK_N):
         block0 = row0 + j
-        acc = matmul_block(inp, lm_head, n, block0, nrows - j, H, B_PAD, LM_BLOCK_N, LM_BLOCK_K, DOT_PRECISION)
+        acc = matmul_block(xs, lm_head, n, block0, nrows - j, H, B_PAD, LM_BLOCK_N, LM_BLOCK_K, DOT_PRECISION)
+        acc = acc * rstd
         cols = rn < nrows - j
         tl.store(logits + rb[:, None] * VOCAB_L + (block0 + rn)[None, :], acc, mask=(rb < n)[:, None] & cols[None, :])
         scores = tl.where((cols & (block0 + rn < vocab_valid))[None, :], acc, float("-inf"))
@@ -51,18 +50,20 @@ def lm_head_weights(row0, nrows, lm_head_desc, ring, ready, empty, c, H: gl.cons
 
 
 @gluon.jit
-def lm_head_ring(layer, row0, nrows, tile, n, worker, x, xn, norms, logits, tile_max, tile_arg, vocab0, vocab_valid,
-                 xn_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr, VOCAB_L: gl.constexpr,
-                 LM_TILES: gl.constexpr, B_PAD: gl.constexpr, EPS: gl.constexpr, num_warps: gl.constexpr):
+def lm_head_ring(row0, nrows, tile, n, x, logits, tile_max, tile_arg, vocab0, vocab_valid, xs_desc, ring, ready,
+                 empty, xring, xready, c, cx, H: gl.constexpr, VOCAB_L: gl.constexpr, LM_TILES: gl.constexpr,
+                 EPS: gl.constexpr, num_warps: gl.constexpr):
     BN: gl.constexpr = ring.type.shape[1]
     rn, rb = rg.block_index(ring, xring, num_warps)
     best = gl.full(rb.type.shape, float("-inf"), gl.float32, layout=rb.type.layout)
     best_id = gl.full(rb.type.shape, -1, gl.int64, layout=rb.type.layout)
-    rg.rms_norm_rows(x, n, norms + 2 * layer * H, xn + worker * B_PAD * H, H, EPS, num_warps)
+    rg.prime_inputs(xs_desc, 0, H, xring, xready, cx)
+    rstd = rg.norm_rstd(x, n, H, EPS, ring, xring, num_warps)[None, :]     # the final RMSNorm's scale
     for j in range(0, nrows, BN):
         block0 = row0 + j
-        acc, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, j > 0,
-                                  j + BN < nrows, num_warps)
+        acc, c, cx = rg.mma_block(xs_desc, 0, H, ring, ready, empty, xring, xready, c, cx, True, j + BN < nrows,
+                                  num_warps)
+        acc = acc * rstd
         rows = rn < nrows - j
         gl.store(logits + rb[None, :] * VOCAB_L + (block0 + rn)[:, None], acc, mask=rows[:, None] & (rb < n)[None, :])
         scores = gl.where((rows & (block0 + rn < vocab_valid))[:, None], acc, float("-inf"))
@@ -91,7 +92,8 @@ class LMHead(TaskKind):
     def run(self, ctx, layer, a):
         row0, nrows, tile = a
         n = ctx.num_rows
-        logits = normed_stream(ctx, ctx.weights.final_norm).float() @ ctx.weights.lm_head[row0:row0 + nrows].float().t()
+        xs, rstd = normed_stream(ctx)
+        logits = (xs @ ctx.weights.lm_head[row0:row0 + nrows].float().t()) * rstd
         ctx.buf["logits"][:n, row0:row0 + nrows] = logits
         valid = max(0, min(nrows, ctx.plan.vocab_valid - row0))
         if valid == 0:

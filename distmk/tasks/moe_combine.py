@@ -6,13 +6,13 @@ import torch
 import triton
 import triton.language as tl
 
-from distmk.tasks.base import TaskKind, _ADD_RESIDUAL, store_row_parallel
+from distmk.tasks.base import TaskKind, _ADD_RESIDUAL, store_residual_gpu, store_row_parallel
 
 
 # noinline: see TaskKind.gpu (tasks/base.py)
 @triton.jit(noinline=True)
-def moe_combine_gpu(row0, nrows, mode, n, route_weight, expert_out, x, partial, H: tl.constexpr, TOP_K: tl.constexpr,
-                    B_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+def moe_combine_gpu(layer, row0, nrows, mode, n, route_weight, expert_out, x, xs, norms, partial, H: tl.constexpr,
+                    TOP_K: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, BLOCK_N)
     for j in range(0, nrows, BLOCK_N):
@@ -26,7 +26,8 @@ def moe_combine_gpu(row0, nrows, mode, n, route_weight, expert_out, x, partial, 
         offs = rb[:, None] * H + cols[None, :]
         if mode == _ADD_RESIDUAL:
             residual = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(x + offs, (residual + total).to(x.dtype.element_ty), mask=mask)
+            g = tl.load(norms + (2 * layer + 2) * H + cols, mask=rn < nrows - j, other=0.0).to(tl.float32)
+            store_residual_gpu(x, xs, offs, mask, residual + total, g[None, :])
         else:
             tl.store(partial + offs, total, mask=mask)
 
@@ -43,7 +44,7 @@ class MoeCombine(TaskKind):
         row0, nrows, mode = a
         n = ctx.num_rows
         total = weighted_sum(ctx.buf["route_weight"][:n], ctx.buf["expert_out"][:n, :, row0:row0 + nrows])
-        store_row_parallel(ctx, total, row0, nrows, mode)
+        store_row_parallel(ctx, total, row0, nrows, mode, 2 * layer + 2)
 
 
 def weighted_sum(weights: torch.Tensor, outs: torch.Tensor) -> torch.Tensor:

@@ -14,12 +14,14 @@ from distmk.tasks.router import router_share, router_share_gpu
 
 # noinline: see TaskKind.gpu (tasks/base.py)
 @triton.jit(noinline=True)
-def o_proj_gpu(layer, row0, nrows, mode, router_layer, n, attn, wo, x, partial, norms, router, router_partial,
+def o_proj_gpu(layer, row0, nrows, mode, router_layer, n, attn, wo, x, xs, partial, norms, router, router_partial,
                router_sumsq, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, EXPERTS: tl.constexpr,
                EXPERTS_PAD: tl.constexpr, BATCH: tl.constexpr, O_PROJ_ROWS: tl.constexpr, B_PAD: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     w = wo + layer.to(tl.int64) * H * HQ * D
-    row_parallel_gpu(attn, w, row0, nrows, mode, n, x, partial, HQ * D, H, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
+    next_norm = norms + (2 * layer + 1) * H             # the post-attention norm
+    row_parallel_gpu(attn, w, row0, nrows, mode, n, x, xs, next_norm, partial, HQ * D, H, B_PAD, BLOCK_N, BLOCK_K,
+                     DOT_PRECISION)
     if EXPERTS > 0:
         if router_layer >= 0:
             router_share_gpu(layer, router_layer, row0, nrows, n, x, norms, router, router_partial, router_sumsq,
@@ -39,11 +41,11 @@ def o_proj_weights(layer, row0, nrows, wo_desc, ring, ready, empty, c, H: gl.con
 
 
 @gluon.jit
-def o_proj_ring(row0, nrows, n, x, attn_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr,
-                HQ: gl.constexpr, D: gl.constexpr, num_warps: gl.constexpr):
+def o_proj_ring(layer, row0, nrows, n, x, xs, norms, attn_desc, ring, ready, empty, xring, xready, c, cx,
+                H: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr, num_warps: gl.constexpr):
     """The tp=1 tile (ADD_RESIDUAL: the ring megakernel runs only there)."""
-    return rg.add_residual_rows(attn_desc, 0, HQ * D, row0, nrows, n, x, H, ring, ready, empty, xring, xready, c, cx,
-                                num_warps)
+    return rg.add_residual_rows(attn_desc, 0, HQ * D, row0, nrows, n, x, xs, norms + (2 * layer + 1) * H, H, ring,
+                                ready, empty, xring, xready, c, cx, num_warps)
 
 
 class OProj(TaskKind):
@@ -60,6 +62,6 @@ class OProj(TaskKind):
 
     def run(self, ctx, layer, a):
         row0, nrows, mode, router_layer = a
-        row_parallel_tile(ctx, ctx.buf["attn"], ctx.weights.layers[layer].wo, row0, nrows, mode)
+        row_parallel_tile(ctx, ctx.buf["attn"], ctx.weights.layers[layer].wo, row0, nrows, mode, 2 * layer + 1)
         if router_layer >= 0:
             router_share(ctx, layer, router_layer, row0, nrows)

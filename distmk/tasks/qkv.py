@@ -1,5 +1,5 @@
 """One head of the fused QKV projection for all rows, or a column slice of it, of the input-RMSNormed residual
-stream (the norm is computed by each tile): matmul (+bias), then for q and k heads the per-head q/k-norm
+stream (tasks/base.py normed_stream): matmul (+bias), then for q and k heads the per-head q/k-norm
 (Qwen3) and RoPE; q goes to the q buffer, k and v are appended to the paged KV cache at each row's
 position. Part p of P covers columns [p, p+1) * D/2P of both halves of the head, so rotate-half RoPE pairs
 columns inside one tile. q/k-norm needs the whole head: with P > 1 a q or k slice is left unnormalised in
@@ -11,7 +11,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from distmk.device import ring as rg
-from distmk.device.primitives import matmul_pair, prefetch_l2, rms_norm_rows
+from distmk.device.primitives import matmul_pair, norm_rstd, prefetch_l2
 from distmk.tasks.base import TaskKind, normed_stream, rms_norm, rope
 
 
@@ -62,7 +62,7 @@ def norm_rope_store(lo, hi, layer, slot, col0, cols, rd, n, qk_norm, inv_freq, p
 
 # noinline: see TaskKind.gpu (tasks/base.py)
 @triton.jit(noinline=True)
-def qkv_gpu(layer, head_slot, part, n, worker, x, xn, norms, wqkv, bqkv, qk_norm, inv_freq, positions, block_table, q,
+def qkv_gpu(layer, head_slot, part, n, x, xs, wqkv, bqkv, qk_norm, inv_freq, positions, block_table, q,
             qk_raw, k_cache, v_cache, H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
             B_PAD: tl.constexpr, QKV_PARTS: tl.constexpr, QKV_BLOCK_N: tl.constexpr, MAXB: tl.constexpr,
             BS: tl.constexpr, NBLK: tl.constexpr, EPS: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
@@ -74,10 +74,10 @@ def qkv_gpu(layer, head_slot, part, n, worker, x, xn, norms, wqkv, bqkv, qk_norm
     slot = head_slot
     col0 = part * PART                                              # first column of the slice in each half
     w = wqkv + layer.to(tl.int64) * rows * H
-    inp = xn + worker * B_PAD * H                                 # input RMSNorm, by this tile
-    rms_norm_rows(x, n, norms + 2 * layer * H, inp, H, EPS, NORM_BLOCK)
-    lo, hi = matmul_pair(inp, w + col0 * H, w + (HALF + col0) * H, n, slot * D, PART, H, B_PAD, QKV_BLOCK_N,
+    rstd = norm_rstd(x, n, H, EPS, B_PAD, NORM_BLOCK)[:, None]     # the input RMSNorm's scale
+    lo, hi = matmul_pair(xs, w + col0 * H, w + (HALF + col0) * H, n, slot * D, PART, H, B_PAD, QKV_BLOCK_N,
                          QKV_BLOCK_K, DOT_PRECISION)
+    lo, hi = lo * rstd, hi * rstd
     rd = tl.arange(0, QKV_BLOCK_N)
     dmask = rd < PART
     if HAS_BIAS:
@@ -165,9 +165,9 @@ def qkv_weights(layer, head_slot, part, wqkv_desc, ring, ready, empty, c, H: gl.
 
 
 @gluon.jit
-def qkv_ring(layer, head_slot, part, n, worker, x, xn, norms, bqkv, qk_norm, inv_freq, positions, block_table, q,
-             qk_raw, k_cache, v_cache, xn_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr,
-             D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, B_PAD: gl.constexpr, QKV_PARTS: gl.constexpr,
+def qkv_ring(layer, head_slot, part, n, x, bqkv, qk_norm, inv_freq, positions, block_table, q, qk_raw, k_cache,
+             v_cache, xs_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr,
+             D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, QKV_PARTS: gl.constexpr,
              MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr, EPS: gl.constexpr, HAS_BIAS: gl.constexpr,
              QK_NORM: gl.constexpr, num_warps: gl.constexpr):
     """qkv_gpu on the weight ring: the two halves of the slice share the slots of one block (load_pair), a
@@ -176,10 +176,10 @@ def qkv_ring(layer, head_slot, part, n, worker, x, xn, norms, bqkv, qk_norm, inv
     PART: gl.constexpr = HALF // QKV_PARTS
     slot = head_slot
     col0 = part * PART
-    rg.rms_norm_rows(x, n, norms + 2 * layer * H, xn + worker * B_PAD * H, H, EPS, num_warps)
-    acc, c, cx = rg.mma_block(xn_desc, worker * B_PAD, H, ring, ready, empty, xring, xready, c, cx, False, False,
-                              num_warps)
-    lo, hi, rd, rb = rg.split_halves(acc, ring, xring, num_warps)
+    rg.prime_inputs(xs_desc, 0, H, xring, xready, cx)
+    rstd = rg.norm_rstd(x, n, H, EPS, ring, xring, num_warps)          # the input RMSNorm's scale
+    acc, c, cx = rg.mma_block(xs_desc, 0, H, ring, ready, empty, xring, xready, c, cx, True, False, num_warps)
+    lo, hi, rd, rb = rg.split_halves(acc * rstd[None, :], ring, xring, num_warps)
     dmask = rd < PART
     if HAS_BIAS:
         bias = bqkv + layer * (HQ + 2 * HKV) * D + slot * D + col0
@@ -218,7 +218,8 @@ class QKV(TaskKind):
         spec, plan, lw = ctx.spec, ctx.plan, ctx.weights.layers[layer]
         d, n = spec.head_dim, ctx.num_rows
         cols = slice_columns(d, part, parts)
-        out = normed_stream(ctx, lw.input_norm).float() @ lw.wqkv[slot * d + cols].float().t()
+        xs, rstd = normed_stream(ctx)
+        out = (xs @ lw.wqkv[slot * d + cols].float().t()) * rstd
         if lw.bqkv is not None:
             out = out + lw.bqkv[slot * d + cols].float()
         if slot >= plan.num_heads + plan.num_kv_heads:
