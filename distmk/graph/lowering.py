@@ -2,11 +2,11 @@
 
 A consumer waits only on the event of the producer tiles it reads: attention for a KV head waits for
 that head group's q/k/v tiles, an all-reduce tile for the one matmul tile that produced its slice. The
-tiles that read the RMSNorm of the residual stream (QKV, gate/up, lm_head) normalise it themselves, so
-they wait for every tile of the stream and no single norm task stands between two phases. A sparse
-(mixture-of-experts) layer's MLP is router tiles, a route task, expert tiles that split the step's distinct
-experts' rows among themselves at run time, and combine tiles in the place of the down tiles, all-reduced
-the same way. Tasks are emitted in a topological order, which the scheduler keeps within each worker queue.
+tiles that read the RMSNorm of the residual stream (QKV, gate/up, lm_head) take its scale from the whole
+stream (tasks/base.py normed_stream), so they wait for every tile of the stream; no norm task stands between
+two phases. A sparse (mixture-of-experts) layer's MLP is router tiles, a route task, expert tiles that split the
+step's distinct experts' rows among themselves at run time, and combine tiles in the place of the down tiles,
+all-reduced the same way. Tasks are emitted in a topological order, which the scheduler keeps within each worker queue.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class GraphConfig:
         workers. qkv_parts: a head's QKV tile is cut into column slices (the same columns of both halves, so
         rotate-half RoPE stays inside a tile) while the tiles still fit in one wave over the workers, slices
         at least 16 rows high: one tile per head leaves most workers idle in that phase, two waves make it
-        longer again (each tile also normalises its input itself)."""
+        longer again (each tile also takes its input's RMSNorm scale itself)."""
         half = spec.head_dim // 2
         if self.qkv_parts and half % self.qkv_parts:
             raise GraphError(f"qkv_parts={self.qkv_parts} must divide head_dim/2={half}")
