@@ -118,7 +118,8 @@ def distmk_step_ms(model: str, batch: int, context: int, iters: int = 200, backe
                 exposed = trace.exposed_allreduce_ns(engine.table, timings)
                 result.update(traced_span_ms=waits["span_ns"] / 1e6, peer_wait_fraction=waits["peer_wait_fraction"],
                               allreduce_us=exposed / 1e3 if exposed is not None else None,
-                              breakdown=trace.breakdown(engine.table, timings))
+                              breakdown=trace.breakdown(engine.table, timings) + "\n"
+                              + trace.phase_timeline(engine.table, timings))
         return result
     finally:
         if comm is not None and hasattr(comm, "close"):

@@ -1,8 +1,8 @@
 """Time the megakernel's decode step and show where the time goes:
     python benchmarks/profile_step.py --model llama-3-8b --batch 1 --context 512
     torchrun --standalone --nproc-per-node 2 benchmarks/profile_step.py --model llama-3-8b
-Prints the median step time (CUDA-graph replays) and the per-task-type breakdown of one traced step
-(running and waiting time per type; under torchrun, rank 0's)."""
+Prints the median step time (CUDA-graph replays), the per-task-type breakdown (running and waiting time per type)
+and the per-phase timeline of one traced step (under torchrun, rank 0's)."""
 import argparse
 import json
 import os

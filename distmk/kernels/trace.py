@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import collections
 import json
+import statistics
 
 import torch
 
-from distmk.graph.table import A2, TYPE
+from distmk.graph.table import A2, LAYER, TYPE
 from distmk.tasks import TASK_KINDS
 
 
@@ -69,6 +70,43 @@ def breakdown(table, timings: torch.Tensor) -> str:
     for kind, ns in busy.most_common():
         lines.append(f"  {kind:<12} {count[kind]:>6} tasks  run {ns / 1e3:>9.1f} us {100 * ns / total:5.1f}%  "
                      f"{ns / count[kind] / 1e3:7.2f} us/task   wait {waiting[kind] / 1e3:>9.1f} us")
+    return "\n".join(lines)
+
+
+def phase_timeline(table, timings: torch.Tensor) -> str:
+    """A layer's phases (its task types, in the order they start), averaged over the middle layers (the first two
+    and last two left out): when each phase's tasks start running (past their wait: first, median, last) and end
+    (median, last), in µs from the previous phase's last end, and a task's mean running time. A phase's last end
+    is where the next phase may begin; its first start after that end is the cost of the hand-over."""
+    kinds = [TASK_KINDS[int(t)].name for t in table.tasks[:, TYPE].tolist()]
+    layers = table.tasks[:, LAYER].tolist()
+    times = collections.defaultdict(list)           # (layer, kind) -> [(start, end)]
+    for task, (_, start, end, _) in enumerate(timings.tolist()):
+        times[(layers[task], kinds[task])].append((start, end))
+    middle = sorted({layer for layer in layers if 2 <= layer < max(layers) - 1})
+    if not middle:
+        return "phase timeline: too few layers"
+    order = sorted({k for (layer, k) in times if layer == middle[0]},
+                   key=lambda k: statistics.median(s for s, _ in times[(middle[0], k)]))
+    rows = collections.defaultdict(list)
+    for layer in middle:
+        prev = max(e for (ll, _), ts in times.items() if ll == layer - 1 for _, e in ts)
+        for kind in order:
+            starts = sorted(s - prev for s, _ in times[(layer, kind)])
+            ends = sorted(e - prev for _, e in times[(layer, kind)])
+            rows[kind].append((starts[0], statistics.median(starts), starts[-1], statistics.median(ends), ends[-1],
+                               statistics.mean(e - s for s, e in times[(layer, kind)])))
+            prev += ends[-1]
+    lines = [f"phase timeline, layers {middle[0]}..{middle[-1]} averaged, µs from the previous phase's last end:",
+             f"  {'phase':<12} {'tasks':>5} {'start first':>11} {'median':>7} {'last':>7} {'end median':>10} "
+             f"{'last':>7} {'run/task':>8}"]
+    period = 0.0
+    for kind in order:
+        first, mid, last, end_mid, end_last, run = (statistics.mean(r[i] for r in rows[kind]) / 1e3 for i in range(6))
+        period += end_last
+        lines.append(f"  {kind:<12} {len(times[(middle[0], kind)]):>5} {first:>11.2f} {mid:>7.2f} {last:>7.2f} "
+                     f"{end_mid:>10.2f} {end_last:>7.2f} {run:>8.2f}")
+    lines.append(f"  layer period {period:.2f} µs")
     return "\n".join(lines)
 
 
