@@ -46,11 +46,11 @@ def reduce_tiles(first, g, n, x, xs, next_norm_w, exchange, counters, error, tim
 
 @triton.jit(do_not_specialize=["n", "rank", "epoch0", "rounds", "timeout"])
 def exchange_rounds(inp, w, partial, x, xs, next_norm_w, exchange, exchange_peers, counters, counter_peers, error,
-                    n, rank, epoch0, rounds, timeout, LAYERS: tl.constexpr, K: tl.constexpr, H: tl.constexpr, TILE: tl.constexpr,
-                    TILES_PER_PROGRAM: tl.constexpr, B_PAD: tl.constexpr, WORLD: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GEMV: tl.constexpr, EXCHANGE: tl.constexpr, PIPELINED: tl.constexpr,
-                    TRANSPORT: tl.constexpr, SIGNAL_ADD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    INTERPRET: tl.constexpr):
+                    n, rank, epoch0, rounds, timeout, LAYERS: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
+                    TILE: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr, B_PAD: tl.constexpr, WORLD: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GEMV: tl.constexpr, EXCHANGE: tl.constexpr,
+                    PIPELINED: tl.constexpr, TRANSPORT: tl.constexpr, SIGNAL_ADD: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     # PIPELINED: round r reduces round r - 1, so an exchange is in flight during the next round's GEMV. A
     # rank then runs up to three rounds ahead of a peer still reading, hence four exchange slots.
     SLOTS: tl.constexpr = 4 if PIPELINED else 2

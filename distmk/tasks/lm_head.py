@@ -15,8 +15,9 @@ from distmk.tasks.base import TaskKind, normed_stream
 
 # noinline: see TaskKind.gpu (tasks/base.py)
 @triton.jit(noinline=True)
-def lm_head_gpu(row0, nrows, tile, n, x, xs, lm_head, logits, tile_max, tile_arg, vocab0, vocab_valid, H: tl.constexpr, VOCAB_L: tl.constexpr, LM_TILES: tl.constexpr, B_PAD: tl.constexpr,
-                EPS: tl.constexpr, NORM_BLOCK: tl.constexpr, LM_BLOCK_N: tl.constexpr, LM_BLOCK_K: tl.constexpr,
+def lm_head_gpu(row0, nrows, tile, n, x, xs, lm_head, logits, tile_max, tile_arg, vocab0, vocab_valid,
+                H: tl.constexpr, VOCAB_L: tl.constexpr, LM_TILES: tl.constexpr, B_PAD: tl.constexpr, EPS: tl.constexpr,
+                NORM_BLOCK: tl.constexpr, LM_BLOCK_N: tl.constexpr, LM_BLOCK_K: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, LM_BLOCK_N)

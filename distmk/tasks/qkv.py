@@ -166,10 +166,10 @@ def qkv_weights(layer, head_slot, part, wqkv_desc, ring, ready, empty, c, H: gl.
 
 @gluon.jit
 def qkv_ring(layer, head_slot, part, n, x, bqkv, qk_norm, inv_freq, positions, block_table, q, qk_raw, k_cache,
-             v_cache, xs_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr,
-             D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, QKV_PARTS: gl.constexpr,
-             MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr, EPS: gl.constexpr, HAS_BIAS: gl.constexpr,
-             QK_NORM: gl.constexpr, num_warps: gl.constexpr):
+             v_cache, xs_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr, D: gl.constexpr,
+             HQ: gl.constexpr, HKV: gl.constexpr, QKV_PARTS: gl.constexpr, MAXB: gl.constexpr, BS: gl.constexpr,
+             NBLK: gl.constexpr, EPS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
+             num_warps: gl.constexpr):
     """qkv_gpu on the weight ring: the two halves of the slice share the slots of one block (load_pair), a
     half-empty slot each would halve the bytes in flight."""
     HALF: gl.constexpr = D // 2
