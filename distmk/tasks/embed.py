@@ -5,7 +5,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from distmk.tasks.base import TaskKind, store_residual
+from distmk.tasks.base import TaskKind, store_residual, store_residual_gpu
 
 
 @triton.jit
@@ -14,10 +14,9 @@ def embed_gpu(row, n, tokens, embed, x, xs, norms, H: tl.constexpr, BLOCK_H: tl.
         token = tl.load(tokens + row).to(tl.int64)
         for h0 in range(0, H, BLOCK_H):
             offs = h0 + tl.arange(0, BLOCK_H)
-            values = tl.load(embed + token * H + offs, mask=offs < H).to(x.dtype.element_ty)
-            tl.store(x + row * H + offs, values, mask=offs < H)
+            values = tl.load(embed + token * H + offs, mask=offs < H).to(tl.float32)
             g = tl.load(norms + offs, mask=offs < H).to(tl.float32)         # norm 0: the first input norm
-            tl.store(xs + row * H + offs, (values.to(tl.float32) * g).to(xs.dtype.element_ty), mask=offs < H)
+            store_residual_gpu(x, xs, row * H + offs, offs < H, values, g)
 
 
 @gluon.jit
