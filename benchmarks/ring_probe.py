@@ -53,7 +53,7 @@ def _stream_producer(w_desc, ring, ready, empty, layers, ROWS: gl.constexpr, N: 
     row0 = gl.program_id(0) * ROWS
     c = 0
     for layer in range(layers):
-        c = load_rows(w_desc, layer * N + row0, ROWS, K, ring, ready, empty, c)
+        c = load_rows(w_desc, layer * N + row0, ROWS, K, ring, ready, empty, c, 0)
 
 
 @gluon.jit
@@ -218,15 +218,15 @@ def _matmul_producer(tasks, queue, queue_ptr, wqkv_desc, wo_desc, wg_desc, wu_de
             which, w_row, rows, col = _segment(kind, layer, a0, a1, seg, H, D, HQ, HKV, INTER, QKV_PARTS, QKV_ID,
                                                OPROJ_ID, GATEUP_ID, DOWN_ID)
             if which == SEG_QKV:
-                c = load_rows(wqkv_desc, w_row, rows, H, ring, ready, empty, c)
+                c = load_rows(wqkv_desc, w_row, rows, H, ring, ready, empty, c, 0)
             elif which == SEG_O:
-                c = load_rows(wo_desc, w_row, rows, HQ * D, ring, ready, empty, c)
+                c = load_rows(wo_desc, w_row, rows, HQ * D, ring, ready, empty, c, 0)
             elif which == SEG_GATE:
-                c = load_rows(wg_desc, w_row, rows, H, ring, ready, empty, c)
+                c = load_rows(wg_desc, w_row, rows, H, ring, ready, empty, c, 0)
             elif which == SEG_UP:
-                c = load_rows(wu_desc, w_row, rows, H, ring, ready, empty, c)
+                c = load_rows(wu_desc, w_row, rows, H, ring, ready, empty, c, 0)
             elif which == SEG_DOWN:
-                c = load_rows(wd_desc, w_row, rows, INTER, ring, ready, empty, c)
+                c = load_rows(wd_desc, w_row, rows, INTER, ring, ready, empty, c, 0)
 
 
 @gluon.jit

@@ -78,18 +78,36 @@ def _copy_boxes(desc, row0, k, boxes, slot, bar, AT: gl.constexpr, MOST: gl.cons
 
 
 @gluon.jit
-def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c):
+def _claim_slot(ready, empty, c, first, NBUF: gl.constexpr, INFLIGHT: gl.constexpr):
+    """Producer: wait until slot c, of a task whose first slot is `first`, may be copied into: the consumer freed
+    it, and (INFLIGHT > 0) while the ring fills ahead of the task (its first NBUF slots, copied while the task may
+    still wait for its event) the copies of slot c - INFLIGHT have landed, so that at most INFLIGHT slots of this
+    worker are in flight. A ring filling at full depth on every worker queues the task's event poll and first input
+    copies behind up to 160 KB a worker (QKV and gate/up tiles began 3-5.6 us after the last tile they wait for
+    ended, o_proj and down tiles, whose 32 rows fill half a slot, 0.9-1.7 us); past the fill the stream runs
+    uncapped. Slot c - INFLIGHT is refilled only after slot c is issued, so its phase cannot alias."""
+    s = c % NBUF
+    mbarrier.wait(empty.index(s), ((c // NBUF) & 1) ^ 1)              # slots start free (phase 1 done)
+    if (INFLIGHT > 0) & (INFLIGHT < NBUF):
+        landed = gl.maximum(c - INFLIGHT, 0)
+        mbarrier.wait(ready.index(landed % NBUF), (landed // NBUF) & 1, pred=(c >= INFLIGHT) & (c < first + NBUF))
+    return s
+
+
+@gluon.jit
+def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, INFLIGHT: gl.constexpr):
     """Producer: the ring slots of one block of `rows` (<= BN) weight rows from row0, BK columns at a time, in
-    boxes of the descriptor's rows, each copied as soon as the consumer frees its slot; returns the slots
-    filled so far. A slot's rows past the block keep an earlier block's weights: consumers never store them."""
+    boxes of the descriptor's rows, each copied as soon as the consumer frees its slot (and, while the ring
+    fills ahead of the task whose first slot is `first`, at most INFLIGHT slots are in flight: _claim_slot);
+    returns the slots filled so far. A slot's rows past the block keep an earlier block's weights: consumers never
+    store them."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
     BOX: gl.constexpr = desc.block_type.shape[0]
     BK: gl.constexpr = desc.block_type.shape[1]
     boxes = (gl.minimum(rows, BN) + BOX - 1) // BOX
     for k in range(0, K, BK):
-        s = c % NBUF
-        mbarrier.wait(empty.index(s), ((c // NBUF) & 1) ^ 1)          # slots start free (phase 1 done)
+        s = _claim_slot(ready, empty, c, first, NBUF, INFLIGHT)
         _expect_boxes(ready.index(s), boxes, desc, BN // BOX)
         _copy_boxes(desc, row0, k, boxes, ring.index(s), ready.index(s), 0, BN // BOX)
         c += 1
@@ -97,18 +115,18 @@ def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c):
 
 
 @gluon.jit
-def load_pair(desc, row0, pair_row0, rows, K: gl.constexpr, ring, ready, empty, c):
-    """Producer: load_block for a block of two pieces of `rows` (<= BN / 2) rows, from row0 into the slots' first
-    half and from pair_row0 into their second (the two RoPE halves of a QKV slice), so the pair fills whole slots
-    and is one product (split_halves parts it)."""
+def load_pair(desc, row0, pair_row0, rows, K: gl.constexpr, ring, ready, empty, c, INFLIGHT: gl.constexpr):
+    """Producer: load_block for a task's one block of two pieces of `rows` (<= BN / 2) rows, from row0 into the
+    slots' first half and from pair_row0 into their second (the two RoPE halves of a QKV slice), so the pair fills
+    whole slots and is one product (split_halves parts it)."""
     NBUF: gl.constexpr = ring.type.shape[0]
     HALF: gl.constexpr = ring.type.shape[1] // 2
     BOX: gl.constexpr = desc.block_type.shape[0]
     BK: gl.constexpr = desc.block_type.shape[1]
     boxes = (gl.minimum(rows, HALF) + BOX - 1) // BOX
+    first = c
     for k in range(0, K, BK):
-        s = c % NBUF
-        mbarrier.wait(empty.index(s), ((c // NBUF) & 1) ^ 1)
+        s = _claim_slot(ready, empty, c, first, NBUF, INFLIGHT)
         _expect_boxes(ready.index(s), 2 * boxes, desc, 2 * HALF // BOX)
         _copy_boxes(desc, row0, k, boxes, ring.index(s), ready.index(s), 0, HALF // BOX)
         _copy_boxes(desc, pair_row0, k, boxes, ring.index(s), ready.index(s), HALF, HALF // BOX)
@@ -184,11 +202,12 @@ def acc_layout(BN, B_PAD, num_warps):
 
 
 @gluon.jit
-def load_rows(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c):
-    """Producer: the slots of `rows` weight rows from row0, block after block."""
+def load_rows(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, INFLIGHT: gl.constexpr):
+    """Producer: the slots of a task's `rows` weight rows from row0, block after block."""
     BN: gl.constexpr = ring.type.shape[1]
+    first = c
     for j in range(0, rows, BN):
-        c = load_block(desc, row0 + j, rows - j, K, ring, ready, empty, c)
+        c = load_block(desc, row0 + j, rows - j, K, ring, ready, empty, c, first, INFLIGHT)
     return c
 
 
@@ -317,6 +336,15 @@ def split_halves(acc, ring, xring, num_warps: gl.constexpr):
 
 
 @gluon.jit
+def store_residual_ring(x, xs, offs, mask, values, next_norm_w):
+    """tasks/base.py store_residual_gpu in Gluon: the residual stream's elements at offs become `values` (float32),
+    the scaled stream's the stored values times next_norm_w (broadcast against `values`), rounded once."""
+    stored = values.to(x.dtype.element_ty)
+    gl.store(x + offs, stored, mask=mask)
+    gl.store(xs + offs, (stored.to(gl.float32) * next_norm_w).to(xs.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
 def add_residual_rows(x_desc, x_row, K: gl.constexpr, row0, rows, n, x, xs, next_norm_w, H: gl.constexpr, ring, ready,
                       empty, xring, xready, c, cx, num_warps: gl.constexpr):
     """x[:n, row0:row0 + rows] += x_in @ W[row0:row0 + rows]^T over the slots load_rows filled, and the scaled
@@ -329,11 +357,9 @@ def add_residual_rows(x_desc, x_row, K: gl.constexpr, row0, rows, n, x, xs, next
         cols = row0 + j + rn
         offs = rb[None, :] * H + cols[:, None]
         mask = (rn < rows - j)[:, None] & (rb < n)[None, :]
-        residual = gl.load(x + offs, mask=mask, other=0.0)
+        residual = gl.load(x + offs, mask=mask, other=0.0).to(gl.float32)
         g = gl.load(next_norm_w + cols, mask=rn < rows - j, other=0.0).to(gl.float32)
         acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, j > 0, j + BN < rows,
                                num_warps)
-        value = (residual + acc).to(x.dtype.element_ty)
-        gl.store(x + offs, value, mask=mask)
-        gl.store(xs + offs, (value.to(gl.float32) * g[:, None]).to(xs.dtype.element_ty), mask=mask)
+        store_residual_ring(x, xs, offs, mask, residual + acc, g[:, None])
     return c, cx

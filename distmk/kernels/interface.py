@@ -164,6 +164,8 @@ CONSTANTS = (
     Arg("LM_BLOCK_K", lambda l: l.block_k // 2),
     Arg("QKV_BLOCK_N", lambda l: padded(l.spec.head_dim // 2 // l.config.qkv_parts)),
     Arg("QKV_BLOCK_K", lambda l: l.block_k // 2),
+    # the weight ring (ring megakernel): device/ring.py's _claim_slot
+    Arg("RING_INFLIGHT", lambda l: l.options.ring_inflight, "weight slots in flight while the ring fills (0: all)"),
 )
 
 # Flags of the kernel itself, after the constants.

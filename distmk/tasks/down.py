@@ -27,8 +27,9 @@ def down_prefetch(layer, row0, nrows, w_down, H: tl.constexpr, INTER: tl.constex
 
 
 @gluon.jit
-def down_weights(layer, row0, nrows, w_down_desc, ring, ready, empty, c, H: gl.constexpr, INTER: gl.constexpr):
-    return rg.load_rows(w_down_desc, layer * H + row0, nrows, INTER, ring, ready, empty, c)
+def down_weights(layer, row0, nrows, w_down_desc, ring, ready, empty, c, H: gl.constexpr, INTER: gl.constexpr,
+                 RING_INFLIGHT: gl.constexpr):
+    return rg.load_rows(w_down_desc, layer * H + row0, nrows, INTER, ring, ready, empty, c, RING_INFLIGHT)
 
 
 @gluon.jit

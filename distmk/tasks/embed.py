@@ -5,6 +5,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from distmk.device import ring as rg
 from distmk.tasks.base import TaskKind, store_residual, store_residual_gpu
 
 
@@ -26,10 +27,9 @@ def embed_ring(row, n, tokens, embed, x, xs, norms, H: gl.constexpr, BLOCK_H: gl
         offs0 = gl.arange(0, BLOCK_H, layout=gl.BlockedLayout([4], [32], [num_warps], [0]))
         for h0 in range(0, H, BLOCK_H):
             offs = h0 + offs0
-            values = gl.load(embed + token * H + offs, mask=offs < H).to(x.dtype.element_ty)
-            gl.store(x + row * H + offs, values, mask=offs < H)
+            values = gl.load(embed + token * H + offs, mask=offs < H).to(gl.float32)
             g = gl.load(norms + offs, mask=offs < H).to(gl.float32)
-            gl.store(xs + row * H + offs, (values.to(gl.float32) * g).to(xs.dtype.element_ty), mask=offs < H)
+            rg.store_residual_ring(x, xs, row * H + offs, offs < H, values, g)
 
 
 class Embed(TaskKind):

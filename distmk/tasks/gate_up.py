@@ -42,11 +42,13 @@ def gate_up_prefetch(layer, row0, nrows, w_gate, w_up, H: tl.constexpr, INTER: t
 
 @gluon.jit
 def gate_up_weights(layer, row0, nrows, w_gate_desc, w_up_desc, ring, ready, empty, c, H: gl.constexpr,
-                    INTER: gl.constexpr):
+                    INTER: gl.constexpr, RING_INFLIGHT: gl.constexpr):
     BN: gl.constexpr = ring.type.shape[1]
+    first = c
     for j in range(0, nrows, BN):       # a block of gate rows, then the same rows of up
-        c = rg.load_block(w_gate_desc, layer * INTER + row0 + j, nrows - j, H, ring, ready, empty, c)
-        c = rg.load_block(w_up_desc, layer * INTER + row0 + j, nrows - j, H, ring, ready, empty, c)
+        rows = layer * INTER + row0 + j
+        c = rg.load_block(w_gate_desc, rows, nrows - j, H, ring, ready, empty, c, first, RING_INFLIGHT)
+        c = rg.load_block(w_up_desc, rows, nrows - j, H, ring, ready, empty, c, first, RING_INFLIGHT)
     return c
 
 

@@ -46,8 +46,9 @@ def lm_head_prefetch(row0, nrows, lm_head, H: tl.constexpr, PREFETCH: tl.constex
 
 
 @gluon.jit
-def lm_head_weights(row0, nrows, lm_head_desc, ring, ready, empty, c, H: gl.constexpr):
-    return rg.load_rows(lm_head_desc, row0, nrows, H, ring, ready, empty, c)
+def lm_head_weights(row0, nrows, lm_head_desc, ring, ready, empty, c, H: gl.constexpr,
+                    RING_INFLIGHT: gl.constexpr):
+    return rg.load_rows(lm_head_desc, row0, nrows, H, ring, ready, empty, c, RING_INFLIGHT)
 
 
 @gluon.jit

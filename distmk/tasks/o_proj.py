@@ -36,8 +36,8 @@ def o_proj_prefetch(layer, row0, nrows, wo, H: tl.constexpr, HQ: tl.constexpr, D
 
 @gluon.jit
 def o_proj_weights(layer, row0, nrows, wo_desc, ring, ready, empty, c, H: gl.constexpr, HQ: gl.constexpr,
-                   D: gl.constexpr):
-    return rg.load_rows(wo_desc, layer * H + row0, nrows, HQ * D, ring, ready, empty, c)
+                   D: gl.constexpr, RING_INFLIGHT: gl.constexpr):
+    return rg.load_rows(wo_desc, layer * H + row0, nrows, HQ * D, ring, ready, empty, c, RING_INFLIGHT)
 
 
 @gluon.jit

@@ -158,10 +158,10 @@ def norm_rope_store_ring(lo, hi, layer, slot, col0, cols, rd, rb, n, qk_norm, in
 
 @gluon.jit
 def qkv_weights(layer, head_slot, part, wqkv_desc, ring, ready, empty, c, H: gl.constexpr, D: gl.constexpr,
-                HQ: gl.constexpr, HKV: gl.constexpr, QKV_PARTS: gl.constexpr):
+                HQ: gl.constexpr, HKV: gl.constexpr, QKV_PARTS: gl.constexpr, RING_INFLIGHT: gl.constexpr):
     PART: gl.constexpr = D // 2 // QKV_PARTS
     row = layer * (HQ + 2 * HKV) * D + head_slot * D + part * PART
-    return rg.load_pair(wqkv_desc, row, row + D // 2, PART, H, ring, ready, empty, c)
+    return rg.load_pair(wqkv_desc, row, row + D // 2, PART, H, ring, ready, empty, c, RING_INFLIGHT)
 
 
 @gluon.jit
