@@ -4,9 +4,10 @@
 A one-warp producer partition walks the program's weight tiles in the order the consumer will use them and
 copies each by TMA into a shared-memory ring, guarded by mbarriers (`ready`: the copy landed, `empty`: the
 consumer is done with the slot). Weights never depend on events, so the producer runs ahead through every
-wait of the consumer. The consumer (the default partition, one warpgroup) brings its input slices by TMA too,
-a few ahead, and multiplies with wgmma, the weight tile as the A operand (M = tile rows) and the input slice as
-B (N = padded batch). Below them: the event wait and signal, the RMSNorm's scale of the residual stream, index
+wait of the consumer, with a few slots in flight at a time while it fills the ring ahead of a task
+(_claim_slot). The consumer (the default partition, one warpgroup) brings its input slices by TMA too, a few
+ahead, and multiplies with wgmma, the weight tile as the A operand (M = tile rows) and the input slice as B
+(N = padded batch). Below them: the event wait and signal, the RMSNorm's scale of the residual stream, index
 helpers.
 GPU only (Gluon has no interpreter); CI compiles the kernels that use them for sm_90.
 """

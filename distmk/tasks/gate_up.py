@@ -46,9 +46,9 @@ def gate_up_weights(layer, row0, nrows, w_gate_desc, w_up_desc, ring, ready, emp
     BN: gl.constexpr = ring.type.shape[1]
     first = c
     for j in range(0, nrows, BN):       # a block of gate rows, then the same rows of up
-        rows = layer * INTER + row0 + j
-        c = rg.load_block(w_gate_desc, rows, nrows - j, H, ring, ready, empty, c, first, RING_INFLIGHT)
-        c = rg.load_block(w_up_desc, rows, nrows - j, H, ring, ready, empty, c, first, RING_INFLIGHT)
+        row = layer * INTER + row0 + j
+        c = rg.load_block(w_gate_desc, row, nrows - j, H, ring, ready, empty, c, first, RING_INFLIGHT)
+        c = rg.load_block(w_up_desc, row, nrows - j, H, ring, ready, empty, c, first, RING_INFLIGHT)
     return c
 
 
