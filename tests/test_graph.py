@@ -121,14 +121,16 @@ def test_qkv_slices_heads_until_about_one_tile_per_worker():
         table_for("tiny-llama", 1, qkv_parts=3)
 
 
-def test_q_k_norm_over_slices_meets_in_one_finishing_task_per_q_and_k_head():
+def test_q_k_norm_over_slices_signals_attention_directly():
+    """Under q/k-norm the slices of a head leave it unnormalised and attention finishes it: no task between them,
+    and a KV head's attention waits for every slice of its q heads, its k and its v head."""
     spec = PRESETS["qwen3-8b"]
     table = table_for("qwen3-8b", 2, workers=132)
     kinds = table.tasks[:, TYPE]
     assert table.config.qkv_parts == 4
     assert int((kinds == TYPE_ID["qkv"]).sum()) == spec.num_layers * 24 * 4
-    assert int((kinds == TYPE_ID["qk_finish"]).sum()) == spec.num_layers * 20     # 16 q heads + 4 k heads
-    assert int((table_for("llama-3-8b", 2, workers=132).tasks[:, TYPE] == TYPE_ID["qk_finish"]).sum()) == 0
+    attention = table.tasks[kinds == TYPE_ID["attention"]]
+    assert {int(table.event_need[e]) for e in attention[:, WAIT].tolist()} == {(16 // 4 + 2) * 4}
 
 
 def test_tp1_has_no_allreduce_and_tp2_has_one_per_row_parallel_tile():

@@ -30,7 +30,7 @@ def test_megakernel_compiles_for_sm90(name, dtype, batch):
 @pytest.mark.parametrize("name, batch", [("tiny-qwen2", 16), ("llama-3-8b", 1), ("qwen3-8b", 8)])
 def test_ring_megakernel_compiles_for_sm90(name, batch):
     """The Gluon megakernel (kernels/ring_megakernel.py) builds on the Triton CI installs: qkv bias, plain
-    RoPE, q/k-norm through qk_finish."""
+    RoPE, q/k-norm finished by attention."""
     engine = Engine(name, backend="triton", device="meta", dtype=torch.bfloat16, max_context=1024,
                     config=GraphConfig(batch=batch, workers=DEFAULT_WORKERS), kernel_options={"kernel": "ring"})
     compiled = engine.executor.compile_ahead(arch=90)

@@ -19,7 +19,7 @@ import json, sys
 from distmk.graph import GraphConfig
 from distmk.runtime.engine import Engine
 name, router_partials = sys.argv[1], int(sys.argv[2])
-# QKV tiles of half a head (under q/k-norm finished by qk_finish tasks); matmul tiles of 24 rows, not a multiple of
+# QKV tiles of half a head (under q/k-norm finished by attention); matmul tiles of 24 rows, not a multiple of
 # the kernels' row blocks; the one-row decode steps run a table of their own (BATCH 1: the expert tiles' path where
 # every slot leads; the tensor-parallel test below runs one-row steps on a four-row table); router_partials 0 gives
 # the four-row table router tiles and the one-row table the o_proj tiles' shares, 1 shares to both

@@ -124,7 +124,7 @@ def test_default_tiles_and_one_row_steps_match(name):
 @pytest.mark.parametrize("parts", [2, 4])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 def test_qkv_heads_cut_into_column_slices_match(name, parts):
-    """QKV tiles of a column slice of a head (both RoPE halves; under q/k-norm, finished by qk_finish) give
+    """QKV tiles of a column slice of a head (both RoPE halves; under q/k-norm, finished by attention) give
     transformers' tokens at tp 1 and 2."""
     import dataclasses
     ref_tokens, ref_logits = hf_greedy(name)

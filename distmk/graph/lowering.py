@@ -215,16 +215,12 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
     for b in range(B):
         g.task("embed", 0, (b,), signal=x_ready)
     for layer in range(spec.num_layers):
-        # q/k-norm over column slices: the slices of a q or k head meet in a qk_finish task
-        finish = spec.qk_norm and P > 1
-        qkv_done = [g.event(f"L{layer}.qkv.kv{h}", (group + 1) * (1 if finish else P) + P) for h in range(hkv)]
+        # a KV head's attention waits for the slices of its q heads, its k and its v head
+        qkv_done = [g.event(f"L{layer}.qkv.kv{h}", (group + 2) * P) for h in range(hkv)]
         for slot in range(hq + 2 * hkv):
             head_group = slot // group if slot < hq else (slot - hq) % hkv
-            raw = g.event(f"L{layer}.qkv.raw{slot}", P) if finish and slot < hq + hkv else None
             for part in range(P):
-                g.task("qkv", layer, (slot, part), wait=x_ready, signal=qkv_done[head_group] if raw is None else raw)
-            if raw is not None:
-                g.task("qk_finish", layer, (slot,), wait=raw, signal=qkv_done[head_group])
+                g.task("qkv", layer, (slot, part), wait=x_ready, signal=qkv_done[head_group])
         attn_done = g.event(f"L{layer}.attn", B * hkv)
         for b in range(B):
             for h in range(hkv):

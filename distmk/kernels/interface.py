@@ -140,6 +140,8 @@ CONSTANTS = (
     Arg("SCALE", lambda l: l.spec.head_dim ** -0.5, "attention's softmax scale"),
     Arg("HALF_PAD", lambda l: padded(l.spec.head_dim // 2)),
     Arg("QKV_PARTS", lambda l: l.config.qkv_parts, "QKV tiles per head"),
+    Arg("RAW_QK", lambda l: l.spec.qk_norm and l.config.qkv_parts > 1,
+        "q/k heads leave their QKV slices unnormalised (qk_raw) and attention finishes them (tasks/qkv.py)"),
     Arg("LM_TILES", lambda l: l.lm_tiles, "lm_head tiles (argmax reads their maxima)"),
     Arg("LM_TILES_PAD", lambda l: padded(l.lm_tiles, 2)),
     Arg("BLOCK_H", lambda l: min(1024, padded(l.spec.hidden_size)), "columns of an elementwise block"),

@@ -16,13 +16,12 @@ from distmk.tasks.gate_up import GateUp
 from distmk.tasks.lm_head import LMHead
 from distmk.tasks.moe_combine import MoeCombine
 from distmk.tasks.o_proj import OProj
-from distmk.tasks.qk_finish import QKFinish
 from distmk.tasks.qkv import QKV
 from distmk.tasks.route import Route
 from distmk.tasks.router import Router
 
-TASK_KINDS: list[TaskKind] = [Embed(), QKV(), QKFinish(), Attention(), AttnReduce(), OProj(), ArPush(), AllReduce(),
-                              GateUp(), Down(), LMHead(), ArgmaxPush(), Argmax(),
+TASK_KINDS: list[TaskKind] = [Embed(), QKV(), Attention(), AttnReduce(), OProj(), ArPush(), AllReduce(), GateUp(),
+                              Down(), LMHead(), ArgmaxPush(), Argmax(),
                               Router(), Route(), ExpertGateUp(), ExpertDown(), MoeCombine()]
 TYPE_ID = {kind.name: i for i, kind in enumerate(TASK_KINDS)}
 

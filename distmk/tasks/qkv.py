@@ -2,8 +2,9 @@
 stream (tasks/base.py normed_stream): matmul (+bias), then for q and k heads the per-head q/k-norm
 (Qwen3) and RoPE; q goes to the q buffer, k and v are appended to the paged KV cache at each row's
 position. Part p of P covers columns [p, p+1) * D/2P of both halves of the head, so rotate-half RoPE pairs
-columns inside one tile. q/k-norm needs the whole head: with P > 1 a q or k slice is left unnormalised in
-qk_raw, and a qk_finish task (tasks/qk_finish.py) normalises, rotates and stores the head."""
+columns inside one tile. q/k-norm needs the whole head: with P > 1 (raw_qk) a q or k slice is left unnormalised
+in qk_raw, and the attention tasks that read the head finish it (tasks/attention.py): a finishing task of its own
+between the two phases cost qwen3-8b 3.5-4 us a layer."""
 import torch
 import triton
 import triton.language as tl
@@ -66,7 +67,7 @@ def qkv_gpu(layer, head_slot, part, n, x, xs, wqkv, bqkv, qk_norm, inv_freq, pos
             qk_raw, k_cache, v_cache, H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
             B_PAD: tl.constexpr, QKV_PARTS: tl.constexpr, QKV_BLOCK_N: tl.constexpr, MAXB: tl.constexpr,
             BS: tl.constexpr, NBLK: tl.constexpr, EPS: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
-            NORM_BLOCK: tl.constexpr, QKV_BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            NORM_BLOCK: tl.constexpr, QKV_BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, RAW_QK: tl.constexpr):
     # The two halves of the slice are separate accumulators, so rotate-half RoPE pairs columns elementwise.
     HALF: tl.constexpr = D // 2
     PART: tl.constexpr = HALF // QKV_PARTS
@@ -89,7 +90,7 @@ def qkv_gpu(layer, head_slot, part, n, x, xs, wqkv, bqkv, qk_norm, inv_freq, pos
         pos = tl.load(positions + rb, mask=rb < n, other=0)
         store_kv(v_cache, layer, slot - HQ - HKV, col0, PART, lo, hi, rb, rd, pos, n, block_table, D, HKV, MAXB, BS,
                  NBLK)
-    elif QK_NORM and QKV_PARTS > 1:                               # the whole head is qk_finish's
+    elif RAW_QK:                                                  # attention finishes the head
         dst = qk_raw + (rb[:, None] * (HQ + HKV) + slot) * D + col0 + rd[None, :]
         mask = (rb < n)[:, None] & dmask[None, :]
         tl.store(dst, lo, mask=mask)
@@ -169,7 +170,7 @@ def qkv_ring(layer, head_slot, part, n, x, bqkv, qk_norm, inv_freq, positions, b
              v_cache, xs_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr, D: gl.constexpr,
              HQ: gl.constexpr, HKV: gl.constexpr, QKV_PARTS: gl.constexpr, MAXB: gl.constexpr, BS: gl.constexpr,
              NBLK: gl.constexpr, EPS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
-             num_warps: gl.constexpr):
+             RAW_QK: gl.constexpr, num_warps: gl.constexpr):
     """qkv_gpu on the weight ring: the two halves of the slice share the slots of one block (load_pair), a
     half-empty slot each would halve the bytes in flight."""
     HALF: gl.constexpr = D // 2
@@ -189,7 +190,7 @@ def qkv_ring(layer, head_slot, part, n, x, bqkv, qk_norm, inv_freq, positions, b
         pos = gl.load(positions + rb, mask=rb < n, other=0)
         store_kv_ring(v_cache, layer, slot - HQ - HKV, col0, PART, lo, hi, rd, rb, pos, n, block_table, D, HKV, MAXB,
                       BS, NBLK)
-    elif QK_NORM and QKV_PARTS > 1:                               # the whole head is qk_finish's
+    elif RAW_QK:                                                  # attention finishes the head
         dst = qk_raw + (rb[None, :] * (HQ + HKV) + slot) * D + col0 + rd[:, None]
         mask = dmask[:, None] & (rb < n)[None, :]
         gl.store(dst, lo, mask=mask)
@@ -225,7 +226,7 @@ class QKV(TaskKind):
         if slot >= plan.num_heads + plan.num_kv_heads:
             store_kv_reference(ctx, ctx.v_cache, layer, slot - plan.num_heads - plan.num_kv_heads, cols,
                                out.to(ctx.dtype))
-        elif spec.qk_norm and parts > 1:                          # the whole head is qk_finish's
+        elif raw_qk(ctx):                                         # attention finishes the head
             ctx.buf["qk_raw"][:n, slot, cols] = out
         else:
             norm_rope_store_reference(ctx, layer, slot, part, parts, out)
@@ -237,17 +238,31 @@ def slice_columns(d: int, part: int, parts: int) -> torch.Tensor:
     return torch.cat([torch.arange(half + part * width, half + (part + 1) * width) for half in (0, d // 2)])
 
 
+def raw_qk(ctx) -> bool:
+    """Whether q and k heads leave QKV unnormalised (in qk_raw) for attention to finish: q/k-norm over slices."""
+    return bool(ctx.spec.qk_norm) and ctx.qkv_parts > 1
+
+
+def finish_heads(ctx, layer: int, is_q: bool, raw: torch.Tensor, positions: torch.Tensor,
+                 inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+    """q/k-norm (where the model has it: whole heads) and RoPE of q or k heads raw [rows, heads, columns] (float32)
+    at positions [rows], rounded once to the activation dtype, as q and the k cache hold them; inv_freq: the
+    columns' frequencies (default: a whole head's)."""
+    spec, lw = ctx.spec, ctx.weights.layers[layer]
+    if spec.qk_norm:
+        raw = rms_norm(raw, lw.q_norm if is_q else lw.k_norm, spec.rms_norm_eps)
+    return rope(raw, positions, ctx.weights.inv_freq if inv_freq is None else inv_freq).to(ctx.dtype)
+
+
 def norm_rope_store_reference(ctx, layer: int, slot: int, part: int, parts: int, out: torch.Tensor) -> None:
     """q/k-norm (whole heads: parts == 1), RoPE at each row's position and the store into q or the k cache
     of the float32 [rows, columns] `out` of part `part` of q or k head `slot`."""
-    spec, plan, lw = ctx.spec, ctx.plan, ctx.weights.layers[layer]
+    spec, plan = ctx.spec, ctx.plan
     n, width = ctx.num_rows, spec.head_dim // 2 // parts
     cols, pos = slice_columns(spec.head_dim, part, parts), ctx.positions[:n]
     is_q = slot < plan.num_heads
-    out = out[:, None, :]                                         # [n, 1, 2 * width], float32 until stored
-    if spec.qk_norm:
-        out = rms_norm(out, lw.q_norm if is_q else lw.k_norm, spec.rms_norm_eps)
-    out = rope(out, pos, ctx.weights.inv_freq[part * width:(part + 1) * width])[:, 0].to(ctx.dtype)
+    out = finish_heads(ctx, layer, is_q, out[:, None, :], pos, ctx.weights.inv_freq[part * width:(part + 1) * width])
+    out = out[:, 0]
     if is_q:
         ctx.buf["q"][:n, slot, cols] = out
     else:
