@@ -19,7 +19,7 @@ def decode_step(model: str, batch: int, context: int, *, comm=None, backend: str
     own sequences, with random KV-cache contents, after its first step (for triton: compiled, captured,
     watchdog checked, so executor.launch() replays it); and a function that runs that step again.
     bf16 on a GPU, float32 on the CPU; `device` defaults to the current GPU; `graph`: GraphConfig fields
-    (e.g. qkv_parts) beyond batch, workers and context. The step function's `rows` holds its tokens, positions and
+    (e.g. tile_rows) beyond batch, workers and context. The step function's `rows` holds its tokens, positions and
     block tables."""
     from distmk.runtime.engine import Engine, device_fields
     device = torch.device(device) if device else torch.device("cuda", torch.cuda.current_device())
@@ -108,7 +108,7 @@ def distmk_step_ms(model: str, batch: int, context: int, iters: int = 200, backe
             times, mode = wall_times(step, iters), "reference"
         result = {"step_ms": statistics.median(times), "step_ms_min": min(times), "tp": engine.plan.tp,
                   "mode": mode, "workers": engine.table.num_workers, "tasks": engine.table.num_tasks,
-                  "qkv_parts": engine.config.qkv_parts, "setup_s": round(setup_s, 2)}
+                  "tile_rows": engine.config.tile_rows, "setup_s": round(setup_s, 2)}
         if backend == "triton":
             result["options"] = {k: v for k, v in ex.options.as_dict().items() if k not in ("trace", "cuda_graph")}
             result["kernel"] = ex.kernel_name

@@ -17,7 +17,7 @@ def main():
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--options", default="{}", help='kernel options as JSON, e.g. {"block_n": 64}')
-    p.add_argument("--graph", default="{}", help='task-graph options as JSON, e.g. {"qkv_parts": 1}')
+    p.add_argument("--graph", default="{}", help='task-graph options as JSON, e.g. {"tile_rows": 64}')
     args = p.parse_args()
     from distmk.dist import detect_launch, init_process_group
     from harness import distmk_step_ms

@@ -164,34 +164,32 @@ def compile_ring_stream(rows: int, n: int, k: int, block_n: int, block_k: int, s
 
 # ---- The step's matmul tasks on the ring: the task table walked by both partitions ----------------------------
 # Output rows of a task's weight segments come in boxes of BOX rows (the weight descriptors' box), BN rows to a
-# ring slot (the wgmma M); a task has one segment (o_proj, down) or two (q/k/v: the two RoPE halves of a head
-# slice; gate_up: gate and up).
+# ring slot (the wgmma M); a task has one segment (qkv, o_proj, down) or two (gate_up: gate and up).
 SEG_NONE, SEG_QKV, SEG_O, SEG_GATE, SEG_UP, SEG_DOWN = (gl.constexpr(v) for v in range(6))
 
 
 @gluon.jit
 def _segment(kind, layer, a0, a1, seg: gl.constexpr, H: gl.constexpr, D: gl.constexpr, HQ: gl.constexpr,
-             HKV: gl.constexpr, INTER: gl.constexpr, QKV_PARTS: gl.constexpr, QKV_ID: gl.constexpr,
-             OPROJ_ID: gl.constexpr, GATEUP_ID: gl.constexpr, DOWN_ID: gl.constexpr):
+             HKV: gl.constexpr, INTER: gl.constexpr, QKV_ID: gl.constexpr, OPROJ_ID: gl.constexpr,
+             GATEUP_ID: gl.constexpr, DOWN_ID: gl.constexpr):
     """(which matrix, its first row, rows, first output column) of segment `seg` of a task; SEG_NONE for tasks
     that read no weights. The producer and the consumer both call this: they walk the same tiles."""
-    PART: gl.constexpr = D // 2 // QKV_PARTS
     which = kind * 0
     row = kind * 0
     rows = kind * 0
     col = kind * 0
-    if kind == QKV_ID:
-        which += SEG_QKV
-        col += a0 * D + a1 * PART + seg * (D // 2)
-        row += layer * (HQ + 2 * HKV) * D + col
-        rows += PART
-    elif kind == GATEUP_ID:
+    if kind == GATEUP_ID:
         which += SEG_GATE + seg
         row += layer * INTER + a0
         rows += a1
         col += a0 + seg * INTER
     elif seg == 0:
-        if kind == OPROJ_ID:
+        if kind == QKV_ID:
+            which += SEG_QKV
+            row += layer * (HQ + 2 * HKV) * D + a0
+            rows += a1
+            col += a0
+        elif kind == OPROJ_ID:
             which += SEG_O
             row += layer * H + a0
             rows += a1
@@ -207,7 +205,7 @@ def _segment(kind, layer, a0, a1, seg: gl.constexpr, H: gl.constexpr, D: gl.cons
 @gluon.jit
 def _matmul_producer(tasks, queue, queue_ptr, wqkv_desc, wo_desc, wg_desc, wu_desc, wd_desc, ring, ready, empty,
                      H: gl.constexpr, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, INTER: gl.constexpr,
-                     QKV_PARTS: gl.constexpr, QKV_ID: gl.constexpr, OPROJ_ID: gl.constexpr,
+                     QKV_ID: gl.constexpr, OPROJ_ID: gl.constexpr,
                      GATEUP_ID: gl.constexpr, DOWN_ID: gl.constexpr):
     """Streams the weights of every task of this worker's queue, never waiting on an event."""
     worker = gl.program_id(0)
@@ -215,7 +213,7 @@ def _matmul_producer(tasks, queue, queue_ptr, wqkv_desc, wo_desc, wg_desc, wu_de
     for i in range(gl.load(queue_ptr + worker), gl.load(queue_ptr + worker + 1)):
         kind, layer, a0, a1, a2, a3, wait, signal = task_row(tasks, gl.load(queue + i), True, ROW_WIDTH)
         for seg in gl.static_range(2):
-            which, w_row, rows, col = _segment(kind, layer, a0, a1, seg, H, D, HQ, HKV, INTER, QKV_PARTS, QKV_ID,
+            which, w_row, rows, col = _segment(kind, layer, a0, a1, seg, H, D, HQ, HKV, INTER, QKV_ID,
                                                OPROJ_ID, GATEUP_ID, DOWN_ID)
             if which == SEG_QKV:
                 c = load_rows(wqkv_desc, w_row, rows, H, ring, ready, empty, c, 0)
@@ -232,7 +230,7 @@ def _matmul_producer(tasks, queue, queue_ptr, wqkv_desc, wo_desc, wg_desc, wu_de
 @gluon.jit
 def _matmul_consumer(tasks, queue, queue_ptr, event_need, counters, rows_ptr, xh_desc, xa_desc, xi_desc, out_qkv,
                      out_o, out_gu, out_down, ring, ready, empty, xring, xready, H: gl.constexpr, D: gl.constexpr,
-                     HQ: gl.constexpr, HKV: gl.constexpr, INTER: gl.constexpr, QKV_PARTS: gl.constexpr,
+                     HQ: gl.constexpr, HKV: gl.constexpr, INTER: gl.constexpr,
                      QKV_ID: gl.constexpr, OPROJ_ID: gl.constexpr, GATEUP_ID: gl.constexpr, DOWN_ID: gl.constexpr,
                      num_warps: gl.constexpr):
     """Walks the queue as the megakernel does: waits on each task's event (bounded), runs its segments from the
@@ -252,7 +250,7 @@ def _matmul_consumer(tasks, queue, queue_ptr, event_need, counters, rows_ptr, xh
                 polls += 1
             cta_barrier()
         for seg in gl.static_range(2):
-            which, w_row, rows, col = _segment(kind, layer, a0, a1, seg, H, D, HQ, HKV, INTER, QKV_PARTS, QKV_ID,
+            which, w_row, rows, col = _segment(kind, layer, a0, a1, seg, H, D, HQ, HKV, INTER, QKV_ID,
                                                OPROJ_ID, GATEUP_ID, DOWN_ID)
             if which == SEG_QKV:
                 c, cx = _consume(xh_desc, 0, out_qkv, (HQ + 2 * HKV) * D, col, rows, n, H, 1.0, ring, ready, empty,
@@ -274,7 +272,7 @@ def _matmul_consumer(tasks, queue, queue_ptr, event_need, counters, rows_ptr, xh
 @gluon.jit
 def ring_matmuls(tasks, queue, queue_ptr, event_need, counters, rows_ptr, wqkv_desc, wo_desc, wg_desc, wu_desc,
                  wd_desc, xh_desc, xa_desc, xi_desc, out_qkv, out_o, out_gu, out_down, H: gl.constexpr,
-                 D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, INTER: gl.constexpr, QKV_PARTS: gl.constexpr,
+                 D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, INTER: gl.constexpr,
                  BN: gl.constexpr, NBUF: gl.constexpr, XD: gl.constexpr, QKV_ID: gl.constexpr,
                  OPROJ_ID: gl.constexpr, GATEUP_ID: gl.constexpr, DOWN_ID: gl.constexpr, num_warps: gl.constexpr):
     """The matmul tasks of a task table (qkv, o_proj, gate_up, down; their epilogues aside: each writes its
@@ -284,16 +282,16 @@ def ring_matmuls(tasks, queue, queue_ptr, event_need, counters, rows_ptr, wqkv_d
     gl.warp_specialize([
         (_matmul_consumer, (tasks, queue, queue_ptr, event_need, counters, rows_ptr, xh_desc, xa_desc, xi_desc, out_qkv,
                             out_o, out_gu, out_down, ring, ready, empty, xring, xready, H, D, HQ, HKV, INTER,
-                            QKV_PARTS, QKV_ID, OPROJ_ID, GATEUP_ID, DOWN_ID, num_warps)),
+                            QKV_ID, OPROJ_ID, GATEUP_ID, DOWN_ID, num_warps)),
         (_matmul_producer, (tasks, queue, queue_ptr, wqkv_desc, wo_desc, wg_desc, wu_desc, wd_desc, ring, ready,
-                            empty, H, D, HQ, HKV, INTER, QKV_PARTS, QKV_ID, OPROJ_ID, GATEUP_ID, DOWN_ID)),
+                            empty, H, D, HQ, HKV, INTER, QKV_ID, OPROJ_ID, GATEUP_ID, DOWN_ID)),
     ], [1], [24])
 
 
 def compile_ring_matmuls(shape: dict, block_k: int = 256, stages: int = 4, x_stages: int = 4, b_pad: int = 16,
                          box: int = 16, arch: int = 90):
-    """ring_matmuls compiled for `arch` without a GPU; `shape`: H, D, HQ, HKV, INTER, QKV_PARTS and the four
-    task type ids."""
+    """ring_matmuls compiled for `arch` without a GPU; `shape`: H, D, HQ, HKV, INTER and the four task type
+    ids."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     w_layout, x_layout = matmul_layouts(block_k, b_pad, box)

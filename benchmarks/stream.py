@@ -83,11 +83,9 @@ def weight_bytes(table, engine) -> torch.Tensor:
     """Bytes of weights each matmul task of `table` reads (the activations it reads come from L2)."""
     from distmk.graph.table import A1, TYPE
     spec, plan, size = engine.spec, engine.plan, engine.dtype.itemsize
-    per_row = {"qkv": 2 * spec.hidden_size, "o_proj": plan.num_heads * spec.head_dim,
-               "gate_up": 2 * spec.hidden_size, "down": plan.inter}      # qkv and gate_up: two matrices each
-    qkv_rows = spec.head_dim // 2 // engine.config.qkv_parts
-    rows = [qkv_rows if _name(t) == "qkv" else int(a1) for t, a1 in table.tasks[:, [TYPE, A1]].tolist()]
-    return torch.tensor([r * per_row[_name(t)] * size for r, t in zip(rows, table.tasks[:, TYPE].tolist())],
+    per_row = {"qkv": spec.hidden_size, "o_proj": plan.num_heads * spec.head_dim,
+               "gate_up": 2 * spec.hidden_size, "down": plan.inter}      # gate_up: two matrices
+    return torch.tensor([rows * per_row[_name(t)] * size for t, rows in table.tasks[:, [TYPE, A1]].tolist()],
                         dtype=torch.float64)
 
 
@@ -163,8 +161,8 @@ def ring_matmuls_runner(engine, b_pad: int = 16, block_k: int = 256, stages: int
             counters.zero_()
             ring.ring_matmuls[(table.num_workers,)](
                 t.tasks, t.queue, t.queue_ptr, t.event_need, counters, rows, *weights, *x_descs, *outs.values(),
-                spec.hidden_size, spec.head_dim, plan.num_heads, plan.num_kv_heads, plan.inter, engine.config.qkv_parts,
-                64, stages, x_stages, **ids, num_warps=4)
+                spec.hidden_size, spec.head_dim, plan.num_heads, plan.num_kv_heads, plan.inter, 64, stages, x_stages,
+                **ids, num_warps=4)
         return launch
 
     def expected(layer: int = 0):

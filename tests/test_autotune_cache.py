@@ -22,7 +22,7 @@ def test_key_separates_shapes_tp_batch_dtype_and_tiling():
     assert len(keys) == 8
     assert key("llama-3-8b") == key("llama-3-8b")
     assert key("qwen3-8b") not in keys
-    assert key("llama-3-8b", qkv_parts=1) not in keys          # the same model cut into other tiles
+    assert key("llama-3-8b", tile_rows=64) not in keys         # the same model cut into other tiles
 
 
 def test_store_and_read_back(tmp_path, monkeypatch):

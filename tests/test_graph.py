@@ -100,37 +100,25 @@ def test_consumers_wait_only_on_the_tiles_they_read():
         (producer,) = by_signal[push[WAIT]]
         assert producer[TYPE] in (TYPE_ID["o_proj"], TYPE_ID["down"])
         assert (producer[LAYER], producer[A0], producer[A1]) == (r[LAYER], r[A0], r[A1])
-    plan = plan_shard(PRESETS["tiny-qwen3"], 2, 0)
-    for r in rows:            # attention on a KV head waits on that head group's q/k/v tiles only
+    for r in rows:            # attention waits on its layer's QKV tiles (a tile may cross heads), all of them
         if r[TYPE] == TYPE_ID["attention"]:
             producers = by_signal[r[WAIT]]
-            assert len(producers) == plan.group + 2
             assert all(p[TYPE] == TYPE_ID["qkv"] and p[LAYER] == r[LAYER] for p in producers)
+            assert len(producers) == sum(q[TYPE] == TYPE_ID["qkv"] and q[LAYER] == r[LAYER] for q in rows)
 
 
-def test_qkv_slices_heads_until_about_one_tile_per_worker():
-    def parts(name, tp, **cfg):
+def test_qkv_tiles_are_row_ranges_of_about_one_per_worker():
+    """QKV tiles cut this rank's rows of Wqkv (query, key and value heads) like the other row tiles, across heads:
+    whole heads or slices of one left a quarter of the 132 workers idle at the 8B models (96 tiles)."""
+    def tiles(name, tp, **cfg):
         table = table_for(name, tp, **cfg)
-        return table.config.qkv_parts, int((table.tasks[:, TYPE] == TYPE_ID["qkv"]).sum()) // PRESETS[name].num_layers
+        qkv = table.tasks[(table.tasks[:, TYPE] == TYPE_ID["qkv"]) & (table.tasks[:, LAYER] == 0)]
+        return [tuple(t) for t in qkv[:, [A0, A1]].tolist()]
 
-    assert parts("llama-3-8b", 1, workers=132) == (2, 96)      # 48 heads x 2 slices: one wave of 132 workers
-    assert parts("llama-3-8b", 2, workers=132) == (4, 96)      # 24 x 4 slices of 16 rows per half
-    assert parts("tiny-llama", 1, workers=132) == (1, 12)      # head_dim 16: slices would be under 16 rows
-    assert parts("tiny-llama", 1, qkv_parts=2) == (2, 24)
-    with pytest.raises(GraphError, match="qkv_parts=3 must divide head_dim/2=8"):
-        table_for("tiny-llama", 1, qkv_parts=3)
-
-
-def test_q_k_norm_over_slices_signals_attention_directly():
-    """Under q/k-norm the slices of a head leave it unnormalised and attention finishes it: no task between them,
-    and a KV head's attention waits for every slice of its q heads, its k and its v head."""
-    spec = PRESETS["qwen3-8b"]
-    table = table_for("qwen3-8b", 2, workers=132)
-    kinds = table.tasks[:, TYPE]
-    assert table.config.qkv_parts == 4
-    assert int((kinds == TYPE_ID["qkv"]).sum()) == spec.num_layers * 24 * 4
-    attention = table.tasks[kinds == TYPE_ID["attention"]]
-    assert {int(table.event_need[e]) for e in attention[:, WAIT].tolist()} == {(16 // 4 + 2) * 4}
+    llama = tiles("llama-3-8b", 1, workers=132, tile_rows=0)
+    assert len(llama) == 131 and llama[0] == (0, 47) and llama[-1] == (130 * 47, 6144 - 130 * 47)
+    # tiny-qwen3 at tp=2: (4 query + 2 key + 2 value heads) x 32 rows, tiles of 24 rows ending inside heads
+    assert sorted(tiles("tiny-qwen3", 2, tile_rows=24)) == [(r, min(24, 256 - r)) for r in range(0, 256, 24)]
 
 
 def test_tp1_has_no_allreduce_and_tp2_has_one_per_row_parallel_tile():

@@ -133,7 +133,7 @@ def test_weight_ring_compiles_for_sm90():
     spec = preset("llama-3-8b")
     plan = plan_shard(spec, 1, 0)
     shape = dict(H=spec.hidden_size, D=spec.head_dim, HQ=plan.num_heads, HKV=plan.num_kv_heads, INTER=plan.inter,
-                 QKV_PARTS=2, QKV_ID=TYPE_ID["qkv"], OPROJ_ID=TYPE_ID["o_proj"], GATEUP_ID=TYPE_ID["gate_up"],
+                 QKV_ID=TYPE_ID["qkv"], OPROJ_ID=TYPE_ID["o_proj"], GATEUP_ID=TYPE_ID["gate_up"],
                  DOWN_ID=TYPE_ID["down"])
     probe = ring.compile_ring_stream(rows=64, n=DEFAULT_WORKERS * 64, k=4096, block_n=64, block_k=256, stages=4,
                                      x_stages=3, programs=DEFAULT_WORKERS, mode=1)

@@ -19,11 +19,11 @@ import json, sys
 from distmk.graph import GraphConfig
 from distmk.runtime.engine import Engine
 name, router_partials = sys.argv[1], int(sys.argv[2])
-# QKV tiles of half a head (under q/k-norm finished by attention); matmul tiles of 24 rows, not a multiple of
-# the kernels' row blocks; the one-row decode steps run a table of their own (BATCH 1: the expert tiles' path where
+# matmul tiles of 24 rows, not a multiple of the kernels' row blocks (QKV tiles that end inside a head: attention
+# finishes the heads); the one-row decode steps run a table of their own (BATCH 1: the expert tiles' path where
 # every slot leads; the tensor-parallel test below runs one-row steps on a four-row table); router_partials 0 gives
 # the four-row table router tiles and the one-row table the o_proj tiles' shares, 1 shares to both
-config = GraphConfig(batch=4, kv_splits=3, tile_rows=24, lm_tile_rows=48, workers=1, qkv_parts=2,
+config = GraphConfig(batch=4, kv_splits=3, tile_rows=24, lm_tile_rows=48, workers=1,
                      router_partials=router_partials)
 engines = [Engine(name, backend=b, config=config, step_batches=(1,)) for b in ("reference", "triton")]
 runs = [e.generate([1, 2, 3, 4, 5, 6, 7], 5, return_logits=True) for e in engines]

@@ -71,11 +71,11 @@ def _expect_boxes(bar, boxes, desc, MOST: gl.constexpr):
 
 
 @gluon.jit
-def _copy_boxes(desc, row0, k, boxes, slot, bar, AT: gl.constexpr, MOST: gl.constexpr):
-    """TMA copies of `boxes` (<= MOST) boxes of rows from row0, columns from k, into the slot's rows from AT."""
+def _copy_boxes(desc, row0, k, boxes, slot, bar, MOST: gl.constexpr):
+    """TMA copies of `boxes` (<= MOST) boxes of rows from row0, columns from k, into the slot's first rows."""
     BOX: gl.constexpr = desc.block_type.shape[0]
     for b in gl.static_range(MOST):
-        tma_load(desc, [row0 + b * BOX, k], bar, slot.slice(AT + b * BOX, BOX), pred=b < boxes)
+        tma_load(desc, [row0 + b * BOX, k], bar, slot.slice(b * BOX, BOX), pred=b < boxes)
 
 
 @gluon.jit
@@ -110,27 +110,7 @@ def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, 
     for k in range(0, K, BK):
         s = _claim_slot(ready, empty, c, first, NBUF, INFLIGHT)
         _expect_boxes(ready.index(s), boxes, desc, BN // BOX)
-        _copy_boxes(desc, row0, k, boxes, ring.index(s), ready.index(s), 0, BN // BOX)
-        c += 1
-    return c
-
-
-@gluon.jit
-def load_pair(desc, row0, pair_row0, rows, K: gl.constexpr, ring, ready, empty, c, INFLIGHT: gl.constexpr):
-    """Producer: load_block for a task's one block of two pieces of `rows` (<= BN / 2) rows, from row0 into the
-    slots' first half and from pair_row0 into their second (the two RoPE halves of a QKV slice), so the pair fills
-    whole slots and is one product (split_halves parts it)."""
-    NBUF: gl.constexpr = ring.type.shape[0]
-    HALF: gl.constexpr = ring.type.shape[1] // 2
-    BOX: gl.constexpr = desc.block_type.shape[0]
-    BK: gl.constexpr = desc.block_type.shape[1]
-    boxes = (gl.minimum(rows, HALF) + BOX - 1) // BOX
-    first = c
-    for k in range(0, K, BK):
-        s = _claim_slot(ready, empty, c, first, NBUF, INFLIGHT)
-        _expect_boxes(ready.index(s), 2 * boxes, desc, 2 * HALF // BOX)
-        _copy_boxes(desc, row0, k, boxes, ring.index(s), ready.index(s), 0, HALF // BOX)
-        _copy_boxes(desc, pair_row0, k, boxes, ring.index(s), ready.index(s), HALF, HALF // BOX)
+        _copy_boxes(desc, row0, k, boxes, ring.index(s), ready.index(s), BN // BOX)
         c += 1
     return c
 
@@ -316,24 +296,6 @@ def block_index(ring, xring, num_warps: gl.constexpr):
     B_PAD: gl.constexpr = xring.type.shape[1]
     layout: gl.constexpr = acc_layout(BN, B_PAD, num_warps)
     return (gl.arange(0, BN, layout=gl.SliceLayout(1, layout)), gl.arange(0, B_PAD, layout=gl.SliceLayout(0, layout)))
-
-
-@gluon.jit
-def split_halves(acc, ring, xring, num_warps: gl.constexpr):
-    """The first and second halves of the rows of a block's accumulator (a load_pair block: its two pieces), each
-    [BN / 2, B_PAD] in one register layout, with their row and batch indices. The halves live in different warps,
-    so they go through shared memory."""
-    BN: gl.constexpr = ring.type.shape[1]
-    B_PAD: gl.constexpr = xring.type.shape[1]
-    layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, num_warps], [0, 1])
-    staged = gl.allocate_shared_memory(gl.float32, [BN, B_PAD], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    staged.store(acc)
-    cta_barrier()
-    lo = staged.slice(0, BN // 2).load(layout)
-    hi = staged.slice(BN // 2, BN // 2).load(layout)
-    cta_barrier()           # the next block's store waits for these loads
-    return (lo, hi, gl.arange(0, BN // 2, layout=gl.SliceLayout(1, layout)),
-            gl.arange(0, B_PAD, layout=gl.SliceLayout(0, layout)))
 
 
 @gluon.jit

@@ -25,7 +25,7 @@ def summary(table, spec, plan) -> str:
         *([f"sparse layers {len(spec.moe_layers)}: top {spec.experts_per_token} of {spec.num_experts} experts, "
            f"{plan.expert_inter} rows of each on this rank"] if spec.moe_layers else []),
         f"config: batch={c.batch} kv_splits={c.kv_splits} tile_rows={c.tile_rows} "
-        f"lm_tile_rows={c.lm_tile_rows} qkv_parts={c.qkv_parts} workers={c.workers} context={c.context}",
+        f"lm_tile_rows={c.lm_tile_rows} workers={c.workers} context={c.context}",
         f"tasks: {table.num_tasks}   events: {len(table.event_need)}   "
         f"bytes: {int(table.cost.sum()) / 1e6:.1f} MB",
         "tasks per type:",

@@ -1,7 +1,7 @@
 """Lowering: one decode step of one tensor-parallel rank → tile tasks joined by counted events.
 
-A consumer waits only on the event of the producer tiles it reads: attention for a KV head waits for
-that head group's q/k/v tiles, an all-reduce tile for the one matmul tile that produced its slice. The
+A consumer waits only on the event of the producer tiles it reads: an all-reduce tile for the one matmul
+tile that produced its slice, attention for the QKV tiles (row ranges of Wqkv that cross heads). The
 tiles that read the RMSNorm of the residual stream (QKV, gate/up, lm_head) take its scale from the whole
 stream (tasks/base.py normed_stream), so they wait for every tile of the stream; no norm task stands between
 two phases. A sparse (mixture-of-experts) layer's MLP is router tiles, a route task, expert tiles that split the
@@ -30,12 +30,10 @@ class GraphConfig:
     # tiling (cli.add_graph_args makes a flag of each, with its help)
     kv_splits: int = field(default=0, metadata={"help": "attention splits along the KV length; 0 = one split "
                                                         "per worker, at most 16"})
-    tile_rows: int = field(default=0, metadata={"help": "output rows of an o_proj / gate_up / down tile; 0 = about "
-                                                        "one tile per worker"})
+    tile_rows: int = field(default=0, metadata={"help": "output rows of a QKV / o_proj / gate_up / down tile; 0 = "
+                                                        "about one tile per worker"})
     lm_tile_rows: int = field(default=0, metadata={"help": "output rows of an lm_head tile; 0 = about one tile per "
                                                            "worker"})
-    qkv_parts: int = field(default=0, metadata={"help": "QKV tiles per head (column slices of both RoPE halves); "
-                                                        "0 = about one tile per worker"})
     router_partials: int = field(default=0, metadata={
         "help": "a sparse layer's gate logits: 1 = each o_proj tile adds its rows' share (no router phase; tp=1), "
                 "2 = router tiles; 0 = 1 at tp=1 and batch 1 when the shares are at most 64 KB"})
@@ -48,28 +46,16 @@ class GraphConfig:
         for name in ("batch", "workers", "context", "dtype_bytes", "hbm_bytes_per_s"):
             if getattr(self, name) < 1:
                 raise GraphError(f"GraphConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("kv_splits", "tile_rows", "lm_tile_rows", "qkv_parts", "router_partials"):
+        for name in ("kv_splits", "tile_rows", "lm_tile_rows", "router_partials"):
             if getattr(self, name) < 0:
                 raise GraphError(f"GraphConfig.{name} must be >= 0 (0 = automatic), got {getattr(self, name)}")
 
     def resolved(self, spec: ModelSpec, plan: ShardPlan) -> "GraphConfig":
         """Automatic choices made concrete. kv_splits: enough splits that every worker gets an attention task
         (at most 16), so attention is one short pass over the keys instead of a long serial one on a few
-        workers. qkv_parts: a head's QKV tile is cut into column slices (the same columns of both halves, so
-        rotate-half RoPE stays inside a tile) while the tiles still fit in one wave over the workers, slices
-        at least 16 rows high: one tile per head leaves most workers idle in that phase, two waves make it
-        longer again (each tile also takes its input's RMSNorm scale itself)."""
-        half = spec.head_dim // 2
-        if self.qkv_parts and half % self.qkv_parts:
-            raise GraphError(f"qkv_parts={self.qkv_parts} must divide head_dim/2={half}")
+        workers."""
         splits = self.kv_splits or max(1, min(16, self.workers // (self.batch * plan.num_kv_heads)))
-        parts = self.qkv_parts or 1
-        if not self.qkv_parts:
-            slots = plan.num_heads + 2 * plan.num_kv_heads
-            while slots * parts * 2 <= self.workers and half % (2 * parts) == 0 and half // (2 * parts) >= 16:
-                parts *= 2
-        return dataclasses.replace(self, kv_splits=splits, qkv_parts=parts,
-                                   router_partials=self.router_partials_choice(spec, plan))
+        return dataclasses.replace(self, kv_splits=splits, router_partials=self.router_partials_choice(spec, plan))
 
     def router_partials_choice(self, spec: ModelSpec, plan: ShardPlan) -> int:
         """router_partials made concrete (see tasks/router.py for what the o_proj tiles add). At tp > 1 an o_proj
@@ -144,6 +130,12 @@ def tiles(total: int, size: int) -> list[tuple[int, int]]:
     return [(r, min(size, total - r)) for r in range(0, total, size)]
 
 
+def qkv_tiles(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> list[tuple[int, int]]:
+    """(row0, nrows) of the QKV tiles over this rank's rows of Wqkv (its query, key and value heads)."""
+    rows = (plan.num_heads + 2 * plan.num_kv_heads) * spec.head_dim
+    return tiles(rows, config.rows_per_tile(rows, config.tile_rows))
+
+
 def hidden_tile_rows(spec: ModelSpec, config: GraphConfig) -> int:
     """Rows of a row-parallel tile over the hidden size (o_proj, down, moe_combine; the last may have fewer)."""
     return config.rows_per_tile(spec.hidden_size, config.tile_rows)
@@ -163,8 +155,8 @@ def router_shares(spec: ModelSpec, config: GraphConfig) -> int:
 def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> GraphBuilder:
     config = config.resolved(spec, plan)
     g = GraphBuilder()
-    B, S, H, P = config.batch, config.kv_splits, spec.hidden_size, config.qkv_parts
-    hq, hkv, group = plan.num_heads, plan.num_kv_heads, plan.group
+    B, S, H = config.batch, config.kv_splits, spec.hidden_size
+    hkv = plan.num_kv_heads
 
     def row_parallel(kind: str, layer: int, wait: int, name: str) -> int:
         """o_proj/down/moe_combine tiles, each followed (tp>1) by the all-reduce of its slice; returns 'x updated'.
@@ -215,18 +207,17 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
     for b in range(B):
         g.task("embed", 0, (b,), signal=x_ready)
     for layer in range(spec.num_layers):
-        # a KV head's attention waits for the slices of its q heads, its k and its v head
-        qkv_done = [g.event(f"L{layer}.qkv.kv{h}", (group + 2) * P) for h in range(hkv)]
-        for slot in range(hq + 2 * hkv):
-            head_group = slot // group if slot < hq else (slot - hq) % hkv
-            for part in range(P):
-                g.task("qkv", layer, (slot, part), wait=x_ready, signal=qkv_done[head_group])
+        # a tile may hold rows of several heads: attention waits for every tile (they end together, one wave)
+        row_tiles = qkv_tiles(spec, plan, config)
+        qkv_done = g.event(f"L{layer}.qkv", len(row_tiles))
+        for row0, nrows in row_tiles:
+            g.task("qkv", layer, (row0, nrows), wait=x_ready, signal=qkv_done)
         attn_done = g.event(f"L{layer}.attn", B * hkv)
         for b in range(B):
             for h in range(hkv):
                 parts = g.event(f"L{layer}.attn.b{b}.kv{h}", S)
                 for s in range(S):
-                    g.task("attention", layer, (b, h, s), wait=qkv_done[h], signal=parts)
+                    g.task("attention", layer, (b, h, s), wait=qkv_done, signal=parts)
                 g.task("attn_reduce", layer, (b, h), wait=parts, signal=attn_done)
         x_mid = row_parallel("o_proj", layer, attn_done, "attn")
         if layer in spec.moe_layers:
@@ -259,7 +250,7 @@ def compile_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> TaskT
     builder = lower_decode_step(spec, plan, config)
     tasks, need = builder.tensors(plan.tp)
     shape = StepShape(spec, plan, config.batch, config.kv_splits, config.context, config.dtype_bytes,
-                      config.dtype_bytes, config.qkv_parts, router_shares(spec, config))
+                      config.dtype_bytes, router_shares(spec, config))
     cost = torch.tensor([TASK_KINDS[t[0]].cost(shape, t[1], tuple(t[2:6])) for t in builder.rows],
                         dtype=torch.int64)
     table = schedule(tasks, need, cost, builder.event_names, config)

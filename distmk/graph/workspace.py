@@ -44,8 +44,8 @@ WORKSPACE = (
     Buffer("xs", lambda d: (d.batch, d.hidden), "act",
            "the residual stream times the weight of the RMSNorm that reads it next, rounded once: the input of the "
            "tiles that read the normed stream (tasks/base.py normed_stream)"),
-    Buffer("q", lambda d: (d.batch, d.heads, d.head_dim), "act", "roped queries"),
-    Buffer("qk_raw", lambda d: (d.batch, d.heads + d.kv_heads, d.head_dim), "float32", "q/k heads before q/k-norm"),
+    Buffer("qk_raw", lambda d: (d.batch, d.heads + d.kv_heads, d.head_dim), "float32",
+           "q/k heads as the QKV projection gives them (attention finishes them)"),
     Buffer("attn_o", lambda d: (d.batch, d.kv_heads, d.kv_splits, d.group, d.head_dim), "float32",
            "split-KV partial outputs"),
     Buffer("attn_m", lambda d: (d.batch, d.kv_heads, d.kv_splits, d.group), "float32", "split-KV running maxima"),

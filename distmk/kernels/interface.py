@@ -16,7 +16,7 @@ import torch
 import triton
 
 from distmk.errors import DistmkError
-from distmk.graph.lowering import hidden_tile_rows, router_shares
+from distmk.graph.lowering import hidden_tile_rows, qkv_tiles, router_shares
 from distmk.graph.table import COLUMNS
 from distmk.graph.workspace import WORKSPACE
 from distmk.kernels.layout import STACKED
@@ -138,10 +138,6 @@ CONSTANTS = (
     Arg("QK_NORM", lambda l: l.spec.qk_norm, "Qwen3's per-head q/k RMSNorm"),
     Arg("WINDOW", lambda l: l.spec.sliding_window or 0, "sliding-window width (0: none)"),
     Arg("SCALE", lambda l: l.spec.head_dim ** -0.5, "attention's softmax scale"),
-    Arg("HALF_PAD", lambda l: padded(l.spec.head_dim // 2)),
-    Arg("QKV_PARTS", lambda l: l.config.qkv_parts, "QKV tiles per head"),
-    Arg("RAW_QK", lambda l: l.spec.qk_norm and l.config.qkv_parts > 1,
-        "q/k heads leave their QKV slices unnormalised (qk_raw) and attention finishes them (tasks/qkv.py)"),
     Arg("LM_TILES", lambda l: l.lm_tiles, "lm_head tiles (argmax reads their maxima)"),
     Arg("LM_TILES_PAD", lambda l: padded(l.lm_tiles, 2)),
     Arg("BLOCK_H", lambda l: min(1024, padded(l.spec.hidden_size)), "columns of an elementwise block"),
@@ -164,8 +160,7 @@ CONSTANTS = (
     Arg("MLP_BLOCK_K", lambda l: l.block_k // 2),
     Arg("LM_BLOCK_N", lambda l: l.options.lm_block_n),
     Arg("LM_BLOCK_K", lambda l: l.block_k // 2),
-    Arg("QKV_BLOCK_N", lambda l: padded(l.spec.head_dim // 2 // l.config.qkv_parts)),
-    Arg("QKV_BLOCK_K", lambda l: l.block_k // 2),
+    Arg("QKV_BLOCK_N", lambda l: min(32, padded(max(rows for _, rows in qkv_tiles(l.spec, l.plan, l.config))))),
     # the weight ring (ring megakernel): device/ring.py's _claim_slot
     Arg("RING_INFLIGHT", lambda l: l.options.ring_inflight, "weight slots in flight while the ring fills (0: all)"),
 )

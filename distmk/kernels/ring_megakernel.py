@@ -196,8 +196,6 @@ def ring_unsupported(spec, plan, config, dtype, world: int, kinds) -> str | None
         return f"it runs batches up to {RING_B_PAD}, not {config.batch}"
     if not ring_block_k(spec.hidden_size, plan.num_heads * spec.head_dim, plan.inter):
         return "hidden size, heads x head_dim and the MLP width must be multiples of 64"
-    if spec.head_dim // 2 // config.qkv_parts > RING_ROWS // 2:
-        return f"a QKV slice's two halves must fit a ring slot of {RING_ROWS} rows (raise qkv_parts)"
     return None
 
 

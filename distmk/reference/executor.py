@@ -29,7 +29,6 @@ class StepContext:
     v_cache: torch.Tensor
     block_size: int
     kv_splits: int
-    qkv_parts: int                    # column slices of a QKV head (GraphConfig.qkv_parts)
     o_proj_rows: int                  # rows of an o_proj tile (a router share's index: row0 // o_proj_rows)
     comm: object
     dtype: torch.dtype
@@ -51,7 +50,7 @@ class ReferenceExecutor:
             spec=spec, plan=plan, weights=weights,
             buf=allocate_workspace(spec, plan, config, dtype, device),
             k_cache=kv_cache.k, v_cache=kv_cache.v, block_size=kv_cache.block_size,
-            kv_splits=config.kv_splits, qkv_parts=config.qkv_parts,
+            kv_splits=config.kv_splits,
             o_proj_rows=hidden_tile_rows(spec, config), comm=comm, dtype=dtype, published={})
         self.rows = [(TASK_KINDS[r[TYPE]], r[LAYER], tuple(r[A0:A0 + len(TASK_KINDS[r[TYPE]].args)]),
                       r[WAIT], r[SIGNAL]) for r in table.tasks.tolist()]

@@ -1,10 +1,10 @@
 """Split-KV decode attention: for one row, one local KV head and one of S splits of the row's KV range,
 the unnormalised partial output of the query heads that share that KV head, with its running max and
 sum of exponentials (flash-decoding). The split bounds follow each row's position at run time, so one
-table serves every context length; an empty split writes m=-inf, l=0, o=0. Where QKV leaves the q and k heads
-unnormalised (raw_qk: q/k-norm over column slices), attention finishes them: its query heads, and the keys of
-this step it reads (step_key_writers); the split that holds a row's own position stores the row's finished key
-in the cache for the steps after."""
+table serves every context length; an empty split writes m=-inf, l=0, o=0. QKV leaves the q and k heads as the
+projection gave them (tasks/qkv.py), so attention finishes them (finish_heads: q/k-norm, RoPE): its query heads,
+and the keys of this step it reads (step_key_writers); the split that holds a row's own position stores the
+row's finished key in the cache for the steps after."""
 import math
 
 import torch
@@ -15,7 +15,7 @@ from triton.experimental.gluon import language as gl
 
 from distmk.device.ring import next_power_of_2
 from distmk.tasks.base import TaskKind
-from distmk.tasks.qkv import finish_heads, raw_qk
+from distmk.tasks.qkv import finish_heads
 
 
 def kv_range(ctx, b: int) -> tuple[int, int]:
@@ -59,27 +59,32 @@ def _step_key_writers(row, tt, valid, n, positions, block_table, B_PAD: tl.const
 
 
 @triton.jit
-def norm_rope_rows(raw, row_offsets, pos, rd, weight, inv_freq, mask, D: tl.constexpr, EPS: tl.constexpr):
-    """q/k-norm and rotate-half RoPE of whole heads: the float32 rows at raw + row_offsets ([rows] element offsets)
-    at positions pos [rows], float32. Each column's RoPE pair (column d +- D/2) is loaded beside it."""
+def norm_rope_rows(raw, row_offsets, pos, rd, weight, inv_freq, mask, D: tl.constexpr, EPS: tl.constexpr,
+                   QK_NORM: tl.constexpr):
+    """finish_heads of whole heads: q/k-norm (QK_NORM, `weight` its weight) and rotate-half RoPE of the float32 rows
+    at raw + row_offsets ([rows] element offsets) at positions pos [rows], float32. Each column's RoPE pair (column
+    d +- D/2) is loaded beside it."""
     HALF: tl.constexpr = D // 2
     pair = (rd + HALF) % D
     x = tl.load(raw + row_offsets[:, None] + rd[None, :], mask=mask[:, None], other=0.0)
     partner = tl.load(raw + row_offsets[:, None] + pair[None, :], mask=mask[:, None], other=0.0)
-    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + EPS)[:, None]
-    x = x * rstd * tl.load(weight + rd).to(tl.float32)[None, :]
-    partner = partner * rstd * tl.load(weight + pair).to(tl.float32)[None, :]
+    if QK_NORM:
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + EPS)[:, None]
+        x = x * rstd * tl.load(weight + rd).to(tl.float32)[None, :]
+        partner = partner * rstd * tl.load(weight + pair).to(tl.float32)[None, :]
     angle = pos[:, None].to(tl.float32) * tl.load(inv_freq + rd % HALF)[None, :]
     return x * tl.cos(angle) + tl.where((rd < HALF)[None, :], -partner, partner) * tl.sin(angle)
 
 
 # noinline: see TaskKind.gpu (tasks/base.py)
 @triton.jit(noinline=True)
-def attention_gpu(layer, row, kv_head, split, n, q, qk_raw, qk_norm, inv_freq, k_cache, v_cache, positions,
-                  block_table, attn_o, attn_m, attn_l, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-                  G: tl.constexpr, G_PAD: tl.constexpr, B_PAD: tl.constexpr, MAXB: tl.constexpr, BS: tl.constexpr,
-                  NBLK: tl.constexpr, S: tl.constexpr, WINDOW: tl.constexpr, SCALE: tl.constexpr, EPS: tl.constexpr,
-                  RAW_QK: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def attention_gpu(layer, row, kv_head, split, n, qk_raw, qk_norm, inv_freq, k_cache, v_cache, positions, block_table,
+                  attn_o, attn_m, attn_l, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+                  G_PAD: tl.constexpr, B_PAD: tl.constexpr, MAXB: tl.constexpr, BS: tl.constexpr, NBLK: tl.constexpr,
+                  S: tl.constexpr, WINDOW: tl.constexpr, SCALE: tl.constexpr, EPS: tl.constexpr,
+                  QK_NORM: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The keys before the row's last n positions from the cache, a block at a time, then those (at most n, a block
+    of B_PAD) from the cache or, where a row of this step computes them, from qk_raw."""
     if row < n:
         hi = tl.load(positions + row) + 1
         lo = hi * 0
@@ -88,20 +93,15 @@ def attention_gpu(layer, row, kv_head, split, n, q, qk_raw, qk_norm, inv_freq, k
         chunk = (hi - lo + S - 1) // S
         start = tl.minimum(hi, lo + split * chunk)
         stop = tl.minimum(hi, lo + (split + 1) * chunk)
+        tail = tl.maximum(start, tl.minimum(stop, hi - n))
         rg = tl.arange(0, G_PAD)
         rd = tl.arange(0, D)
         rt = tl.arange(0, BLOCK_T)
         heads = rg < G
         cache_layer = layer.to(tl.int64) * NBLK
-        if RAW_QK:          # the heads as QKV left them: finished here (finish_heads), keys of this step last
-            raw_q = (row * (HQ + HKV) + kv_head * G + rg) * D
-            qt = norm_rope_rows(qk_raw, raw_q, rg * 0 + hi - 1, rd, qk_norm + 2 * layer * D, inv_freq, heads, D,
-                                EPS).to(q.dtype.element_ty)
-            tail = tl.maximum(start, tl.minimum(stop, hi - n))
-        else:
-            qt = tl.load(q + ((row * HQ + kv_head * G + rg) * D)[:, None] + rd[None, :], mask=heads[:, None],
-                         other=0.0)
-            tail = stop
+        raw_q = (row * (HQ + HKV) + kv_head * G + rg) * D
+        qt = norm_rope_rows(qk_raw, raw_q, rg * 0 + hi - 1, rd, qk_norm + 2 * layer * D, inv_freq, heads, D, EPS,
+                            QK_NORM).to(k_cache.dtype.element_ty)
         m_i = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((G_PAD,), dtype=tl.float32)
         acc = tl.zeros((G_PAD, D), dtype=tl.float32)
@@ -113,23 +113,20 @@ def attention_gpu(layer, row, kv_head, split, n, q, qk_raw, qk_norm, inv_freq, k
             kt = tl.load(k_cache + base[:, None] + rd[None, :], mask=valid[:, None], other=0.0)
             vt = tl.load(v_cache + base[:, None] + rd[None, :], mask=valid[:, None], other=0.0)
             m_i, l_i, acc = _attend(qt, kt, vt, valid, m_i, l_i, acc, SCALE, DOT_PRECISION)
-        if RAW_QK:
-            if tail < stop:
-                t = tail + tl.arange(0, B_PAD)
-                valid = t < stop
-                writer = _step_key_writers(row, t, valid, n, positions, block_table, B_PAD, MAXB, BS)
-                block = tl.load(block_table + row * MAXB + t // BS, mask=valid, other=0).to(tl.int64)
-                base = (((cache_layer + block) * BS + t % BS) * HKV + kv_head) * D
-                raw_k = (tl.maximum(writer, 0) * (HQ + HKV) + HQ + kv_head) * D
-                fresh = norm_rope_rows(qk_raw, raw_k, t, rd, qk_norm + (2 * layer + 1) * D, inv_freq, writer >= 0, D,
-                                       EPS).to(k_cache.dtype.element_ty)
-                cached = tl.load(k_cache + base[:, None] + rd[None, :], mask=(valid & (writer < 0))[:, None],
-                                 other=0.0)
-                kt = tl.where((writer >= 0)[:, None], fresh, cached)
-                # the row's own key, for the steps after this one
-                tl.store(k_cache + base[:, None] + rd[None, :], kt, mask=(writer == row)[:, None])
-                vt = tl.load(v_cache + base[:, None] + rd[None, :], mask=valid[:, None], other=0.0)
-                m_i, l_i, acc = _attend(qt, kt, vt, valid, m_i, l_i, acc, SCALE, DOT_PRECISION)
+        if tail < stop:
+            t = tail + tl.arange(0, B_PAD)
+            valid = t < stop
+            writer = _step_key_writers(row, t, valid, n, positions, block_table, B_PAD, MAXB, BS)
+            block = tl.load(block_table + row * MAXB + t // BS, mask=valid, other=0).to(tl.int64)
+            base = (((cache_layer + block) * BS + t % BS) * HKV + kv_head) * D
+            raw_k = (tl.maximum(writer, 0) * (HQ + HKV) + HQ + kv_head) * D
+            fresh = norm_rope_rows(qk_raw, raw_k, t, rd, qk_norm + (2 * layer + 1) * D, inv_freq, writer >= 0, D, EPS,
+                                   QK_NORM).to(k_cache.dtype.element_ty)
+            cached = tl.load(k_cache + base[:, None] + rd[None, :], mask=(valid & (writer < 0))[:, None], other=0.0)
+            kt = tl.where((writer >= 0)[:, None], fresh, cached)
+            tl.store(k_cache + base[:, None] + rd[None, :], kt, mask=(writer == row)[:, None])   # for later steps
+            vt = tl.load(v_cache + base[:, None] + rd[None, :], mask=valid[:, None], other=0.0)
+            m_i, l_i, acc = _attend(qt, kt, vt, valid, m_i, l_i, acc, SCALE, DOT_PRECISION)
         part = (row * HKV + kv_head) * S + split
         tl.store(attn_o + (part * G + rg)[:, None] * D + rd[None, :], acc, mask=heads[:, None])
         tl.store(attn_m + part * G + rg, m_i, mask=heads)
@@ -171,22 +168,24 @@ def _key_rows(blocks, t, cache_layer, kv_head, HKV: gl.constexpr, D: gl.constexp
 
 @gluon.constexpr_function
 def tail_layout(D, num_warps):
-    """[heads, keys, D] of the ring attention's pass over this step's keys (raw_qk): a warp across D, the warps over
+    """[heads, keys, D] of the ring attention's pass over this step's keys: a warp across D, the warps over
     the keys, so that RoPE's sines and cosines of those few keys are not computed in replica by every thread (a
     pass of the main layout holds 4 keys x 8 columns a thread: 64 calls each)."""
     return gl.BlockedLayout([1, 1, max(1, D // 32)], [1, 1, 32], [1, num_warps, 1], [2, 1, 0])
 
 
 @gluon.jit
-def norm_rope_rows_ring(raw, row_offsets, pos, rd, weight, inv_freq, mask, D: gl.constexpr, EPS: gl.constexpr):
+def norm_rope_rows_ring(raw, row_offsets, pos, rd, weight, inv_freq, mask, D: gl.constexpr, EPS: gl.constexpr,
+                        QK_NORM: gl.constexpr):
     """norm_rope_rows in Gluon: row_offsets and pos in the rows' slice of the [rows, D] layout, rd in its columns'."""
     HALF: gl.constexpr = D // 2
     pair = (rd + HALF) % D
     x = gl.load(raw + row_offsets[:, None] + rd[None, :], mask=mask[:, None], other=0.0)
     partner = gl.load(raw + row_offsets[:, None] + pair[None, :], mask=mask[:, None], other=0.0)
-    rstd = gl.rsqrt(gl.sum(x * x, axis=1) / D + EPS)[:, None]
-    x = x * rstd * gl.load(weight + rd).to(gl.float32)[None, :]
-    partner = partner * rstd * gl.load(weight + pair).to(gl.float32)[None, :]
+    if QK_NORM:
+        rstd = gl.rsqrt(gl.sum(x * x, axis=1) / D + EPS)[:, None]
+        x = x * rstd * gl.load(weight + rd).to(gl.float32)[None, :]
+        partner = partner * rstd * gl.load(weight + pair).to(gl.float32)[None, :]
     angle = pos[:, None].to(gl.float32) * gl.load(inv_freq + rd % HALF)[None, :]
     return x * gl.cos(angle) + gl.where((rd < HALF)[None, :], -partner, partner) * gl.sin(angle)
 
@@ -194,13 +193,11 @@ def norm_rope_rows_ring(raw, row_offsets, pos, rd, weight, inv_freq, mask, D: gl
 @gluon.jit
 def attention_prepare(layer, row, kv_head, split, n, k_cache, v_cache, positions, block_table, D: gl.constexpr,
                       HKV: gl.constexpr, G: gl.constexpr, MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr,
-                      S: gl.constexpr, WINDOW: gl.constexpr, BATCH: gl.constexpr, RAW_QK: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      S: gl.constexpr, WINDOW: gl.constexpr, BATCH: gl.constexpr, num_warps: gl.constexpr):
     """What attention_ring reads before its event: the split's bounds, the page numbers of its first two passes
-    and the first pass's keys and values. Nothing of it depends on this step's tasks but the keys and values at this
-    step's own positions (at most n per row, the last n before hi). Without raw_qk attention_ring reloads those;
-    with it they are a pass of their own (`tail` on), and this finds which row computes each of them
-    (step_key_writers) and loads those of them that are in the cache already."""
+    and the first pass's keys and values. Nothing of it depends on this step's tasks but the keys at this step's own
+    positions (at most n per row, the last n before hi: from `tail` on), which are a pass of their own: this finds
+    which row computes each of them (step_key_writers) and loads those that are in the cache already."""
     G_PAD: gl.constexpr = next_power_of_2(G)
     R: gl.constexpr = keys_per_thread(G_PAD)
     SLOTS: gl.constexpr = attention_slots(D, num_warps)
@@ -214,9 +211,7 @@ def attention_prepare(layer, row, kv_head, split, n, k_cache, v_cache, positions
     chunk = (hi - lo + S - 1) // S
     start = gl.minimum(hi, lo + split * chunk)
     stop = gl.minimum(hi, lo + (split + 1) * chunk)
-    tail = stop
-    if RAW_QK:
-        tail = gl.maximum(start, gl.minimum(stop, hi - n))
+    tail = gl.maximum(start, gl.minimum(stop, hi - n))
     tk = key_offsets(gl.SliceLayout(2, lk), SLOTS, R)
     first = _key_blocks(block_table, row, start + tk, tail, MAXB, BS)
     rows = _key_rows(first, start + tk, layer.to(gl.int64) * NBLK, kv_head, HKV, D, BS) + _columns(D, lk)
@@ -224,23 +219,19 @@ def attention_prepare(layer, row, kv_head, split, n, k_cache, v_cache, positions
     kt = gl.load(k_cache + rows, mask=valid, other=0.0)
     vt = gl.load(v_cache + rows, mask=valid, other=0.0)
     blocks = _key_blocks(block_table, row, start + BLOCK + tk, tail, MAXB, BS)
-    if RAW_QK:
-        TAIL: gl.constexpr = next_power_of_2(BATCH)
-        lkt: gl.constexpr = gl.SliceLayout(0, tail_layout(D, num_warps))
-        t = tail + gl.arange(0, TAIL, layout=gl.SliceLayout(1, lkt))
-        page = _key_blocks(block_table, row, t, stop, MAXB, BS)
-        writer = gl.full([TAIL], -1, gl.int32, layout=gl.SliceLayout(1, lkt))
-        for r in gl.static_range(TAIL):
-            at = gl.load(positions + r, mask=r < n, other=-1)
-            page_r = gl.load(block_table + r * MAXB + at // BS, mask=r < n, other=-1)
-            writer = gl.where((t == at) & (page == page_r) & (t < stop), r, writer)
-        base = (((layer.to(gl.int64) * NBLK + page.to(gl.int64)) * BS + t % BS) * HKV + kv_head) * D
-        rd = gl.arange(0, D, layout=gl.SliceLayout(0, lkt))
-        cached = gl.load(k_cache + base[:, None] + rd[None, :], mask=((t < stop) & (writer < 0))[:, None], other=0.0)
-        prepared = (hi, start, stop, first, kt, vt, blocks, tail, t, writer, base, cached)
-    else:
-        prepared = (hi, start, stop, first, kt, vt, blocks)
-    return prepared
+    TAIL: gl.constexpr = next_power_of_2(BATCH)
+    lkt: gl.constexpr = gl.SliceLayout(0, tail_layout(D, num_warps))
+    t = tail + gl.arange(0, TAIL, layout=gl.SliceLayout(1, lkt))
+    page = _key_blocks(block_table, row, t, stop, MAXB, BS)
+    writer = gl.full([TAIL], -1, gl.int32, layout=gl.SliceLayout(1, lkt))
+    for r in gl.static_range(TAIL):
+        at = gl.load(positions + r, mask=r < n, other=-1)
+        page_r = gl.load(block_table + r * MAXB + at // BS, mask=r < n, other=-1)
+        writer = gl.where((t == at) & (page == page_r) & (t < stop), r, writer)
+    base = (((layer.to(gl.int64) * NBLK + page.to(gl.int64)) * BS + t % BS) * HKV + kv_head) * D
+    rd = gl.arange(0, D, layout=gl.SliceLayout(0, lkt))
+    cached = gl.load(k_cache + base[:, None] + rd[None, :], mask=((t < stop) & (writer < 0))[:, None], other=0.0)
+    return hi, start, stop, kt, vt, blocks, tail, t, writer, base, cached
 
 
 @gluon.jit
@@ -259,21 +250,22 @@ def _columns(D: gl.constexpr, layout: gl.constexpr):
 @gluon.jit
 def _step_keys_ring(layer, row, kv_head, qk_raw, qk_norm, inv_freq, k_cache, v_cache, prepared, D: gl.constexpr,
                     HQ: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
-                    num_warps: gl.constexpr):
-    """raw_qk: the row's query heads finished (finish_heads, [G_PAD, D] in the tail layout's) and the pass over this
-    step's keys [tail, stop) (tail_layout), those that other rows compute finished from qk_raw too, the row's own
-    written to the cache; returns the queries, and the pass's max, sum and output as one more slot."""
+                    QK_NORM: gl.constexpr, num_warps: gl.constexpr):
+    """The row's query heads finished (finish_heads, [G_PAD, D] in the tail layout's) and the pass over this step's
+    keys [tail, stop) (tail_layout), those that rows of this step compute finished from qk_raw too, the row's own
+    stored in the cache; returns the queries, and the pass's max, sum and output as one more slot."""
     G_PAD: gl.constexpr = next_power_of_2(G)
     lt: gl.constexpr = tail_layout(D, num_warps)
     lq: gl.constexpr = gl.SliceLayout(1, lt)            # [heads, D]
     lkt: gl.constexpr = gl.SliceLayout(0, lt)           # [keys, D]
     ls: gl.constexpr = gl.SliceLayout(2, lt)            # [heads, keys]
-    hi, start, stop, first, kt, vt, blocks, tail, t, writer, base, cached = prepared
+    hi, start, stop, kt, vt, blocks, tail, t, writer, base, cached = prepared
     rg = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, lq))
     rdq = gl.arange(0, D, layout=gl.SliceLayout(0, lq))
     q_rows = (row * (HQ + HKV) + kv_head * G + rg) * D
-    qt = norm_rope_rows_ring(qk_raw, q_rows, rg * 0 + hi - 1, rdq, qk_norm + 2 * layer * D, inv_freq, rg < G, D, EPS)
-    qt = qt.to(k_cache.dtype.element_ty).to(gl.float32)              # as q held it
+    qt = norm_rope_rows_ring(qk_raw, q_rows, rg * 0 + hi - 1, rdq, qk_norm + 2 * layer * D, inv_freq, rg < G, D, EPS,
+                             QK_NORM)
+    qt = qt.to(k_cache.dtype.element_ty).to(gl.float32)              # rounded once, as finish_heads does
     m_t = gl.full([G_PAD], -1.0e30, gl.float32, layout=gl.SliceLayout(1, ls))
     l_t = gl.zeros([G_PAD], gl.float32, layout=gl.SliceLayout(1, ls))
     acc_t = gl.zeros([G_PAD, D], gl.float32, layout=lq)
@@ -284,7 +276,7 @@ def _step_keys_ring(layer, row, kv_head, qk_raw, qk_norm, inv_freq, k_cache, v_c
         v_step = gl.load(v_cache + offsets, mask=valid[:, None], other=0.0, cache_modifier=".cg")
         raw_k = (gl.maximum(writer, 0) * (HQ + HKV) + HQ + kv_head) * D
         fresh = norm_rope_rows_ring(qk_raw, raw_k, t, rd, qk_norm + (2 * layer + 1) * D, inv_freq, writer >= 0, D,
-                                    EPS).to(k_cache.dtype.element_ty)
+                                    EPS, QK_NORM).to(k_cache.dtype.element_ty)
         k_step = gl.where((writer >= 0)[:, None], fresh, cached)
         gl.store(k_cache + offsets, k_step, mask=(writer == row)[:, None])     # the row's own, for the later steps
         scores = gl.sum(gl.expand_dims(qt, 1) * gl.expand_dims(k_step.to(gl.float32), 0), axis=2) * SCALE
@@ -297,25 +289,21 @@ def _step_keys_ring(layer, row, kv_head, qk_raw, qk_norm, inv_freq, k_cache, v_c
 
 
 @gluon.jit
-def attention_ring(layer, row, kv_head, split, n, q, qk_raw, qk_norm, inv_freq, k_cache, v_cache, block_table, attn_o,
+def attention_ring(layer, row, kv_head, split, n, qk_raw, qk_norm, inv_freq, k_cache, v_cache, block_table, attn_o,
                    attn_m, attn_l, prepared, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr,
                    MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr, S: gl.constexpr, SCALE: gl.constexpr,
-                   EPS: gl.constexpr, RAW_QK: gl.constexpr, num_warps: gl.constexpr):
+                   EPS: gl.constexpr, QK_NORM: gl.constexpr, num_warps: gl.constexpr):
     """attention_gpu for the ring megakernel, shaped for latency: every key slot (attention_layout) is a split of
     its own, with its own running max and sum, so a pass over SLOTS x keys_per_thread keys needs no exchange
     between warps; the slots are combined once at the end. The first pass was loaded before the wait
     (attention_prepare), each next pass is loaded before the current one is computed, and the page numbers one
     pass further ahead. Products are float32 broadcast sums (Gluon has no tl.dot outside wgmma), so the query
-    heads are padded to a power of two only. With raw_qk this step's keys are one more slot (_step_keys_ring)."""
+    heads are padded to a power of two only. This step's keys are one more slot (_step_keys_ring), computed first."""
     G_PAD: gl.constexpr = next_power_of_2(G)
     SLOTS: gl.constexpr = attention_slots(D, num_warps)
     R: gl.constexpr = keys_per_thread(G_PAD)
     BLOCK: gl.constexpr = SLOTS * R
-    if RAW_QK:
-        hi, start, stop, first, kt, vt, blocks, stop_main, _, _, _, _ = prepared
-    else:
-        hi, start, stop, first, kt, vt, blocks = prepared
-        stop_main = stop
+    hi, start, stop, kt, vt, blocks, tail, _, _, _, _ = prepared
     if row < n:
         l4: gl.constexpr = attention_layout(D, G_PAD, num_warps)
         ls: gl.constexpr = gl.SliceLayout(3, l4)           # [heads, slots, keys]: scores
@@ -330,31 +318,21 @@ def attention_ring(layer, row, kv_head, split, n, q, qk_raw, qk_norm, inv_freq, 
         rg = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, lq))
         rd = gl.arange(0, D, layout=gl.SliceLayout(0, lq))
         heads = rg < G
-        if RAW_QK:
-            qt, m_t, l_t, acc_t = _step_keys_ring(layer, row, kv_head, qk_raw, qk_norm, inv_freq, k_cache, v_cache,
-                                                  prepared, D, HQ, HKV, G, EPS, SCALE, num_warps)
-            qt = gl.convert_layout(qt, lq)
-        else:
-            # this step's own keys and values (its rows' positions) may have landed after the first pass was read
-            fresh = gl.expand_dims((start + tk >= hi - n) & (start + tk < stop), 2)
-            rows = _key_rows(first, start + tk, cache_layer, kv_head, HKV, D, BS) + rdk
-            kt = gl.where(fresh, gl.load(k_cache + rows, mask=fresh, other=0.0, cache_modifier=".cg"), kt)
-            vt = gl.where(fresh, gl.load(v_cache + rows, mask=fresh, other=0.0, cache_modifier=".cg"), vt)
-            qt = gl.load(q + ((row * HQ + kv_head * G + rg) * D)[:, None] + rd[None, :], mask=heads[:, None],
-                         other=0.0).to(gl.float32)
-        q4 = gl.expand_dims(gl.expand_dims(qt, 1), 2)
+        qt, m_t, l_t, acc_t = _step_keys_ring(layer, row, kv_head, qk_raw, qk_norm, inv_freq, k_cache, v_cache, prepared,
+                                              D, HQ, HKV, G, EPS, SCALE, QK_NORM, num_warps)
+        q4 = gl.expand_dims(gl.expand_dims(gl.convert_layout(qt, lq), 1), 2)
         m_i = gl.full([G_PAD, SLOTS], -1.0e30, gl.float32, layout=lm)   # finite: a slot may see no key in a pass
         l_i = gl.zeros([G_PAD, SLOTS], gl.float32, layout=lm)
         acc = gl.zeros([G_PAD, SLOTS, D], gl.float32, layout=la)
-        for t0 in range(start, stop_main, BLOCK):
+        for t0 in range(start, tail, BLOCK):
             t = t0 + BLOCK + tk
             rows = _key_rows(blocks, t, cache_layer, kv_head, HKV, D, BS) + rdk
-            valid = gl.expand_dims(t < stop_main, 2)
+            valid = gl.expand_dims(t < tail, 2)
             k_next = gl.load(k_cache + rows, mask=valid, other=0.0)
             v_next = gl.load(v_cache + rows, mask=valid, other=0.0)
-            blocks = _key_blocks(block_table, row, t + BLOCK, stop_main, MAXB, BS)
+            blocks = _key_blocks(block_table, row, t + BLOCK, tail, MAXB, BS)
             scores = gl.sum(q4 * gl.expand_dims(kt.to(gl.float32), 0), axis=3) * SCALE
-            scores = gl.where(gl.expand_dims(t0 + ts < stop_main, 0), scores, float("-inf"))
+            scores = gl.where(gl.expand_dims(t0 + ts < tail, 0), scores, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(scores, axis=2))
             alpha = gl.exp(m_i - m_new)
             p = gl.exp(scores - gl.expand_dims(m_new, 2))
@@ -364,17 +342,13 @@ def attention_ring(layer, row, kv_head, split, n, q, qk_raw, qk_norm, inv_freq, 
             m_i = m_new
             kt = k_next
             vt = v_next
-        mx = gl.max(m_i, axis=1)
-        if RAW_QK:
-            m_t = gl.convert_layout(m_t, gl.SliceLayout(1, lm))
-            mx = gl.maximum(mx, m_t)
+        m_t = gl.convert_layout(m_t, gl.SliceLayout(1, lm))
+        mx = gl.maximum(gl.max(m_i, axis=1), m_t)
         weight = gl.exp(m_i - gl.expand_dims(mx, 1))
-        den = gl.sum(l_i * weight, axis=1)
+        w_t = gl.exp(m_t - mx)
+        den = gl.sum(l_i * weight, axis=1) + gl.convert_layout(l_t, gl.SliceLayout(1, lm)) * w_t
         out = gl.sum(acc * gl.expand_dims(gl.convert_layout(weight, gl.SliceLayout(2, la)), 2), axis=1)
-        if RAW_QK:
-            w_t = gl.exp(m_t - mx)
-            den = den + gl.convert_layout(l_t, gl.SliceLayout(1, lm)) * w_t
-            out = out + gl.convert_layout(acc_t, lq) * gl.expand_dims(gl.convert_layout(w_t, gl.SliceLayout(1, lq)), 1)
+        out = out + gl.convert_layout(acc_t, lq) * gl.expand_dims(gl.convert_layout(w_t, gl.SliceLayout(1, lq)), 1)
         part = (row * HKV + kv_head) * S + split
         gl.store(attn_o + (part * G + rg)[:, None] * D + rd[None, :], out, mask=heads[:, None])
         rgm = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, lm))
@@ -410,16 +384,13 @@ class Attention(TaskKind):
         blocks = ctx.block_table[b, t // ctx.block_size]
         k = ctx.k_cache[layer, blocks, t % ctx.block_size, kvh].float()      # [T, D]
         v = ctx.v_cache[layer, blocks, t % ctx.block_size, kvh].float()
-        if raw_qk(ctx):
-            raw, pos = ctx.buf["qk_raw"], ctx.positions
-            q = finish_heads(ctx, layer, True, raw[b:b + 1, kvh * g:(kvh + 1) * g], pos[b:b + 1])[0].float()
-            for key_pos, r in step_key_writers(ctx, b, start, stop).items():
-                key = finish_heads(ctx, layer, False, raw[r:r + 1, hq + kvh:hq + kvh + 1], pos[r:r + 1])[0, 0]
-                k[key_pos - start] = key.float()
-                if r == b:                  # the row's own key, for the steps after this one
-                    ctx.k_cache[layer, blocks[key_pos - start], key_pos % ctx.block_size, kvh] = key
-        else:
-            q = ctx.buf["q"][b, kvh * g:(kvh + 1) * g].float()              # [g, D]
+        raw, pos = ctx.buf["qk_raw"], ctx.positions
+        q = finish_heads(ctx, layer, True, raw[b:b + 1, kvh * g:(kvh + 1) * g], pos[b:b + 1])[0].float()   # [g, D]
+        for key_pos, r in step_key_writers(ctx, b, start, stop).items():
+            key = finish_heads(ctx, layer, False, raw[r:r + 1, hq + kvh:hq + kvh + 1], pos[r:r + 1])[0, 0]
+            k[key_pos - start] = key.float()
+            if r == b:                      # the row's own key, for the steps after this one
+                ctx.k_cache[layer, blocks[key_pos - start], key_pos % ctx.block_size, kvh] = key
         scores = (q @ k.t()) * (1.0 / math.sqrt(ctx.spec.head_dim))         # [g, T]
         mx = scores.max(dim=-1).values
         p = torch.exp(scores - mx[:, None])
@@ -429,8 +400,8 @@ class Attention(TaskKind):
 
 
 def step_key_writers(ctx, b: int, start: int, stop: int) -> dict[int, int]:
-    """The keys of [start, stop) that row b reads as this step computes them (raw_qk: they are not in the cache
-    yet), by position: the row at that position whose block table holds the same page as row b's (the last such
+    """The keys of [start, stop) that row b reads as this step computes them (they are not in the cache yet), by
+    position: the row at that position whose block table holds the same page as row b's (the last such
     row). Only row b's last n positions are looked at: a step's rows of one sequence hold its last positions (a
     prompt's rows)."""
     bs, n = ctx.block_size, ctx.num_rows

@@ -53,7 +53,6 @@ class StepShape:
     context: int            # expected context length (cost model only; the table works for any length)
     weight_bytes: int = 2
     act_bytes: int = 2
-    qkv_parts: int = 1      # column slices of a QKV head (GraphConfig.qkv_parts)
     router_shares: int = 1  # shares of the gate's logits a row has (graph/lowering.router_shares)
 
     def matmul_bytes(self, rows: int, cols: int) -> int:
