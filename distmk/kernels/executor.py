@@ -36,6 +36,7 @@ from distmk.kernels.megakernel import ERROR_FIELDS, TRACE_FIELDS, compile_ahead,
 from distmk.kernels.options import KernelOptions
 from distmk.kernels.ring_megakernel import load_ring_megakernel, ring_arguments, ring_unsupported
 from distmk.tasks import TASK_KINDS
+from distmk.tasks.base import rope_table
 from distmk.graph.workspace import allocate_workspace
 
 
@@ -193,7 +194,8 @@ class TritonExecutor:
         control = dict(tasks=self.dev_table.tasks, queue=self.dev_table.queue, queue_ptr=self.dev_table.queue_ptr,
                        event_need=self.dev_table.event_need, epoch_ptr=self.epoch, rows_ptr=self.rows,
                        error=self.error, trace=self.trace)
-        tensors = dict(**stack_layers(weights), k_cache=kv_cache.k, v_cache=kv_cache.v, tokens=self.tokens,
+        rope = rope_table(spec.inv_freq(), kv_cache.blocks_per_seq * kv_cache.block_size).to(device)
+        tensors = dict(**stack_layers(weights), k_cache=kv_cache.k, v_cache=kv_cache.v, rope=rope, tokens=self.tokens,
                        positions=self.positions, block_table=self.block_table, **self.buf,
                        **self.symmetric.arguments())
         self.args = launch_arguments(launch, control, tensors)

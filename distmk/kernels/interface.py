@@ -99,6 +99,7 @@ RUNTIME = (*ROW, "n", "worker", "rank", "vocab0", "vocab_valid")
 BUFFERS = (
     *(Arg(name, "weights", "stacked over layers (kernels/layout.py)") for name in STACKED),
     Arg("k_cache", "kv"), Arg("v_cache", "kv"),
+    Arg("rope", "kv", "RoPE's cosines and sines of every position the cache holds (tasks/base.py rope_table)"),
     Arg("tokens", "step", "the step's inputs, rows 0..n-1"), Arg("positions", "step"), Arg("block_table", "step"),
     *(Arg(buffer.name, "workspace", buffer.doc) for buffer in WORKSPACE),
     # symmetric memory (tp > 1): this rank's event counters and exchange buffers, and the peers' addresses

@@ -13,8 +13,8 @@ from distmk.models.shard import RankWeights
 
 
 # the tensors stack_layers returns, by name (kernels/interface.py declares them as kernel arguments)
-STACKED = ("embed", "wqkv", "bqkv", "qk_norm", "wo", "w_gate", "w_up", "w_down", "norms", "lm_head", "inv_freq",
-           "router", "expert_gate", "expert_up", "expert_down")
+STACKED = ("embed", "wqkv", "bqkv", "qk_norm", "wo", "w_gate", "w_up", "w_down", "norms", "lm_head", "router",
+           "expert_gate", "expert_up", "expert_down")
 
 
 def stack_layers(weights: RankWeights) -> dict[str, torch.Tensor]:
@@ -60,7 +60,7 @@ def _stack(weights: RankWeights) -> dict[str, torch.Tensor]:
     else:
         out["qk_norm"] = placeholder
     out["norms"] = torch.stack([n for lw in layers for n in (lw.input_norm, lw.post_norm)] + [weights.final_norm])
-    out.update(embed=weights.embed, lm_head=weights.lm_head, inv_freq=weights.inv_freq)
+    out.update(embed=weights.embed, lm_head=weights.lm_head)
     return out
 
 

@@ -59,11 +59,11 @@ def _step_key_writers(row, tt, valid, n, positions, block_table, B_PAD: tl.const
 
 
 @triton.jit
-def norm_rope_rows(raw, row_offsets, pos, rd, weight, inv_freq, mask, D: tl.constexpr, EPS: tl.constexpr,
+def norm_rope_rows(raw, row_offsets, pos, rd, weight, rope, mask, D: tl.constexpr, EPS: tl.constexpr,
                    QK_NORM: tl.constexpr):
     """finish_heads of whole heads: q/k-norm (QK_NORM, `weight` its weight) and rotate-half RoPE of the float32 rows
     at raw + row_offsets ([rows] element offsets) at positions pos [rows], float32. Each column's RoPE pair (column
-    d +- D/2) is loaded beside it."""
+    d +- D/2) is loaded beside it, and the angles' cosines and sines from the `rope` table (base.rope_table)."""
     HALF: tl.constexpr = D // 2
     pair = (rd + HALF) % D
     x = tl.load(raw + row_offsets[:, None] + rd[None, :], mask=mask[:, None], other=0.0)
@@ -72,13 +72,15 @@ def norm_rope_rows(raw, row_offsets, pos, rd, weight, inv_freq, mask, D: tl.cons
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + EPS)[:, None]
         x = x * rstd * tl.load(weight + rd).to(tl.float32)[None, :]
         partner = partner * rstd * tl.load(weight + pair).to(tl.float32)[None, :]
-    angle = pos[:, None].to(tl.float32) * tl.load(inv_freq + rd % HALF)[None, :]
-    return x * tl.cos(angle) + tl.where((rd < HALF)[None, :], -partner, partner) * tl.sin(angle)
+    at = rope + pos[:, None] * D + (rd % HALF)[None, :]
+    cos = tl.load(at, mask=mask[:, None], other=0.0)
+    sin = tl.load(at + HALF, mask=mask[:, None], other=0.0)
+    return x * cos + tl.where((rd < HALF)[None, :], -partner, partner) * sin
 
 
 # noinline: see TaskKind.gpu (tasks/base.py)
 @triton.jit(noinline=True)
-def attention_gpu(layer, row, kv_head, split, n, qk_raw, qk_norm, inv_freq, k_cache, v_cache, positions, block_table,
+def attention_gpu(layer, row, kv_head, split, n, qk_raw, qk_norm, rope, k_cache, v_cache, positions, block_table,
                   attn_o, attn_m, attn_l, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
                   G_PAD: tl.constexpr, B_PAD: tl.constexpr, MAXB: tl.constexpr, BS: tl.constexpr, NBLK: tl.constexpr,
                   S: tl.constexpr, WINDOW: tl.constexpr, SCALE: tl.constexpr, EPS: tl.constexpr,
@@ -100,7 +102,7 @@ def attention_gpu(layer, row, kv_head, split, n, qk_raw, qk_norm, inv_freq, k_ca
         heads = rg < G
         cache_layer = layer.to(tl.int64) * NBLK
         raw_q = (row * (HQ + HKV) + kv_head * G + rg) * D
-        qt = norm_rope_rows(qk_raw, raw_q, rg * 0 + hi - 1, rd, qk_norm + 2 * layer * D, inv_freq, heads, D, EPS,
+        qt = norm_rope_rows(qk_raw, raw_q, rg * 0 + hi - 1, rd, qk_norm + 2 * layer * D, rope, heads, D, EPS,
                             QK_NORM).to(k_cache.dtype.element_ty)
         m_i = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((G_PAD,), dtype=tl.float32)
@@ -120,7 +122,7 @@ def attention_gpu(layer, row, kv_head, split, n, qk_raw, qk_norm, inv_freq, k_ca
             block = tl.load(block_table + row * MAXB + t // BS, mask=valid, other=0).to(tl.int64)
             base = (((cache_layer + block) * BS + t % BS) * HKV + kv_head) * D
             raw_k = (tl.maximum(writer, 0) * (HQ + HKV) + HQ + kv_head) * D
-            fresh = norm_rope_rows(qk_raw, raw_k, t, rd, qk_norm + (2 * layer + 1) * D, inv_freq, writer >= 0, D, EPS,
+            fresh = norm_rope_rows(qk_raw, raw_k, t, rd, qk_norm + (2 * layer + 1) * D, rope, writer >= 0, D, EPS,
                                    QK_NORM).to(k_cache.dtype.element_ty)
             cached = tl.load(k_cache + base[:, None] + rd[None, :], mask=(valid & (writer < 0))[:, None], other=0.0)
             kt = tl.where((writer >= 0)[:, None], fresh, cached)
@@ -175,9 +177,11 @@ def tail_layout(D, num_warps):
 
 
 @gluon.jit
-def norm_rope_rows_ring(raw, row_offsets, pos, rd, weight, inv_freq, mask, D: gl.constexpr, EPS: gl.constexpr,
+def norm_rope_rows_ring(raw, row_offsets, pos, rd, weight, rope, mask, D: gl.constexpr, EPS: gl.constexpr,
                         QK_NORM: gl.constexpr):
-    """norm_rope_rows in Gluon: row_offsets and pos in the rows' slice of the [rows, D] layout, rd in its columns'."""
+    """norm_rope_rows in Gluon: row_offsets and pos in the rows' slice of the [rows, D] layout, rd in its columns'.
+    The table spares the kernel its sines and cosines: inlined, those of this function (libdevice's, with their
+    slow path for huge angles) made the attention tasks 4-5x slower and every other task slower too."""
     HALF: gl.constexpr = D // 2
     pair = (rd + HALF) % D
     x = gl.load(raw + row_offsets[:, None] + rd[None, :], mask=mask[:, None], other=0.0)
@@ -186,8 +190,10 @@ def norm_rope_rows_ring(raw, row_offsets, pos, rd, weight, inv_freq, mask, D: gl
         rstd = gl.rsqrt(gl.sum(x * x, axis=1) / D + EPS)[:, None]
         x = x * rstd * gl.load(weight + rd).to(gl.float32)[None, :]
         partner = partner * rstd * gl.load(weight + pair).to(gl.float32)[None, :]
-    angle = pos[:, None].to(gl.float32) * gl.load(inv_freq + rd % HALF)[None, :]
-    return x * gl.cos(angle) + gl.where((rd < HALF)[None, :], -partner, partner) * gl.sin(angle)
+    at = rope + pos[:, None] * D + (rd % HALF)[None, :]
+    cos = gl.load(at, mask=mask[:, None], other=0.0)
+    sin = gl.load(at + HALF, mask=mask[:, None], other=0.0)
+    return x * cos + gl.where((rd < HALF)[None, :], -partner, partner) * sin
 
 
 @gluon.jit
@@ -248,7 +254,7 @@ def _columns(D: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _step_keys_ring(layer, row, kv_head, qk_raw, qk_norm, inv_freq, k_cache, v_cache, prepared, D: gl.constexpr,
+def _step_keys_ring(layer, row, kv_head, qk_raw, qk_norm, rope, k_cache, v_cache, prepared, D: gl.constexpr,
                     HQ: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
                     QK_NORM: gl.constexpr, num_warps: gl.constexpr):
     """The row's query heads finished (finish_heads, [G_PAD, D] in the tail layout's) and the pass over this step's
@@ -263,7 +269,7 @@ def _step_keys_ring(layer, row, kv_head, qk_raw, qk_norm, inv_freq, k_cache, v_c
     rg = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, lq))
     rdq = gl.arange(0, D, layout=gl.SliceLayout(0, lq))
     q_rows = (row * (HQ + HKV) + kv_head * G + rg) * D
-    qt = norm_rope_rows_ring(qk_raw, q_rows, rg * 0 + hi - 1, rdq, qk_norm + 2 * layer * D, inv_freq, rg < G, D, EPS,
+    qt = norm_rope_rows_ring(qk_raw, q_rows, rg * 0 + hi - 1, rdq, qk_norm + 2 * layer * D, rope, rg < G, D, EPS,
                              QK_NORM)
     qt = qt.to(k_cache.dtype.element_ty).to(gl.float32)              # rounded once, as finish_heads does
     m_t = gl.full([G_PAD], -1.0e30, gl.float32, layout=gl.SliceLayout(1, ls))
@@ -275,7 +281,7 @@ def _step_keys_ring(layer, row, kv_head, qk_raw, qk_norm, inv_freq, k_cache, v_c
         offsets = base[:, None] + rd[None, :]
         v_step = gl.load(v_cache + offsets, mask=valid[:, None], other=0.0, cache_modifier=".cg")
         raw_k = (gl.maximum(writer, 0) * (HQ + HKV) + HQ + kv_head) * D
-        fresh = norm_rope_rows_ring(qk_raw, raw_k, t, rd, qk_norm + (2 * layer + 1) * D, inv_freq, writer >= 0, D,
+        fresh = norm_rope_rows_ring(qk_raw, raw_k, t, rd, qk_norm + (2 * layer + 1) * D, rope, writer >= 0, D,
                                     EPS, QK_NORM).to(k_cache.dtype.element_ty)
         k_step = gl.where((writer >= 0)[:, None], fresh, cached)
         gl.store(k_cache + offsets, k_step, mask=(writer == row)[:, None])     # the row's own, for the later steps
@@ -289,7 +295,7 @@ def _step_keys_ring(layer, row, kv_head, qk_raw, qk_norm, inv_freq, k_cache, v_c
 
 
 @gluon.jit
-def attention_ring(layer, row, kv_head, split, n, qk_raw, qk_norm, inv_freq, k_cache, v_cache, block_table, attn_o,
+def attention_ring(layer, row, kv_head, split, n, qk_raw, qk_norm, rope, k_cache, v_cache, block_table, attn_o,
                    attn_m, attn_l, prepared, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr,
                    MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr, S: gl.constexpr, SCALE: gl.constexpr,
                    EPS: gl.constexpr, QK_NORM: gl.constexpr, num_warps: gl.constexpr):
@@ -318,7 +324,7 @@ def attention_ring(layer, row, kv_head, split, n, qk_raw, qk_norm, inv_freq, k_c
         rg = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, lq))
         rd = gl.arange(0, D, layout=gl.SliceLayout(0, lq))
         heads = rg < G
-        qt, m_t, l_t, acc_t = _step_keys_ring(layer, row, kv_head, qk_raw, qk_norm, inv_freq, k_cache, v_cache, prepared,
+        qt, m_t, l_t, acc_t = _step_keys_ring(layer, row, kv_head, qk_raw, qk_norm, rope, k_cache, v_cache, prepared,
                                               D, HQ, HKV, G, EPS, SCALE, QK_NORM, num_warps)
         q4 = gl.expand_dims(gl.expand_dims(gl.convert_layout(qt, lq), 1), 2)
         m_i = gl.full([G_PAD, SLOTS], -1.0e30, gl.float32, layout=lm)   # finite: a slot may see no key in a pass

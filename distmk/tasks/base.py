@@ -157,6 +157,14 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
     return emb.cos(), emb.sin()
 
 
+def rope_table(inv_freq: torch.Tensor, positions: int) -> torch.Tensor:
+    """[positions, D] float32: the cosines of rope_angles at positions 0..positions-1 in the first D/2 columns,
+    their sines in the rest (the angles of columns d and d + D/2 are one), for the kernels to load."""
+    cos, sin = rope_angles(torch.arange(positions), inv_freq)
+    half = inv_freq.shape[0]
+    return torch.cat([cos[:, 0, :half], sin[:, 0, :half]], dim=-1).contiguous()
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [rows, heads, D] rotated by the angles of rope_angles, in float32."""
     x32 = x.float()
