@@ -206,9 +206,9 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
     x_ready = g.event("x.embed", B)
     for b in range(B):
         g.task("embed", 0, (b,), signal=x_ready)
+    row_tiles = qkv_tiles(spec, plan, config)
     for layer in range(spec.num_layers):
         # a tile may hold rows of several heads: attention waits for every tile (they end together, one wave)
-        row_tiles = qkv_tiles(spec, plan, config)
         qkv_done = g.event(f"L{layer}.qkv", len(row_tiles))
         for row0, nrows in row_tiles:
             g.task("qkv", layer, (row0, nrows), wait=x_ready, signal=qkv_done)

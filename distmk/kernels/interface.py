@@ -161,7 +161,7 @@ CONSTANTS = (
     Arg("MLP_BLOCK_K", lambda l: l.block_k // 2),
     Arg("LM_BLOCK_N", lambda l: l.options.lm_block_n),
     Arg("LM_BLOCK_K", lambda l: l.block_k // 2),
-    Arg("QKV_BLOCK_N", lambda l: min(32, padded(max(rows for _, rows in qkv_tiles(l.spec, l.plan, l.config))))),
+    Arg("QKV_BLOCK_N", lambda l: min(32, padded(qkv_tiles(l.spec, l.plan, l.config)[0][1]))),   # the first: tallest
     # the weight ring (ring megakernel): device/ring.py's _claim_slot
     Arg("RING_INFLIGHT", lambda l: l.options.ring_inflight, "weight slots in flight while the ring fills (0: all)"),
 )
