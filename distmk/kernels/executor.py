@@ -194,9 +194,10 @@ class TritonExecutor:
         control = dict(tasks=self.dev_table.tasks, queue=self.dev_table.queue, queue_ptr=self.dev_table.queue_ptr,
                        event_need=self.dev_table.event_need, epoch_ptr=self.epoch, rows_ptr=self.rows,
                        error=self.error, trace=self.trace)
-        rope = rope_table(spec.inv_freq(), kv_cache.blocks_per_seq * kv_cache.block_size).to(device)
-        tensors = dict(**stack_layers(weights), k_cache=kv_cache.k, v_cache=kv_cache.v, rope=rope, tokens=self.tokens,
-                       positions=self.positions, block_table=self.block_table, **self.buf,
+        if kv_cache.rope is None:
+            kv_cache.rope = rope_table(spec.inv_freq(), kv_cache.blocks_per_seq * kv_cache.block_size).to(device)
+        tensors = dict(**stack_layers(weights), k_cache=kv_cache.k, v_cache=kv_cache.v, rope=kv_cache.rope,
+                       tokens=self.tokens, positions=self.positions, block_table=self.block_table, **self.buf,
                        **self.symmetric.arguments())
         self.args = launch_arguments(launch, control, tensors)
         self.kernel_name = choose_kernel(o.kernel, device, self.interpret,

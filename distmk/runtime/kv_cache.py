@@ -20,6 +20,8 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size, self.num_blocks, self.blocks_per_seq = block_size, num_blocks, blocks_per_seq
         self.free = list(range(num_blocks - 1, -1, -1))
+        self.rope = None    # the kernels' RoPE table of the positions it holds (tasks/base.py rope_table): the first
+                            # executor builds it, the engine's others share it
 
     def allocate(self, blocks: list[int], length: int) -> list[int]:
         """Grow a sequence's block list so that it holds `length` positions."""
