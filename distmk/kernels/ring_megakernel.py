@@ -6,7 +6,11 @@ program per worker queue, in two warp-specialized partitions.
   events, so it never waits on one: while the tasks wait at a phase boundary, the ring fills. It begins a task's
   weights once the tasks partition has signalled the previous task that read any (`released`): a signal's release
   issued while the next task's prefill was in flight took up to 4.2 us (o_proj before gate_up), and with the
-  handoff the qwen3-8b step went from 4.80-4.87 to 4.71-4.72 ms (llama-3-8b 4.47-4.55 -> 4.44-4.52).
+  handoff the qwen3-8b step went from 4.80-4.87 to 4.71-4.72 ms (llama-3-8b 4.47-4.55 -> 4.44-4.52). Where
+  tasks without weights come between (attention after QKV), the handoff waits until the first of them has
+  passed its wait: a worker's event poll queues behind its own copies in flight, and attention, whose poll the
+  o_proj prefill had delayed, then began 1.1 us after QKV's last tile instead of 1.9 (llama-3-8b b1 3.911-3.926
+  against 3.934-3.941 ms, sixteenth session).
 - `_tasks`, one warpgroup, walks the same queue as the tl megakernel does (its rows copied in queue order, the
   next one loaded a task ahead): waits on each task's event (bounded), runs its `ring` device function (matmuls
   take their weights from the ring), signals. A task type with a `ring_prepare` function starts the loads that do
@@ -89,11 +93,13 @@ def _tasks({tasks_params}):
     # would otherwise start the next one a round trip late
     t_next = gl.load(queue + first, mask=first < last, other=0)
     row_next = task_row(queued, first, first < last, {row_width})
+    pending = 0     # the handoff of the next task with weights waits for the next task's wait (see the docstring)
     for i in range(first, last):
         t = t_next
         {row_names} = row_next
         t_next = gl.load(queue + i + 1, mask=i + 1 < last, other=0)
         row_next = task_row(queued, i + 1, i + 1 < last, {row_width})
+        kind_next = row_next[0]
         if TRACE:
             gl.store(trace + t * 4, now_ns())
         if {waits_here}:      # a kind with a ring_prepare waits in its own branch, after it
@@ -104,7 +110,10 @@ def _tasks({tasks_params}):
         if signal >= 0:
             signal_event(counters + signal)
         if {reads_weights}:
-            mbarrier.arrive(released.index(0), count=1)
+            if {next_reads_weights}:
+                mbarrier.arrive(released.index(0), count=1)
+            else:
+                pending = 1
 
 
 @gluon.jit(do_not_specialize={scalars!r})
@@ -123,7 +132,8 @@ def _results(params) -> str:
 
 
 _WAIT = ("ok = _wait(counters, event_need, error, wait, epoch, ok, timeout, rank, worker, t)",
-         "if TRACE:", "    gl.store(trace + t * 4 + 1, now_ns())")
+         "if TRACE:", "    gl.store(trace + t * 4 + 1, now_ns())",
+         "if pending == 1:", "    mbarrier.arrive(released.index(0), count=1)", "    pending = 0")
 
 
 def generate_source(kinds) -> str:
@@ -141,7 +151,10 @@ def generate_source(kinds) -> str:
 
     dispatch = _dispatch(kinds, "ring", " " * 8, imports, TASK_VOCABULARY | {"prepared"}, _results, prepare_and_wait)
     weights = _dispatch(kinds, "ring_weights", " " * 8, imports, WEIGHT_VOCABULARY, _results)
-    reads_weights = " | ".join(f"(kind == {i})" for i, k in kinds.items() if k.ring_weights is not None)
+    def reads_weights_test(kind):
+        """The test that task type `kind` (a kernel variable) reads weights from the ring."""
+        return " | ".join(f"({kind} == {i})" for i, k in kinds.items() if k.ring_weights is not None) or f"{kind} < 0"
+
     waits_here = " & ".join(f"(kind != {i})" for i, k in kinds.items() if k.ring_prepare is not None) or "kind >= 0"
     control, scalars = ("queued", *CONTROL[1:]), [a.name for a in SCALARS]
     constants = [f"{c}: gl.constexpr" for c in CONSTANT_NAMES]
@@ -159,7 +172,8 @@ def generate_source(kinds) -> str:
                             dispatch=dispatch, weights=weights,
                             row_names=", ".join(ROW_VARIABLES),
                             row_width=len(COLUMNS),
-                            waits_here=waits_here, reads_weights=reads_weights or "kind < 0", wait=wait(" " * 12),
+                            waits_here=waits_here, reads_weights=reads_weights_test("kind"),
+                            next_reads_weights=reads_weights_test("kind_next"), wait=wait(" " * 12),
                             error_report=error_report("gl", " " * 16), registers=PRODUCER_REGISTERS)
 
 
