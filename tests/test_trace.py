@@ -22,12 +22,14 @@ def test_phase_timeline_times_each_phase_from_the_previous_phases_last_end():
             tasks = [t for t in range(table.num_tasks) if layers[t] == layer and kinds[t] == kind]
             for i, t in enumerate(tasks):      # tasks start 1.0, 1.1 or 1.2 µs after the previous phase's end
                 start = end + 1000 + (i % 3) * 100
-                timings[t] = torch.tensor([end, start, start + int(run * 1000), 0])
+                waited = end + 400 if i % 3 == 2 else end       # a third began waiting after that end
+                timings[t] = torch.tensor([waited, start, start + int(run * 1000), 0])
             end = int(timings[tasks, 2].max())
     text = phase_timeline(table, timings)
     rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()[2:-1]}
     assert list(rows) == list(run_us)                               # in the order the phases start
     for kind, run in run_us.items():
-        tasks, first, median, last, end_median, end_last, run_task = (float(v) for v in rows[kind])
-        assert (first, last, end_last, run_task) == (1.0, 1.2, 1.2 + run, run)
+        tasks, first, median, last, end_median, end_last, run_task, late, late_wait = (float(v) for v in rows[kind])
+        assert (first, last, end_last, run_task, late_wait) == (1.0, 1.2, 1.2 + run, run, 0.8)
+        assert late == round(len([i for i in range(int(tasks)) if i % 3 == 2]), 1)
     assert text.splitlines()[-1].split()[2] == f"{sum(run_us.values()) + 1.2 * len(run_us):.2f}"

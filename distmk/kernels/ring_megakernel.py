@@ -8,9 +8,9 @@ program per worker queue, in two warp-specialized partitions.
   issued while the next task's prefill was in flight took up to 4.2 us (o_proj before gate_up), and with the
   handoff the qwen3-8b step went from 4.80-4.87 to 4.71-4.72 ms (llama-3-8b 4.47-4.55 -> 4.44-4.52). Where
   tasks without weights come between (attention after QKV), the handoff waits until the first of them has
-  passed its wait: a worker's event poll queues behind its own copies in flight, and attention, whose poll the
-  o_proj prefill had delayed, then began 1.1 us after QKV's last tile instead of 1.9 (llama-3-8b b1 3.911-3.926
-  against 3.934-3.941 ms, sixteenth session).
+  passed its wait: a worker's event poll queues behind its own copies in flight (the o_proj prefill's, there),
+  and attention then began 1.1 us after QKV's last tile instead of 1.9, its phase ending 0.8 us sooner
+  (llama-3-8b b1 3.911-3.926 ms against 3.934-3.941; benchmarks/results/h200-2026-12-03-s16).
 - `_tasks`, one warpgroup, walks the same queue as the tl megakernel does (its rows copied in queue order, the
   next one loaded a task ahead): waits on each task's event (bounded), runs its `ring` device function (matmuls
   take their weights from the ring), signals. A task type with a `ring_prepare` function starts the loads that do

@@ -77,35 +77,41 @@ def phase_timeline(table, timings: torch.Tensor) -> str:
     """A layer's phases (its task types, in the order they start), averaged over the middle layers (the first two
     and last two left out): when each phase's tasks start running (past their wait: first, median, last) and end
     (median, last), in µs from the previous phase's last end, and a task's mean running time. A phase's last end
-    is where the next phase may begin; its first start after that end is the cost of the hand-over."""
+    is where the next phase may begin; its first start after that end is the cost of the hand-over. `late` counts
+    a layer's tasks that began waiting after that end (their event was complete or nearly), and `late wait` is
+    their median from the wait's beginning to the start: what a wait costs a worker that need not wait at all."""
     kinds = [TASK_KINDS[int(t)].name for t in table.tasks[:, TYPE].tolist()]
     layers = table.tasks[:, LAYER].tolist()
-    times = collections.defaultdict(list)           # (layer, kind) -> [(start, end)]
-    for task, (_, start, end, _) in enumerate(timings.tolist()):
-        times[(layers[task], kinds[task])].append((start, end))
+    times = collections.defaultdict(list)           # (layer, kind) -> [(wait, start, end)]
+    for task, (waited, start, end, _) in enumerate(timings.tolist()):
+        times[(layers[task], kinds[task])].append((waited, start, end))
     middle = sorted({layer for layer in layers if 2 <= layer < max(layers) - 1})
     if not middle:
         return "phase timeline: too few layers"
     order = sorted({k for (layer, k) in times if layer == middle[0]},
-                   key=lambda k: statistics.median(s for s, _ in times[(middle[0], k)]))
-    rows = collections.defaultdict(list)
+                   key=lambda k: statistics.median(s for _, s, _ in times[(middle[0], k)]))
+    rows, late = collections.defaultdict(list), collections.defaultdict(list)
     for layer in middle:
-        prev = max(e for (ll, _), ts in times.items() if ll == layer - 1 for _, e in ts)
+        prev = max(e for (ll, _), ts in times.items() if ll == layer - 1 for _, _, e in ts)
         for kind in order:
-            starts = sorted(s - prev for s, _ in times[(layer, kind)])
-            ends = sorted(e - prev for _, e in times[(layer, kind)])
+            starts = sorted(s - prev for _, s, _ in times[(layer, kind)])
+            ends = sorted(e - prev for _, _, e in times[(layer, kind)])
             rows[kind].append((starts[0], statistics.median(starts), starts[-1], statistics.median(ends), ends[-1],
-                               statistics.mean(e - s for s, e in times[(layer, kind)])))
+                               statistics.mean(e - s for _, s, e in times[(layer, kind)])))
+            late[kind].append([s - w for w, s, _ in times[(layer, kind)] if w > prev])
             prev += ends[-1]
     lines = [f"phase timeline, layers {middle[0]}..{middle[-1]} averaged, µs from the previous phase's last end:",
              f"  {'phase':<12} {'tasks':>5} {'start first':>11} {'median':>7} {'last':>7} {'end median':>10} "
-             f"{'last':>7} {'run/task':>8}"]
+             f"{'last':>7} {'run/task':>8} {'late':>6} {'late wait':>9}"]
     period = 0.0
     for kind in order:
         first, mid, last, end_mid, end_last, run = (statistics.mean(r[i] for r in rows[kind]) / 1e3 for i in range(6))
         period += end_last
+        waits = [statistics.median(w) for w in late[kind] if w]
+        late_wait = f"{statistics.mean(waits) / 1e3:.2f}" if waits else "-"
         lines.append(f"  {kind:<12} {len(times[(middle[0], kind)]):>5} {first:>11.2f} {mid:>7.2f} {last:>7.2f} "
-                     f"{end_mid:>10.2f} {end_last:>7.2f} {run:>8.2f}")
+                     f"{end_mid:>10.2f} {end_last:>7.2f} {run:>8.2f} "
+                     f"{statistics.mean(len(w) for w in late[kind]):>6.1f} {late_wait:>9}")
     lines.append(f"  layer period {period:.2f} µs")
     return "\n".join(lines)
 
