@@ -31,5 +31,5 @@ def test_phase_timeline_times_each_phase_from_the_previous_phases_last_end():
     for kind, run in run_us.items():
         tasks, first, median, last, end_median, end_last, run_task, late, late_wait = (float(v) for v in rows[kind])
         assert (first, last, end_last, run_task, late_wait) == (1.0, 1.2, 1.2 + run, run, 0.8)
-        assert late == round(len([i for i in range(int(tasks)) if i % 3 == 2]), 1)
+        assert late == sum(1 for i in range(int(tasks)) if i % 3 == 2)
     assert text.splitlines()[-1].split()[2] == f"{sum(run_us.values()) + 1.2 * len(run_us):.2f}"

@@ -93,7 +93,7 @@ def _tasks({tasks_params}):
     # would otherwise start the next one a round trip late
     t_next = gl.load(queue + first, mask=first < last, other=0)
     row_next = task_row(queued, first, first < last, {row_width})
-    pending = 0     # the handoff of the next task with weights waits for the next task's wait (see the docstring)
+    pending = 0     # 1: the next task with weights is handed off at this worker's next wait (see the docstring)
     for i in range(first, last):
         t = t_next
         {row_names} = row_next
@@ -151,6 +151,7 @@ def generate_source(kinds) -> str:
 
     dispatch = _dispatch(kinds, "ring", " " * 8, imports, TASK_VOCABULARY | {"prepared"}, _results, prepare_and_wait)
     weights = _dispatch(kinds, "ring_weights", " " * 8, imports, WEIGHT_VOCABULARY, _results)
+
     def reads_weights_test(kind):
         """The test that task type `kind` (a kernel variable) reads weights from the ring."""
         return " | ".join(f"({kind} == {i})" for i, k in kinds.items() if k.ring_weights is not None) or f"{kind} < 0"
