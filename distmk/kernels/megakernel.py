@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import inspect
 import os
+import threading
 
 from distmk.errors import DistmkError
 from distmk.graph.table import COLUMNS
@@ -177,7 +178,7 @@ def load_generated(source: str, name: str):
     os.makedirs(cache, exist_ok=True)
     path = os.path.join(cache, f"{name}_{digest}.py")
     if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"     # simulated ranks are threads of one process
         with open(tmp, "w") as f:
             f.write(source)
         os.replace(tmp, path)
