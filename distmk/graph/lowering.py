@@ -21,6 +21,7 @@ from distmk.graph.table import COLUMNS, TaskTable
 from distmk.models.shard import ShardPlan
 from distmk.models.spec import ModelSpec
 from distmk.tasks import TASK_KINDS, TYPE_ID
+from distmk.tasks.attention import attention_heads
 from distmk.tasks.base import ADD_RESIDUAL, WRITE_PARTIAL, StepShape
 
 
@@ -54,7 +55,8 @@ class GraphConfig:
         """Automatic choices made concrete. kv_splits: enough splits that every worker gets an attention task
         (at most 16), so attention is one short pass over the keys instead of a long serial one on a few
         workers."""
-        splits = self.kv_splits or max(1, min(16, self.workers // (self.batch * plan.num_kv_heads)))
+        tasks_per_split = self.batch * plan.num_kv_heads * (plan.group // attention_heads(plan.group))
+        splits = self.kv_splits or max(1, min(16, self.workers // tasks_per_split))
         return dataclasses.replace(self, kv_splits=splits, router_partials=self.router_partials_choice(spec, plan))
 
     def router_partials_choice(self, spec: ModelSpec, plan: ShardPlan) -> int:
@@ -212,13 +214,16 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
         qkv_done = g.event(f"L{layer}.qkv", len(row_tiles))
         for row0, nrows in row_tiles:
             g.task("qkv", layer, (row0, nrows), wait=x_ready, signal=qkv_done)
-        attn_done = g.event(f"L{layer}.attn", B * hkv)
+        # a group's query heads may be cut over tasks (attention_heads): each cut has its splits and reduction
+        heads = attention_heads(plan.group)
+        attn_done = g.event(f"L{layer}.attn", B * hkv * (plan.group // heads))
         for b in range(B):
             for h in range(hkv):
-                parts = g.event(f"L{layer}.attn.b{b}.kv{h}", S)
-                for s in range(S):
-                    g.task("attention", layer, (b, h, s), wait=qkv_done, signal=parts)
-                g.task("attn_reduce", layer, (b, h), wait=parts, signal=attn_done)
+                for h0 in range(0, plan.group, heads):
+                    parts = g.event(f"L{layer}.attn.b{b}.kv{h}" + (f".q{h0}" if heads < plan.group else ""), S)
+                    for s in range(S):
+                        g.task("attention", layer, (b, h, s, h0), wait=qkv_done, signal=parts)
+                    g.task("attn_reduce", layer, (b, h, h0), wait=parts, signal=attn_done)
         x_mid = row_parallel("o_proj", layer, attn_done, "attn")
         if layer in spec.moe_layers:
             x_ready = row_parallel("moe_combine", layer, sparse_mlp(layer, x_mid), "moe")

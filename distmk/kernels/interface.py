@@ -20,6 +20,7 @@ from distmk.graph.lowering import hidden_tile_rows, qkv_tiles, router_shares
 from distmk.graph.table import COLUMNS
 from distmk.graph.workspace import WORKSPACE
 from distmk.kernels.layout import STACKED
+from distmk.tasks.attention import attention_heads
 
 
 def padded(n: int, minimum: int = 16) -> int:
@@ -114,7 +115,8 @@ CONSTANTS = (
     Arg("HQ", lambda l: l.plan.num_heads, "query heads of this rank"),
     Arg("HKV", lambda l: l.plan.num_kv_heads, "key/value heads of this rank"),
     Arg("G", lambda l: l.plan.group, "query heads per key/value head"),
-    Arg("G_PAD", lambda l: padded(l.plan.group)),
+    Arg("AH", lambda l: attention_heads(l.plan.group), "query heads of a group an attention task runs"),
+    Arg("AH_PAD", lambda l: padded(attention_heads(l.plan.group))),
     Arg("INTER", lambda l: l.plan.inter, "MLP width of this rank"),
     Arg("EXPERTS", lambda l: l.spec.num_experts, "experts of a sparse layer (0: a dense model)"),
     Arg("EXPERTS_PAD", lambda l: padded(l.spec.num_experts), "experts padded (the route task holds all logits)"),

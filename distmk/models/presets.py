@@ -39,9 +39,10 @@ PRESETS: dict[str, ModelSpec] = {
                             qkv_bias=True),
     "tiny-mistral": ModelSpec("MistralForCausalLM", 512, 128, 256, 2, 8, 8, 16, 1e-5, 1000000.0, 1024),
     # A few MB each. tiny-qwen3-moe: a dense layer between two sparse ones (mlp_only_layers), top 4 of 8
-    # experts without renormalisation; tiny-mixtral: top 2 of 4 experts (rows of a batch often share one),
-    # renormalised. Hidden size and MLP width as the dense tiny presets' (128, 256).
-    "tiny-qwen3-moe": ModelSpec("Qwen3MoeForCausalLM", 512, 128, 128, 3, 4, 2, 32, 1e-6, 1000000.0, 1024,
+    # experts without renormalisation, a group of 8 query heads per KV head as qwen3-30b-a3b's (two attention
+    # tasks each: tasks/attention.py attention_heads); tiny-mixtral: top 2 of 4 experts (rows of a batch often
+    # share one), renormalised. Hidden size and MLP width as the dense tiny presets' (128, 256).
+    "tiny-qwen3-moe": ModelSpec("Qwen3MoeForCausalLM", 512, 128, 128, 3, 8, 1, 32, 1e-6, 1000000.0, 1024,
                                 qk_norm=True, moe_layers=(0, 2), num_experts=8, experts_per_token=4,
                                 moe_intermediate_size=256),
     "tiny-mixtral": ModelSpec("MixtralForCausalLM", 512, 128, 256, 2, 4, 4, 32, 1e-5, 1000000.0, 1024,
