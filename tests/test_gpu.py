@@ -18,18 +18,10 @@ def sms() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count
 
 
-def tl_for_moe(engine) -> None:
-    """A mixture-of-experts table runs on the tl megakernel: the ring has no device functions for its tasks, and
-    the automatic choice falls back (test_moe.py)."""
-    if engine.spec.moe_layers:
-        assert engine.executor.kernel_name == "tl"
-
-
 @pytest.mark.parametrize("name", TINY + TINY_MOE)
 def test_tiny_float32_tokens_equal_transformers(name):
     config = GraphConfig(**{**SMALL.__dict__, "workers": sms()})
     engine = Engine(name, backend="triton", device="cuda", config=config, autotune=False)
-    tl_for_moe(engine)
     tokens, logits = engine.generate(PROMPT, 32, return_logits=True)
     ref_tokens, ref_logits = hf_greedy(name, weights_device="cuda")
     assert tokens == ref_tokens
@@ -64,8 +56,7 @@ def test_tiny_bfloat16_matches_reference_executor(name, tile_rows):
     outs = []
     for backend in ("reference", "triton"):
         engine = Engine(name, backend=backend, device="cuda", dtype=torch.bfloat16, config=config, autotune=False)
-        if backend == "triton":
-            tl_for_moe(engine)
+        assert backend == "reference" or engine.executor.kernel_name == ("ring" if hopper() else "tl")
         buf = engine.step(prompt, range(16), [engine.kv.allocate([], 16)] * 16)
         outs.append((buf["next_token"][:16].tolist(), buf["logits"][:16].clone(),
                      buf["route_history"][:, :16].sort(dim=-1).values))
@@ -82,10 +73,12 @@ def hopper() -> bool:
 
 @pytest.mark.skipif(not hopper(), reason="the ring megakernel needs a Hopper GPU")
 @pytest.mark.parametrize("name, batch", [("tiny-llama", 16), ("tiny-qwen3", 4), ("tiny-qwen2", 1),
-                                         ("tiny-mistral", 8), ("qwen3-0.6b", 8), ("llama-3.2-1b", 1)])
+                                         ("tiny-mistral", 8), ("qwen3-0.6b", 8), ("llama-3.2-1b", 1),
+                                         ("tiny-qwen3-moe", 1), ("tiny-mixtral", 4)])
 def test_ring_megakernel_matches_tl_megakernel(name, batch):
     """The weight-ring megakernel against the tl one: the same table, weights and KV cache, one bf16 step of
-    `batch` rows at different positions."""
+    `batch` rows at different positions. Mixture-of-experts steps route alike on both (batch 1: the o_proj tiles'
+    shares of the gate's logits, batch 4: router tiles and rows that share experts)."""
     from distmk.kernels.executor import TritonExecutor
     engine = Engine(name, backend="triton", device="cuda", dtype=torch.bfloat16, max_context=256, autotune=False,
                     config=GraphConfig(batch=batch, workers=sms()))
@@ -105,8 +98,10 @@ def test_ring_megakernel_matches_tl_megakernel(name, batch):
     for executor in (engine.executor, tl_kernel):
         buf = executor.step(torch.tensor(tokens, device="cuda"), torch.tensor(positions, device="cuda"),
                             table.cuda())
-        outs.append((buf["next_token"][:batch].tolist(), buf["logits"][:batch].clone()))
-    (ring_tokens, ring_logits), (tl_tokens, tl_logits) = outs
+        outs.append((buf["next_token"][:batch].tolist(), buf["logits"][:batch].clone(),
+                     buf["route_history"][:, :batch].clone()))
+    (ring_tokens, ring_logits, ring_routes), (tl_tokens, tl_logits, tl_routes) = outs
+    assert torch.equal(ring_routes, tl_routes)
     # the two differ in rounding only (the ring's attention products are exact float32, the tl one's tf32)
     assert ((ring_logits - tl_logits).norm() / tl_logits.norm()).item() < 2e-2
     # so where their greedy tokens differ, the tl logits of the two are a tie within that rounding (random weights
@@ -223,7 +218,6 @@ def test_qwen3_30b_a3b_bfloat16_against_float32():
     itself is printed beside them."""
     engine = Engine("qwen3-30b-a3b", backend="triton", device="cuda", dtype=torch.bfloat16,
                     config=GraphConfig(batch=16, workers=sms()), max_context=256, autotune=False)
-    tl_for_moe(engine)
     figures = {"model": "qwen3-30b-a3b", **against_float32(engine, list(range(100, 116)), 64)}
     print(json.dumps(figures))
     assert figures["logits_rel_err"] < 1e-2 and figures["greedy_agreement"] >= 0.95, figures

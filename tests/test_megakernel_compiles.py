@@ -27,10 +27,12 @@ def test_megakernel_compiles_for_sm90(name, dtype, batch):
     assert "megakernel" in compiled.asm["ptx"]
 
 
-@pytest.mark.parametrize("name, batch", [("tiny-qwen2", 16), ("llama-3-8b", 1), ("qwen3-8b", 8)])
+@pytest.mark.parametrize("name, batch", [("tiny-qwen2", 16), ("llama-3-8b", 1), ("qwen3-8b", 8), ("tiny-mixtral", 8),
+                                         ("qwen3-30b-a3b", 1)])
 def test_ring_megakernel_compiles_for_sm90(name, batch):
     """The Gluon megakernel (kernels/ring_megakernel.py) builds on the Triton CI installs: qkv bias, plain
-    RoPE, q/k-norm finished by attention."""
+    RoPE, q/k-norm finished by attention; mixture-of-experts steps with router tiles (batch 8) and with the o_proj
+    tiles' shares of the gate's logits (batch 1)."""
     engine = Engine(name, backend="triton", device="meta", dtype=torch.bfloat16, max_context=1024,
                     config=GraphConfig(batch=batch, workers=DEFAULT_WORKERS), kernel_options={"kernel": "ring"})
     compiled = engine.executor.compile_ahead(arch=90)

@@ -64,6 +64,33 @@ def wait_handoff(released, fed):
 
 
 @gluon.jit
+def make_count_handoff():
+    """Where the producer hands the tasks partition the count it read before a routed task's weights (the route's
+    distinct experts, tasks/route.py route_verdict): an int in shared memory and its mbarrier."""
+    count = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar.index(0), count=1)
+    fence_async_shared()
+    return count, bar
+
+
+@gluon.jit
+def publish_count(count, bar, value):
+    """Producer (one warp): hand over `value`. The tasks partition has taken the previous one: the producer begins
+    a task's weights only after the tasks partition signalled the task before (wait_handoff)."""
+    count.store(gl.full([1], value, gl.int32, layout=gl.BlockedLayout([1], [32], [1], [0])))
+    cta_barrier()
+    mbarrier.arrive(bar.index(0), count=1)
+
+
+@gluon.jit
+def take_count(count, bar, taken, num_warps: gl.constexpr):
+    """Tasks partition: the producer's `taken`-th count."""
+    mbarrier.wait(bar.index(0), taken & 1)
+    return gl.max(count.load(gl.BlockedLayout([1], [32], [num_warps], [0])), axis=0)
+
+
+@gluon.jit
 def _expect_boxes(bar, boxes, desc, MOST: gl.constexpr):
     """The slot's mbarrier expects `boxes` boxes of the descriptor (expect takes a constant byte count)."""
     for nb in gl.static_range(1, MOST + 1):

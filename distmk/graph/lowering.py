@@ -199,10 +199,10 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
         up_parts, down_parts = config.expert_parts(plan.expert_inter, slots), config.expert_parts(H, slots)
         h_done = g.event(f"L{layer}.expert_h", up_parts)
         for part in range(up_parts):
-            g.task("expert_gate_up", layer, (part, up_parts, sparse), wait=routed, signal=h_done)
+            g.task("expert_gate_up", layer, (part, up_parts, sparse, routed), wait=routed, signal=h_done)
         stored = g.event(f"L{layer}.experts", down_parts)
         for part in range(down_parts):
-            g.task("expert_down", layer, (part, down_parts, sparse), wait=h_done, signal=stored)
+            g.task("expert_down", layer, (part, down_parts, sparse, routed), wait=h_done, signal=stored)
         return stored
 
     x_ready = g.event("x.embed", B)

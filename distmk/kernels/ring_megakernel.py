@@ -2,7 +2,7 @@
 program per worker queue, in two warp-specialized partitions.
 
 - `_weights`, one warp, walks the worker's queue and copies the weights of every task that reads any (its
-  `ring_weights` device function) by TMA into a shared-memory ring (device/ring.py). Weights never depend on
+  `ring_weights` device function) by TMA into a shared-memory ring (device/ring.py). Dense weights never depend on
   events, so it never waits on one: while the tasks wait at a phase boundary, the ring fills. It begins a task's
   weights once the tasks partition has signalled the previous task that read any (`released`): a signal's release
   issued while the next task's prefill was in flight took up to 4.2 us (o_proj before gate_up), and with the
@@ -11,6 +11,10 @@ program per worker queue, in two warp-specialized partitions.
   passed its wait: a worker's event poll queues behind its own copies in flight (the o_proj prefill's, there),
   and attention then began 1.1 us after QKV's last tile instead of 1.9, its phase ending 0.8 us sooner
   (llama-3-8b b1 3.911-3.927 ms against 3.934-3.941; benchmarks/results/h200-2026-12-03-s16).
+- Weights the step chooses (the experts of a mixture-of-experts layer: TaskKind.ring_routed) are the exception:
+  before them the producer waits (bounded) for the route task's event, then hands the tasks partition the count
+  of distinct experts it saw there (0 where its wait gave up), so both partitions walk the same slots whatever
+  the wait's verdict and a failed step still ends.
 - `_tasks`, one warpgroup, walks the same queue as the tl megakernel does (its rows copied in queue order, the
   next one loaded a task ahead): waits on each task's event (bounded), runs its `ring` device function (matmuls
   take their weights from the ring), signals. A task type with a `ring_prepare` function starts the loads that do
@@ -29,17 +33,19 @@ from __future__ import annotations
 from distmk.errors import DistmkError
 from distmk.graph.table import COLUMNS
 from distmk.kernels.interface import CONTROL, ROW_VARIABLES, SCALARS
-from distmk.kernels.megakernel import (BUFFERS, CONSTANT_NAMES, RUNTIME, _dispatch, device_call, error_report,
-                                       load_generated, parameter_list)
+from distmk.kernels.megakernel import (BUFFERS, CONSTANT_NAMES, ROW_ARGS, RUNTIME, _dispatch, device_call,
+                                       error_report, load_generated, parameter_list)
 
 # TMA descriptors (`<buffer>_desc`) of the weights the ring streams and of the tiles' inputs (xs: the scaled
 # residual stream, tasks/base.py normed_stream)
-STREAMED, INPUTS = ("wqkv", "wo", "w_gate", "w_up", "w_down", "lm_head"), ("xs", "attn", "h")
+STREAMED = ("wqkv", "wo", "w_gate", "w_up", "w_down", "lm_head", "router", "expert_gate", "expert_up", "expert_down")
+INPUTS = ("xs", "attn", "h", "expert_h")
 DESCRIPTORS = tuple(f"{name}_desc" for name in STREAMED + INPUTS)
 # the ring (weights, inputs, their mbarriers) and how far each partition has gone in it
 RING_STATE = ("ring", "ready", "empty", "xring", "xready", "c", "cx", "num_warps")
-WEIGHT_VOCABULARY = {"layer", "ring", "ready", "empty", "c", *DESCRIPTORS, *CONSTANT_NAMES}
-TASK_VOCABULARY = {*RUNTIME, *BUFFERS, *CONSTANT_NAMES, *DESCRIPTORS, *RING_STATE}
+WEIGHT_VOCABULARY = {"layer", "ring", "ready", "empty", "c", "routed_count", "route_unique", "route_expert",
+                     *DESCRIPTORS, *CONSTANT_NAMES}
+TASK_VOCABULARY = {*RUNTIME, *BUFFERS, *CONSTANT_NAMES, *DESCRIPTORS, *RING_STATE, "routed_count"}
 PRODUCER_REGISTERS = 48
 
 _TEMPLATE = '''\\
@@ -48,8 +54,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from distmk.device.ring import (make_handoff, make_rings, now_ns, signal_event, sm_id, task_row, wait_event,
-                               wait_handoff)
+from distmk.device.ring import (make_count_handoff, make_handoff, make_rings, now_ns, publish_count, signal_event,
+                               sm_id, take_count, task_row, wait_event, wait_handoff)
 {imports}
 
 
@@ -69,6 +75,7 @@ def _wait(counters, event_need, error, wait, epoch, ok, timeout, rank, worker, t
 @gluon.jit
 def _weights({weights_params}):
     worker = gl.program_id(0)
+    epoch = gl.load(epoch_ptr)
     c = 0
     fed = 0         # tasks with weights begun
     for i in range(gl.load(queue_ptr + worker), gl.load(queue_ptr + worker + 1)):
@@ -94,6 +101,7 @@ def _tasks({tasks_params}):
     t_next = gl.load(queue + first, mask=first < last, other=0)
     row_next = task_row(queued, first, first < last, {row_width})
     pending = 0     # 1: the next task with weights is handed off at this worker's next wait (see the docstring)
+    routed_tasks = 0    # tasks whose weights the route chose: the producer's counts taken (take_count)
     for i in range(first, last):
         t = t_next
         {row_names} = row_next
@@ -120,6 +128,7 @@ def _tasks({tasks_params}):
 def ring_megakernel({kernel_params}):
     ring, ready, empty, xring, xready = make_rings(wqkv_desc, xs_desc, BN, NBUF, XD)
     released = make_handoff()
+    counted, counted_bar = make_count_handoff()
     gl.warp_specialize([
         (_tasks, ({tasks_args})),
         (_weights, ({weights_args})),
@@ -149,8 +158,26 @@ def generate_source(kinds) -> str:
         _, call = device_call(kind, "ring_prepare", imports, TASK_VOCABULARY)
         return wait(indent, f"prepared = {call}")
 
-    dispatch = _dispatch(kinds, "ring", " " * 8, imports, TASK_VOCABULARY | {"prepared"}, _results, prepare_and_wait)
-    weights = _dispatch(kinds, "ring_weights", " " * 8, imports, WEIGHT_VOCABULARY, _results)
+    def routed_arg(kind):
+        """The row column of a routed kind's `routed` arg (the route task's event)."""
+        return ROW_ARGS[kind.args.index("routed")]
+
+    def take_routed_count(kind, indent):
+        lines = ("routed_count = take_count(counted, counted_bar, routed_tasks, num_warps)", "routed_tasks += 1")
+        return "".join(f"{indent}{line}\n" for line in lines) if kind.ring_routed else ""
+
+    def verdict(kind, indent):
+        """A routed kind's weights follow the route: the producer waits for it and hands its count over."""
+        if not kind.ring_routed:
+            return ""
+        imports.append("from distmk.tasks.route import route_verdict")
+        lines = (f"routed_count = route_verdict({routed_arg(kind)}, counters, event_need, epoch, error, timeout, "
+                 f"route_count, TOP_K, BATCH)", "publish_count(counted, counted_bar, routed_count)")
+        return "".join(f"{indent}{line}\n" for line in lines)
+
+    dispatch = _dispatch(kinds, "ring", " " * 8, imports, TASK_VOCABULARY | {"prepared"}, _results,
+                         lambda kind, indent: prepare_and_wait(kind, indent) + take_routed_count(kind, indent))
+    weights = _dispatch(kinds, "ring_weights", " " * 8, imports, WEIGHT_VOCABULARY, _results, verdict)
 
     def reads_weights_test(kind):
         """The test that task type `kind` (a kernel variable) reads weights from the ring."""
@@ -159,8 +186,10 @@ def generate_source(kinds) -> str:
     waits_here = " & ".join(f"(kind != {i})" for i, k in kinds.items() if k.ring_prepare is not None) or "kind >= 0"
     control, scalars = ("queued", *CONTROL[1:]), [a.name for a in SCALARS]
     constants = [f"{c}: gl.constexpr" for c in CONSTANT_NAMES]
-    tasks = [*control, *scalars, *BUFFERS, *DESCRIPTORS, "ring", "ready", "empty", "xring", "xready", "released"]
-    weights_args = ["queued", "queue_ptr", *DESCRIPTORS, "ring", "ready", "empty", "released"]
+    handoffs = ["released", "counted", "counted_bar"]
+    tasks = [*control, *scalars, *BUFFERS, *DESCRIPTORS, "ring", "ready", "empty", "xring", "xready", *handoffs]
+    weights_args = ["queued", "queue_ptr", "epoch_ptr", "event_need", "error", "timeout", "counters", "route_count",
+                    "route_unique", "route_expert", *DESCRIPTORS, "ring", "ready", "empty", *handoffs]
     flags = ["TRACE: gl.constexpr", "num_warps: gl.constexpr"]
     ring = ["BN: gl.constexpr", "NBUF: gl.constexpr", "XD: gl.constexpr"]
     return _TEMPLATE.format(imports="\n".join(imports), scalars=scalars,
@@ -191,9 +220,10 @@ RING_B_PAD = 16         # the most rows of a step: the wgmma N, the batch padded
 RING_BYTES, RING_BYTES_LIMIT = 180 * 1024, 208 * 1024
 
 
-def ring_block_k(hidden: int, attn_width: int, inter: int) -> int:
-    """Columns of a slot: the widest of 256, 128, 64 that divides every matmul's K (0: none does)."""
-    return next((bk for bk in (256, 128, 64) if all(k % bk == 0 for k in (hidden, attn_width, inter))), 0)
+def ring_block_k(*widths: int) -> int:
+    """Columns of a slot: the widest of 256, 128, 64 that divides every matmul's K, `widths` (hidden size, heads x
+    head_dim, the MLP's and an expert's width; 0: a width the model has not; 0 returned: none does)."""
+    return next((bk for bk in (256, 128, 64) if all(k % bk == 0 for k in widths)), 0)
 
 
 def ring_unsupported(spec, plan, config, dtype, world: int, kinds) -> str | None:
@@ -209,8 +239,8 @@ def ring_unsupported(spec, plan, config, dtype, world: int, kinds) -> str | None
         return f"it runs bf16 only (wgmma), not {dtype}"
     if config.batch > RING_B_PAD:
         return f"it runs batches up to {RING_B_PAD}, not {config.batch}"
-    if not ring_block_k(spec.hidden_size, plan.num_heads * spec.head_dim, plan.inter):
-        return "hidden size, heads x head_dim and the MLP width must be multiples of 64"
+    if not ring_block_k(spec.hidden_size, plan.num_heads * spec.head_dim, plan.inter, plan.expert_inter):
+        return "hidden size, heads x head_dim and the MLP's and experts' widths must be multiples of 64"
     return None
 
 
@@ -221,7 +251,7 @@ def ring_arguments(args: dict, batch: int, block_k: int = 0, slots: int = 0, inp
     of as many columns, `batch` rows padded to 8 or 16."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from distmk.device.ring import matmul_layouts
-    widest = ring_block_k(args["H"], args["HQ"] * args["D"], args["INTER"])
+    widest = ring_block_k(args["H"], args["HQ"] * args["D"], args["INTER"], args["EXPERT_INTER"])
     block_k = block_k or widest
     if widest % block_k:
         raise DistmkError(f"ring_block_k={block_k} must divide every matmul's K (the widest that does: {widest})")
@@ -235,11 +265,16 @@ def ring_arguments(args: dict, batch: int, block_k: int = 0, slots: int = 0, inp
                           f"{ring_bytes // 1024} KB)")
     w_layout, x_layout = matmul_layouts(block_k, b_pad)
 
+    def matrix(t):
+        """t's rows; a model's placeholder for what it has not (a dense model's experts, a MoE model's dense MLP:
+        kernels/layout.py) becomes one box of zeros, which a TMA descriptor can address."""
+        return t.reshape(-1, t.shape[-1]) if t.shape[-1] % block_k == 0 else t.new_zeros(RING_B_PAD, block_k)
+
     def weights(t):
-        return TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]), [16, block_k], w_layout)
+        return TensorDescriptor.from_tensor(matrix(t), [16, block_k], w_layout)
 
     def inputs(t):
-        return TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]), [b_pad, block_k], x_layout)
+        return TensorDescriptor.from_tensor(matrix(t), [b_pad, block_k], x_layout)
 
     ring_args = {k: v for k, v in args.items() if k not in ("INTERPRET", "tasks")}
     ring_args.update(

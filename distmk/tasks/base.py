@@ -34,6 +34,8 @@ class TaskKind:
     ring_weights = None          # its producer half, for a task that reads weights: the ring slots it fills
     ring_prepare = None          # optional: what `ring` reads before its event (loads that do not depend on
                                  # it), run before the wait; `ring` receives its results as `prepared`
+    ring_routed = False          # its weights are the experts the route task chose: the ring's producer waits for
+                                 # the route (a0..a3 `routed`) and hands both partitions `routed_count`
 
     def cost(self, shape: "StepShape", layer: int, a: tuple[int, ...]) -> int:
         """Bytes this task reads and writes, weights included."""

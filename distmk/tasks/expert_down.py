@@ -6,10 +6,14 @@ all of a slot's expert_h, so the down tiles wait for all of the layer's gate/up 
 tensor parallelism this rank's columns of each expert, a partial sum."""
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
+from distmk.device import ring as rg
 from distmk.device.primitives import matmul_block
 from distmk.tasks.base import TaskKind
-from distmk.tasks.route import flat_range, flat_segment, flat_segments, tile_rows_at_most
+from distmk.tasks.route import (flat_range, flat_segment, flat_segments, ring_flat_range, ring_flat_segment,
+                                tile_rows_at_most)
 
 
 # noinline: its shared memory is not added to the other tasks' (see tasks/router.py)
@@ -39,17 +43,62 @@ def expert_down_gpu(layer, part, parts, sparse_layer, n, expert_h, expert_down, 
             tl.store(expert_out + offs, acc, mask=chose[:, None] & (rn < nrows - j)[None, :])
 
 
+@gluon.jit
+def expert_down_weights(part, parts, sparse_layer, routed_count, route_unique, route_expert, expert_down_desc, ring,
+                        ready, empty, c, H: gl.constexpr, EXPERTS: gl.constexpr, EXPERT_INTER: gl.constexpr,
+                        BATCH: gl.constexpr, RING_INFLIGHT: gl.constexpr):
+    BN: gl.constexpr = ring.type.shape[1]
+    first = c
+    lo, hi, u0, u1 = ring_flat_range(part, parts, routed_count, H)
+    for u in range(u0, u1):
+        _, expert, row0, nrows = ring_flat_segment(u, lo, hi, route_unique, route_expert, H, BATCH)
+        base = (sparse_layer * EXPERTS + expert) * H + row0
+        for j in range(0, nrows, BN):
+            c = rg.load_block(expert_down_desc, base + j, nrows - j, EXPERT_INTER, ring, ready, empty, c, first,
+                              RING_INFLIGHT)
+    return c
+
+
+@gluon.jit
+def expert_down_ring(part, parts, routed_count, n, route_unique, route_expert, route_slot, expert_out, expert_h_desc,
+                     ring, ready, empty, xring, xready, c, cx, H: gl.constexpr, EXPERT_INTER: gl.constexpr,
+                     TOP_K: gl.constexpr, BATCH: gl.constexpr, num_warps: gl.constexpr):
+    """expert_down_gpu on the ring: a segment's blocks read its slot's rows of expert_h (a TMA box of the padded
+    batch from row slot * BATCH: rows of other slots beyond n are computed and never stored)."""
+    BN: gl.constexpr = ring.type.shape[1]
+    lo, hi, u0, u1 = ring_flat_range(part, parts, routed_count, H)
+    rn, rb = rg.block_index(ring, xring, num_warps)
+    for u in range(u0, u1):
+        slot, _, row0, nrows = ring_flat_segment(u, lo, hi, route_unique, route_expert, H, BATCH)
+        # the rows whose choice this slot runs, and which of their choices it is
+        choice = gl.zeros_like(rb)
+        chose = rb < 0
+        for k in gl.static_range(TOP_K):
+            mine = gl.load(route_slot + rb * TOP_K + k, mask=rb < n, other=-1) == slot
+            choice = gl.where(mine, k, choice)
+            chose = chose | mine
+        for j in range(0, nrows, BN):
+            acc, c, cx = rg.mma_block(expert_h_desc, (slot * BATCH).to(gl.int32), EXPERT_INTER, ring, ready, empty,
+                                      xring, xready, c, cx, j > 0, j + BN < nrows, num_warps)
+            offs = (rb * TOP_K + choice)[None, :] * H + (row0 + j + rn)[:, None]
+            gl.store(expert_out + offs, acc, mask=(rn < nrows - j)[:, None] & chose[None, :])
+    return c, cx
+
+
 class ExpertDown(TaskKind):
     name = "expert_down"
-    args = ("part", "parts", "sparse_layer")    # tile `part` of the layer's `parts` (graph/lowering.py)
+    args = ("part", "parts", "sparse_layer", "routed")    # as expert_gate_up's
     gpu = expert_down_gpu
+    ring = expert_down_ring
+    ring_weights = expert_down_weights
+    ring_routed = True
 
     def cost(self, shape, layer, a):
         rows = tile_rows_at_most(shape, a, shape.spec.hidden_size)
         return shape.matmul_bytes(rows, shape.plan.expert_inter)
 
     def run(self, ctx, layer, a):
-        part, parts, _ = a
+        part, parts = a[:2]
         n, lw = ctx.num_rows, ctx.weights.layers[layer]
         for slot, expert, row0, nrows in flat_segments(ctx, part, parts, ctx.spec.hidden_size):
             out = ctx.buf["expert_h"][slot, :n].float() @ lw.expert_down[expert, row0:row0 + nrows].float().t()

@@ -10,10 +10,14 @@ combined. Column-parallel, as the dense gate_up: this rank's rows of each expert
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
+from distmk.device import ring as rg
 from distmk.device.primitives import matmul_pair, norm_rstd
 from distmk.tasks.base import TaskKind, normed_stream
-from distmk.tasks.route import flat_range, flat_segment, flat_segments, tile_rows_at_most
+from distmk.tasks.route import (flat_range, flat_segment, flat_segments, ring_flat_range, ring_flat_segment,
+                                tile_rows_at_most)
 
 
 # noinline: its shared memory is not added to the other tasks' (see tasks/router.py)
@@ -42,17 +46,67 @@ def expert_gate_up_gpu(part, parts, sparse_layer, n, x, xs, expert_gate, expert_
                          (gate * tl.sigmoid(gate) * up).to(act), mask=mask)
 
 
+@gluon.jit
+def expert_gate_up_weights(part, parts, sparse_layer, routed_count, route_unique, route_expert, expert_gate_desc,
+                           expert_up_desc, ring, ready, empty, c, H: gl.constexpr, EXPERTS: gl.constexpr,
+                           EXPERT_INTER: gl.constexpr, BATCH: gl.constexpr, RING_INFLIGHT: gl.constexpr):
+    BN: gl.constexpr = ring.type.shape[1]
+    first = c
+    lo, hi, u0, u1 = ring_flat_range(part, parts, routed_count, EXPERT_INTER)
+    for u in range(u0, u1):
+        _, expert, row0, nrows = ring_flat_segment(u, lo, hi, route_unique, route_expert, EXPERT_INTER, BATCH)
+        base = (sparse_layer * EXPERTS + expert) * EXPERT_INTER + row0
+        for j in range(0, nrows, BN):   # a block of gate rows, then the same rows of up (gate_up_weights)
+            c = rg.load_block(expert_gate_desc, base + j, nrows - j, H, ring, ready, empty, c, first, RING_INFLIGHT)
+            c = rg.load_block(expert_up_desc, base + j, nrows - j, H, ring, ready, empty, c, first, RING_INFLIGHT)
+    return c
+
+
+@gluon.jit
+def expert_gate_up_ring(part, parts, routed_count, n, x, route_unique, route_expert, expert_h, xs_desc, ring, ready,
+                        empty, xring, xready, c, cx, H: gl.constexpr, EXPERT_INTER: gl.constexpr, BATCH: gl.constexpr,
+                        EPS: gl.constexpr, num_warps: gl.constexpr):
+    """gate_up_ring over the tile's segments; every block reads the same input, so each goes on issuing the next
+    one's first input slices (mma_block's chaining), across segments too."""
+    BN: gl.constexpr = ring.type.shape[1]
+    lo, hi, u0, u1 = ring_flat_range(part, parts, routed_count, EXPERT_INTER)
+    if lo < hi:         # inputs are primed only for a tile that has blocks: none may be left unconsumed
+        rg.prime_inputs(xs_desc, 0, H, xring, xready, cx)
+        rstd = rg.norm_rstd(x, n, H, EPS, ring, xring, num_warps)[None, :]     # the post-attention RMSNorm's scale
+        rn, rb = rg.block_index(ring, xring, num_warps)
+        for u in range(u0, u1):
+            slot, _, row0, nrows = ring_flat_segment(u, lo, hi, route_unique, route_expert, EXPERT_INTER, BATCH)
+            out = expert_h + slot * BATCH * EXPERT_INTER
+            for j in range(0, nrows, BN):
+                more = (j + BN < nrows) | (u + 1 < u1)
+                gate, c, cx = rg.mma_block(xs_desc, 0, H, ring, ready, empty, xring, xready, c, cx, True, True,
+                                           num_warps)
+                up, c, cx = rg.mma_block(xs_desc, 0, H, ring, ready, empty, xring, xready, c, cx, True, more,
+                                         num_warps)
+                gate, up = gate * rstd, up * rstd
+                mask = (rn < nrows - j)[:, None] & (rb < n)[None, :]
+                value = gate / (1.0 + gl.exp(-gate)) * up
+                gl.store(out + rb[None, :] * EXPERT_INTER + (row0 + j + rn)[:, None], value.to(expert_h.dtype.element_ty),
+                         mask=mask)
+    return c, cx
+
+
 class ExpertGateUp(TaskKind):
     name = "expert_gate_up"
-    args = ("part", "parts", "sparse_layer")    # tile `part` of the layer's `parts` (graph/lowering.py)
+    # tile `part` of the layer's `parts` (graph/lowering.py); routed: the route task's event, which the ring
+    # megakernel's producer waits for before it streams the chosen experts (route_verdict)
+    args = ("part", "parts", "sparse_layer", "routed")
     gpu = expert_gate_up_gpu
+    ring = expert_gate_up_ring
+    ring_weights = expert_gate_up_weights
+    ring_routed = True
 
     def cost(self, shape, layer, a):
         rows = tile_rows_at_most(shape, a, shape.plan.expert_inter)
         return 2 * shape.matmul_bytes(rows, shape.spec.hidden_size)
 
     def run(self, ctx, layer, a):
-        part, parts, _ = a
+        part, parts = a[:2]
         segments = list(flat_segments(ctx, part, parts, ctx.plan.expert_inter))
         if not segments:
             return

@@ -5,7 +5,10 @@ rank's partial sum for the all-reduce tiles (tp>1), as a dense down tile's outpu
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
+from distmk.device import ring as rg
 from distmk.tasks.base import TaskKind, _ADD_RESIDUAL, store_residual_gpu, store_row_parallel
 
 
@@ -32,10 +35,33 @@ def moe_combine_gpu(layer, row0, nrows, mode, n, route_weight, expert_out, x, xs
             tl.store(partial + offs, total, mask=mask)
 
 
+@gluon.jit
+def moe_combine_ring(layer, row0, nrows, n, route_weight, expert_out, x, xs, norms, H: gl.constexpr,
+                     TOP_K: gl.constexpr, B_PAD: gl.constexpr, O_PROJ_ROWS: gl.constexpr, num_warps: gl.constexpr):
+    """The tp=1 tile (ADD_RESIDUAL), a block of the tile's columns at a time."""
+    CP: gl.constexpr = rg.next_power_of_2(O_PROJ_ROWS)
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [num_warps, 1], [1, 0])
+    rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(1, layout))
+    rc = gl.arange(0, CP, layout=gl.SliceLayout(0, layout))
+    for j in range(0, nrows, CP):
+        cols = row0 + j + rc
+        mask = (rb < n)[:, None] & (rc < nrows - j)[None, :]
+        offs = rb[:, None] * H + cols[None, :]
+        residual = gl.load(x + offs, mask=mask, other=0.0).to(gl.float32)
+        g = gl.load(norms + (2 * layer + 2) * H + cols, mask=rc < nrows - j, other=0.0).to(gl.float32)
+        total = gl.zeros([B_PAD, CP], gl.float32, layout)
+        for k in gl.static_range(TOP_K):
+            weight = gl.load(route_weight + rb * TOP_K + k, mask=rb < n, other=0.0)
+            out = gl.load(expert_out + (rb * TOP_K + k)[:, None] * H + cols[None, :], mask=mask, other=0.0)
+            total += weight[:, None] * out
+        rg.store_residual_ring(x, xs, offs, mask, residual + total, g[None, :])
+
+
 class MoeCombine(TaskKind):
     name = "moe_combine"
     args = ("row0", "nrows", "mode")
     gpu = moe_combine_gpu
+    ring = moe_combine_ring
 
     def cost(self, shape, layer, a):
         return shape.batch * a[1] * 4 * (shape.spec.experts_per_token + 2)

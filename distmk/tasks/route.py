@@ -15,7 +15,10 @@ Replicated under tensor parallelism: every rank routes every row to the same exp
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
+from distmk.device import ring as rg
 from distmk.tasks.base import TaskKind
 from distmk.tasks.router import router_logits
 
@@ -148,12 +151,141 @@ def route_gpu(sparse_layer, partials, n, router_logits, router_partial, router_s
         tl.store(route_count, tl.sum(lead, axis=0))
 
 
+@gluon.jit
+def ring_flat_range(part, parts, count, ROWS: gl.constexpr):
+    """flat_range in Gluon, of `count` distinct experts (routed_count: what the ring's producer saw the route
+    choose, the same number for both partitions)."""
+    total = count.to(gl.int64) * ROWS
+    lo = part * total // parts
+    hi = (part + 1) * total // parts
+    return lo, hi, lo // ROWS, (hi + ROWS - 1) // ROWS * (lo < hi).to(gl.int64)
+
+
+@gluon.jit
+def ring_flat_segment(u, lo, hi, route_unique, route_expert, ROWS: gl.constexpr, BATCH: gl.constexpr):
+    """flat_segment in Gluon, its expert and rows in int32 (TMA coordinates)."""
+    if BATCH == 1:
+        slot = u
+    else:
+        slot = gl.load(route_unique + u)
+    row0 = gl.maximum(lo - u * ROWS, 0)
+    nrows = gl.minimum(hi - u * ROWS, ROWS) - row0
+    return slot, gl.load(route_expert + slot).to(gl.int32), row0.to(gl.int32), nrows.to(gl.int32)
+
+
+@gluon.jit
+def route_verdict(routed, counters, event_need, epoch, error, timeout, route_count, TOP_K: gl.constexpr,
+                  BATCH: gl.constexpr):
+    """The ring megakernel's producer, before an expert tile's weights: waits (bounded) for the route task's
+    event `routed`, then returns the step's distinct experts (0 where the wait gave up). The producer hands the
+    count to the tasks partition (device/ring.py publish_count), so both walk the same segments whatever the
+    wait's verdict: slots filled and slots consumed always match, and a failed step still ends."""
+    count = gl.to_tensor(0)
+    target = epoch.to(gl.int64) * gl.load(event_need + routed)
+    if rg.wait_event(counters + routed, target, error, timeout) >= 0:
+        if BATCH == 1:
+            count = gl.to_tensor(TOP_K)
+        else:
+            count = gl.load(route_count).to(gl.int32)
+    return count
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _summed_shares(b, router_partial, router_sumsq, H: gl.constexpr, EPS: gl.constexpr, EXPERTS: gl.constexpr,
+                   EXPERTS_PAD: gl.constexpr, BATCH: gl.constexpr, ROUTER_PARTS: gl.constexpr,
+                   layout: gl.constexpr):
+    """Row b's logits from the o_proj tiles' shares, 32 shares at a time added elementwise and reduced across them
+    once, in a fixed order (route_gpu's)."""
+    rt = gl.arange(0, 32, layout=gl.SliceLayout(1, layout))
+    re = gl.arange(0, EXPERTS_PAD, layout=gl.SliceLayout(0, layout))
+    total = gl.zeros([32, EXPERTS_PAD], gl.float32, layout)
+    sumsq = gl.zeros([32], gl.float32, gl.SliceLayout(1, layout))
+    for t0 in gl.static_range(0, ROUTER_PARTS, 32):
+        shares = (t0 + rt) < ROUTER_PARTS
+        total += gl.load(router_partial + ((t0 + rt[:, None]) * BATCH + b) * EXPERTS + re[None, :],
+                         mask=shares[:, None] & (re < EXPERTS)[None, :], other=0.0)
+        sumsq += gl.load(router_sumsq + (t0 + rt) * BATCH + b, mask=shares, other=0.0)
+    return gl.sum(total, axis=0) * gl.rsqrt(gl.sum(sumsq, axis=0) / H + EPS)
+
+
+@gluon.jit
+def route_ring(sparse_layer, partials, n, router_logits, router_partial, router_sumsq, route_expert, route_weight,
+               route_slot, route_unique, route_count, route_history, H: gl.constexpr, EPS: gl.constexpr,
+               EXPERTS: gl.constexpr, EXPERTS_PAD: gl.constexpr, TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr,
+               SLOTS_PAD: gl.constexpr, NORM_TOPK: gl.constexpr, BATCH: gl.constexpr, ROUTER_PARTS: gl.constexpr,
+               num_warps: gl.constexpr):
+    """route_gpu in Gluon: every row at once, a warp across a row's experts (its reductions stay in the warp), the
+    TOP_K largest keys (route_gpu's: a probability's bits above the expert's index reversed) taken one at a time.
+    Then the leading slots as route_gpu finds them."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
+    RB: gl.constexpr = rg.next_power_of_2(BATCH)
+    rb = gl.arange(0, RB, layout=gl.SliceLayout(1, layout))
+    re = gl.arange(0, EXPERTS_PAD, layout=gl.SliceLayout(0, layout))
+    rk = gl.arange(0, TOP_K_PAD, layout=gl.SliceLayout(0, layout))
+    valid = (rb < n)[:, None] & (re < EXPERTS)[None, :]
+    if partials:
+        logits = gl.full([RB, EXPERTS_PAD], float("-inf"), gl.float32, layout)
+        for b in range(n):
+            row = _summed_shares(b, router_partial, router_sumsq, H, EPS, EXPERTS, EXPERTS_PAD, BATCH, ROUTER_PARTS,
+                                 layout)
+            logits = gl.where((rb == b)[:, None] & valid, row[None, :], logits)
+    else:
+        logits = gl.load(router_logits + rb[:, None] * EXPERTS + re[None, :], mask=valid, other=float("-inf"))
+    p = gl.exp(logits - gl.max(logits, axis=1)[:, None])
+    p = gl.where(valid, p / gl.sum(p, axis=1)[:, None], -1.0)          # padding ranks below every expert
+    key = (p.to(gl.int32, bitcast=True).to(gl.int64) << 32) | (EXPERTS_PAD - 1 - re).to(gl.int64)[None, :]
+    expert = gl.zeros([RB, TOP_K_PAD], gl.int64, layout)
+    weight = gl.zeros([RB, TOP_K_PAD], gl.float32, layout)
+    for k in gl.static_range(TOP_K):
+        top = gl.max(key, axis=1)
+        key = gl.where(key == top[:, None], -1, key)        # below every expert's key: taken
+        expert = gl.where(rk[None, :] == k, (EXPERTS_PAD - 1 - (top & 0xFFFFFFFF))[:, None], expert)
+        weight = gl.where(rk[None, :] == k, (top >> 32).to(gl.int32).to(gl.float32, bitcast=True)[:, None], weight)
+    if NORM_TOPK:
+        weight = weight / gl.sum(weight, axis=1)[:, None]
+    slot = rb[:, None] * TOP_K + rk[None, :]
+    chosen = (rb < n)[:, None] & (rk < TOP_K)[None, :]
+    gl.store(route_expert + slot, expert, mask=chosen)
+    gl.store(route_weight + slot, weight, mask=chosen)
+    gl.store(route_history + sparse_layer.to(gl.int64) * BATCH * TOP_K + slot, expert, mask=chosen)
+    flat: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [1, 0])
+    rs = gl.arange(0, SLOTS_PAD, layout=gl.SliceLayout(1, flat))
+    slots = rs < n * TOP_K
+    if n == 1:      # a row's choices are distinct experts: every slot leads
+        gl.store(route_slot + rs, rs.to(gl.int64), mask=slots)
+        gl.store(route_unique + rs, rs.to(gl.int64), mask=slots)
+        gl.store(route_count, TOP_K)
+    else:
+        rg.cta_barrier()        # the whole CTA reads the choices its threads wrote
+        # each slot's first slot with the same expert, comparing all slots with 16 of them at a time
+        mine = gl.load(route_expert + rs, mask=slots, other=-1)
+        first = gl.full([SLOTS_PAD], SLOTS_PAD, gl.int64, gl.SliceLayout(1, flat))
+        for c0 in range(0, n * TOP_K, 16):
+            cs = c0 + gl.arange(0, 16, layout=gl.SliceLayout(0, flat))
+            other = gl.load(route_expert + cs, mask=cs < n * TOP_K, other=-2)
+            same = mine[:, None] == other[None, :]
+            first = gl.minimum(first, gl.min(gl.where(same, cs[None, :].to(gl.int64), SLOTS_PAD), axis=1))
+        gl.store(route_slot + rs, first, mask=slots)
+        # route_unique: a leader at the count of leaders before it (a scan takes a plain blocked layout)
+        line: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        lead = gl.convert_layout((slots & (first == rs)).to(gl.int32), line)
+        leader = gl.arange(0, SLOTS_PAD, layout=line).to(gl.int64)
+        gl.store(route_unique + gl.associative_scan(lead, 0, _add) - lead, leader, mask=lead > 0)
+        gl.store(route_count, gl.sum(lead, axis=0).to(gl.int64))
+
+
 class Route(TaskKind):
     name = "route"
     # sparse_layer: the layer's index among the sparse ones (its route_history row); partials: 1 where the o_proj
     # tiles added shares of the logits (GraphConfig.router_partials 1), 0 where router tiles wrote them
     args = ("sparse_layer", "partials")
     gpu = route_gpu
+    ring = route_ring
 
     def cost(self, shape, layer, a):
         return shape.router_shares * shape.batch * (shape.spec.num_experts + 1) * 4

@@ -12,7 +12,10 @@ rounds x * g to tf32, 10 bits of mantissa against bf16's 7)."""
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
+from distmk.device import ring as rg
 from distmk.device.primitives import matmul_block, norm_rstd
 from distmk.tasks.base import TaskKind, normed_stream
 
@@ -64,6 +67,30 @@ def router_share_gpu(layer, sparse_layer, row0, nrows, n, x, norms, router, rout
     tl.store(router_sumsq + share * BATCH + rb, sumsq, mask=rb < n)
 
 
+@gluon.jit
+def router_share_ring(layer, sparse_layer, row0, nrows, n, x, norms, router, router_partial, router_sumsq,
+                      H: gl.constexpr, EXPERTS: gl.constexpr, EXPERTS_PAD: gl.constexpr, BATCH: gl.constexpr,
+                      O_PROJ_ROWS: gl.constexpr, num_warps: gl.constexpr):
+    """router_share_gpu in Gluon, in float32 FMAs (the tl one's dot rounds to tf32): the gate's [experts, rows]
+    slice is loaded once, each row's share is a reduction within 4 lanes."""
+    rg.cta_barrier()            # the whole CTA reads the rows its threads stored
+    CP: gl.constexpr = rg.next_power_of_2(O_PROJ_ROWS)
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [num_warps, 1], [1, 0])
+    re = gl.arange(0, EXPERTS_PAD, layout=gl.SliceLayout(1, layout))
+    rc = gl.arange(0, CP, layout=gl.SliceLayout(0, layout))
+    cols = row0 + rc
+    valid = rc < nrows
+    w = gl.load(router + (sparse_layer.to(gl.int64) * EXPERTS + re[:, None]) * H + cols[None, :],
+                mask=(re < EXPERTS)[:, None] & valid[None, :], other=0.0).to(gl.float32)
+    g = gl.load(norms + (2 * layer + 1) * H + cols, mask=valid, other=0.0).to(gl.float32)
+    share = row0 // O_PROJ_ROWS
+    for b in range(n):
+        xb = gl.load(x + b * H + cols, mask=valid, other=0.0).to(gl.float32)
+        gl.store(router_partial + (share * BATCH + b) * EXPERTS + re, gl.sum(w * (xb * g)[None, :], axis=1),
+                 mask=re < EXPERTS)
+        gl.store(router_sumsq + share * BATCH + b, gl.sum(xb * xb, axis=0))
+
+
 def router_share(ctx, layer: int, sparse_layer: int, row0: int, nrows: int) -> None:
     """router_share_gpu's semantics: rows [row0, row0 + nrows) of the residual stream's share of the logits."""
     lw, n = ctx.weights.layers[layer], ctx.num_rows
@@ -85,10 +112,34 @@ def router_logits(ctx, partials: int) -> torch.Tensor:
     return ctx.buf["router_partial"][:, :n].sum(0) * rstd[:, None]
 
 
+@gluon.jit
+def router_weights(sparse_layer, expert0, nexperts, router_desc, ring, ready, empty, c, H: gl.constexpr,
+                   EXPERTS: gl.constexpr, RING_INFLIGHT: gl.constexpr):
+    return rg.load_rows(router_desc, sparse_layer * EXPERTS + expert0, nexperts, H, ring, ready, empty, c,
+                        RING_INFLIGHT)
+
+
+@gluon.jit
+def router_ring(expert0, nexperts, n, x, router_logits, xs_desc, ring, ready, empty, xring, xready, c, cx,
+                H: gl.constexpr, EXPERTS: gl.constexpr, EPS: gl.constexpr, num_warps: gl.constexpr):
+    BN: gl.constexpr = ring.type.shape[1]
+    rg.prime_inputs(xs_desc, 0, H, xring, xready, cx)
+    rstd = rg.norm_rstd(x, n, H, EPS, ring, xring, num_warps)[None, :]     # the post-attention RMSNorm's scale
+    rn, rb = rg.block_index(ring, xring, num_warps)
+    for j in range(0, nexperts, BN):
+        logits, c, cx = rg.mma_block(xs_desc, 0, H, ring, ready, empty, xring, xready, c, cx, True,
+                                     j + BN < nexperts, num_warps)
+        gl.store(router_logits + rb[None, :] * EXPERTS + (expert0 + j + rn)[:, None], logits * rstd,
+                 mask=(rn < nexperts - j)[:, None] & (rb < n)[None, :])
+    return c, cx
+
+
 class Router(TaskKind):
     name = "router"
     args = ("sparse_layer", "expert0", "nexperts")   # sparse_layer: the layer's index among the sparse ones
     gpu = router_gpu
+    ring = router_ring
+    ring_weights = router_weights
 
     def cost(self, shape, layer, a):
         return shape.matmul_bytes(a[2], shape.spec.hidden_size)
