@@ -12,8 +12,8 @@ from triton.experimental.gluon import language as gl
 from distmk.device import ring as rg
 from distmk.device.primitives import matmul_block
 from distmk.tasks.base import TaskKind
-from distmk.tasks.route import (flat_range, flat_segment, flat_segments, ring_flat_range, ring_flat_segment,
-                                tile_rows_at_most)
+from distmk.tasks.route import (flat_range, flat_segment, flat_segments, load_routed_blocks, ring_flat_range,
+                                ring_flat_segment, tile_rows_at_most)
 
 
 # noinline: its shared memory is not added to the other tasks' (see tasks/router.py)
@@ -47,16 +47,9 @@ def expert_down_gpu(layer, part, parts, sparse_layer, n, expert_h, expert_down, 
 def expert_down_weights(part, parts, sparse_layer, routed_count, route_unique, route_expert, expert_down_desc, ring,
                         ready, empty, c, H: gl.constexpr, EXPERTS: gl.constexpr, EXPERT_INTER: gl.constexpr,
                         BATCH: gl.constexpr, RING_INFLIGHT: gl.constexpr):
-    BN: gl.constexpr = ring.type.shape[1]
-    first = c
-    lo, hi, u0, u1 = ring_flat_range(part, parts, routed_count, H)
-    for u in range(u0, u1):
-        _, expert, row0, nrows = ring_flat_segment(u, lo, hi, route_unique, route_expert, H, BATCH)
-        base = (sparse_layer * EXPERTS + expert) * H + row0
-        for j in range(0, nrows, BN):
-            c = rg.load_block(expert_down_desc, base + j, nrows - j, EXPERT_INTER, ring, ready, empty, c, first,
+    return load_routed_blocks(part, parts, sparse_layer, routed_count, route_unique, route_expert, expert_down_desc,
+                              expert_down_desc, False, H, EXPERT_INTER, EXPERTS, BATCH, ring, ready, empty, c,
                               RING_INFLIGHT)
-    return c
 
 
 @gluon.jit

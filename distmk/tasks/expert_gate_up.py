@@ -16,8 +16,8 @@ from triton.experimental.gluon import language as gl
 from distmk.device import ring as rg
 from distmk.device.primitives import matmul_pair, norm_rstd
 from distmk.tasks.base import TaskKind, normed_stream
-from distmk.tasks.route import (flat_range, flat_segment, flat_segments, ring_flat_range, ring_flat_segment,
-                                tile_rows_at_most)
+from distmk.tasks.route import (flat_range, flat_segment, flat_segments, load_routed_blocks, ring_flat_range,
+                                ring_flat_segment, tile_rows_at_most)
 
 
 # noinline: its shared memory is not added to the other tasks' (see tasks/router.py)
@@ -50,16 +50,10 @@ def expert_gate_up_gpu(part, parts, sparse_layer, n, x, xs, expert_gate, expert_
 def expert_gate_up_weights(part, parts, sparse_layer, routed_count, route_unique, route_expert, expert_gate_desc,
                            expert_up_desc, ring, ready, empty, c, H: gl.constexpr, EXPERTS: gl.constexpr,
                            EXPERT_INTER: gl.constexpr, BATCH: gl.constexpr, RING_INFLIGHT: gl.constexpr):
-    BN: gl.constexpr = ring.type.shape[1]
-    first = c
-    lo, hi, u0, u1 = ring_flat_range(part, parts, routed_count, EXPERT_INTER)
-    for u in range(u0, u1):
-        _, expert, row0, nrows = ring_flat_segment(u, lo, hi, route_unique, route_expert, EXPERT_INTER, BATCH)
-        base = (sparse_layer * EXPERTS + expert) * EXPERT_INTER + row0
-        for j in range(0, nrows, BN):   # a block of gate rows, then the same rows of up (gate_up_weights)
-            c = rg.load_block(expert_gate_desc, base + j, nrows - j, H, ring, ready, empty, c, first, RING_INFLIGHT)
-            c = rg.load_block(expert_up_desc, base + j, nrows - j, H, ring, ready, empty, c, first, RING_INFLIGHT)
-    return c
+    # a block of gate rows, then the same rows of up (gate_up_weights)
+    return load_routed_blocks(part, parts, sparse_layer, routed_count, route_unique, route_expert, expert_gate_desc,
+                              expert_up_desc, True, EXPERT_INTER, H, EXPERTS, BATCH, ring, ready, empty, c,
+                              RING_INFLIGHT)
 
 
 @gluon.jit

@@ -174,6 +174,26 @@ def ring_flat_segment(u, lo, hi, route_unique, route_expert, ROWS: gl.constexpr,
 
 
 @gluon.jit
+def load_routed_blocks(part, parts, sparse_layer, routed_count, route_unique, route_expert, desc, paired_desc,
+                       PAIRED: gl.constexpr, ROWS: gl.constexpr, K: gl.constexpr, EXPERTS: gl.constexpr,
+                       BATCH: gl.constexpr, ring, ready, empty, c, RING_INFLIGHT: gl.constexpr):
+    """The ring producer's half of an expert tile: its segments' rows of each chosen expert's matrix `desc`
+    ([sparse layers x experts x ROWS, K]) a block at a time, each block followed by the same rows of `paired_desc`
+    where PAIRED (gate, then up); returns the slots filled so far."""
+    BN: gl.constexpr = ring.type.shape[1]
+    first = c
+    lo, hi, u0, u1 = ring_flat_range(part, parts, routed_count, ROWS)
+    for u in range(u0, u1):
+        _, expert, row0, nrows = ring_flat_segment(u, lo, hi, route_unique, route_expert, ROWS, BATCH)
+        base = (sparse_layer * EXPERTS + expert) * ROWS + row0
+        for j in range(0, nrows, BN):
+            c = rg.load_block(desc, base + j, nrows - j, K, ring, ready, empty, c, first, RING_INFLIGHT)
+            if PAIRED:
+                c = rg.load_block(paired_desc, base + j, nrows - j, K, ring, ready, empty, c, first, RING_INFLIGHT)
+    return c
+
+
+@gluon.jit
 def route_verdict(routed, counters, event_need, epoch, error, timeout, route_count, TOP_K: gl.constexpr,
                   BATCH: gl.constexpr):
     """The ring megakernel's producer, before an expert tile's weights: waits (bounded) for the route task's
