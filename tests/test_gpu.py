@@ -228,11 +228,11 @@ import time, torch
 from distmk.graph import GraphConfig
 from distmk.kernels.executor import WatchdogTimeout
 from distmk.runtime.engine import Engine
-engine = Engine("tiny-llama", backend="triton", device=DEVICE, config=GraphConfig(batch=2, workers=WORKERS),
+engine = Engine(MODEL, backend="triton", device=DEVICE, config=GraphConfig(batch=2, workers=WORKERS),
                 dtype=DTYPE, kernel_options={"timeout_s": 0.5, "cuda_graph": False, "kernel": KERNEL}, autotune=False)
 assert engine.executor.kernel_name == KERNEL or KERNEL == "auto", engine.executor.kernel_name
 healthy = engine.generate([1, 2, 3], 2)
-stuck = engine.table.event_names.index("L0.attn.b0.kv0")
+stuck = engine.table.event_names.index(EVENT)
 engine.executor.dev_table.event_need[stuck] += 1             # this event can never complete now
 t0 = time.time()
 try:
@@ -244,15 +244,17 @@ print("AFTER", engine.generate([1, 2, 3], 2) == healthy)
 """
 
 
-def run_watchdog_script(device: str, workers: int, env=None, kernel: str = "auto", dtype: str = "float32") -> str:
+def run_watchdog_script(device: str, workers: int, env=None, kernel: str = "auto", dtype: str = "float32",
+                        model: str = "tiny-llama", event: str = "L0.attn.b0.kv0") -> str:
     """Provoke a never-signalled event in a subprocess: passes only if the error arrives and nothing hangs."""
     script = (WATCHDOG_SCRIPT.replace("DEVICE", repr(device)).replace("WORKERS", str(workers))
+              .replace("MODEL", repr(model)).replace("EVENT", repr(event))
               .replace("KERNEL", repr(kernel)).replace("DTYPE", f"torch.{dtype}"))
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=env)
     assert proc.returncode == 0, proc.stderr
     assert "WATCHDOG" in proc.stdout and "the step stalled at event" in proc.stdout, proc.stdout
-    assert "'L0.attn.b0.kv0' at" in proc.stdout.split("stalled at")[1]
+    assert f"'{event}' at" in proc.stdout.split("stalled at")[1]
     assert "rank 0 worker" in proc.stdout and "AFTER True" in proc.stdout
     return proc.stdout
 
@@ -267,6 +269,14 @@ def test_ring_watchdog_reports_the_stuck_task_and_nothing_hangs():
     and warps. A worker whose event wait gives up runs the rest of its queue without waiting, so every ring slot
     is still consumed and the launch ends (ring_megakernel's docstring); this is that path, on the GPU."""
     run_watchdog_script("cuda", sms(), kernel="ring", dtype="bfloat16")
+
+
+@pytest.mark.skipif(not hopper(), reason="the ring megakernel needs a Hopper GPU")
+def test_ring_watchdog_with_a_route_that_never_comes():
+    """The experts' weights wait for the route (the producer's own bounded wait, tasks/route.py route_verdict): a
+    route event that never completes is reported, and the producer's verdict keeps its slots and the tasks
+    partition's in step, so the launch still ends."""
+    run_watchdog_script("cuda", sms(), kernel="ring", dtype="bfloat16", model="tiny-mixtral", event="L0.route")
 
 
 def test_trace_records_every_task(tmp_path):
