@@ -273,7 +273,7 @@ def test_ring_watchdog_reports_the_stuck_task_and_nothing_hangs():
 
 @pytest.mark.skipif(not hopper(), reason="the ring megakernel needs a Hopper GPU")
 def test_ring_watchdog_with_a_route_that_never_comes():
-    """The experts' weights wait for the route (the producer's own bounded wait, tasks/route.py route_verdict): a
+    """The experts' weights wait for the route (the producer's own bounded wait, tasks/route.py routed_experts): a
     route event that never completes is reported, and the producer's verdict keeps its slots and the tasks
     partition's in step, so the launch still ends."""
     run_watchdog_script("cuda", sms(), kernel="ring", dtype="bfloat16", model="tiny-mixtral", event="L0.route")

@@ -66,7 +66,7 @@ def wait_handoff(released, fed):
 @gluon.jit
 def make_count_handoff():
     """Where the producer hands the tasks partition the count it read before a routed task's weights (the route's
-    distinct experts, tasks/route.py route_verdict): an int in shared memory and its mbarrier."""
+    distinct experts, tasks/route.py routed_experts): an int in shared memory and its mbarrier."""
     count = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     mbarrier.init(bar.index(0), count=1)

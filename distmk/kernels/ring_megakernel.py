@@ -12,9 +12,10 @@ program per worker queue, in two warp-specialized partitions.
   and attention then began 1.1 us after QKV's last tile instead of 1.9, its phase ending 0.8 us sooner
   (llama-3-8b b1 3.911-3.927 ms against 3.934-3.941; benchmarks/results/h200-2026-12-03-s16).
 - Weights the step chooses (the experts of a mixture-of-experts layer: TaskKind.ring_routed) are the exception:
-  before them the producer waits (bounded) for the route task's event, then hands the tasks partition the count
-  of distinct experts it saw there (0 where its wait gave up), so both partitions walk the same slots whatever
-  the wait's verdict and a failed step still ends.
+  before them the producer waits (bounded, reporting a give-up as the tasks partition does, which fails the step)
+  for the route task's event, then hands the tasks partition the count of distinct experts it saw there (0 where
+  its wait gave up), so both partitions walk the same slots whatever the wait's verdict and a failed step still
+  ends.
 - `_tasks`, one warpgroup, walks the same queue as the tl megakernel does (its rows copied in queue order, the
   next one loaded a task ahead): waits on each task's event (bounded), runs its `ring` device function (matmuls
   take their weights from the ring), signals. A task type with a `ring_prepare` function starts the loads that do
@@ -170,9 +171,11 @@ def generate_source(kinds) -> str:
         """A routed kind's weights follow the route: the producer waits for it and hands its count over."""
         if not kind.ring_routed:
             return ""
-        imports.append("from distmk.tasks.route import route_verdict")
-        lines = (f"routed_count = route_verdict({routed_arg(kind)}, counters, event_need, epoch, error, timeout, "
-                 f"route_count, TOP_K, BATCH)", "publish_count(counted, counted_bar, routed_count)")
+        imports.append("from distmk.tasks.route import routed_experts")
+        lines = (f"ok = _wait(counters, event_need, error, {routed_arg(kind)}, epoch, gl.to_tensor(1), timeout, "
+                 f"rank, worker, gl.load(queue + i))",
+                 "routed_count = routed_experts(ok, route_count, TOP_K, BATCH)",
+                 "publish_count(counted, counted_bar, routed_count)")
         return "".join(f"{indent}{line}\n" for line in lines)
 
     dispatch = _dispatch(kinds, "ring", " " * 8, imports, TASK_VOCABULARY | {"prepared"}, _results,
@@ -188,8 +191,8 @@ def generate_source(kinds) -> str:
     constants = [f"{c}: gl.constexpr" for c in CONSTANT_NAMES]
     handoffs = ["released", "counted", "counted_bar"]
     tasks = [*control, *scalars, *BUFFERS, *DESCRIPTORS, "ring", "ready", "empty", "xring", "xready", *handoffs]
-    weights_args = ["queued", "queue_ptr", "epoch_ptr", "event_need", "error", "timeout", "counters", "route_count",
-                    "route_unique", "route_expert", *DESCRIPTORS, "ring", "ready", "empty", *handoffs]
+    weights_args = ["queued", "queue", "queue_ptr", "epoch_ptr", "event_need", "error", "timeout", "rank", "counters",
+                    "route_count", "route_unique", "route_expert", *DESCRIPTORS, "ring", "ready", "empty", *handoffs]
     flags = ["TRACE: gl.constexpr", "num_warps: gl.constexpr"]
     ring = ["BN: gl.constexpr", "NBUF: gl.constexpr", "XD: gl.constexpr"]
     return _TEMPLATE.format(imports="\n".join(imports), scalars=scalars,

@@ -88,7 +88,7 @@ def expert_gate_up_ring(part, parts, routed_count, n, x, route_unique, route_exp
 class ExpertGateUp(TaskKind):
     name = "expert_gate_up"
     # tile `part` of the layer's `parts` (graph/lowering.py); routed: the route task's event, which the ring
-    # megakernel's producer waits for before it streams the chosen experts (route_verdict)
+    # megakernel's producer waits for before it streams the chosen experts (routed_experts)
     args = ("part", "parts", "sparse_layer", "routed")
     gpu = expert_gate_up_gpu
     ring = expert_gate_up_ring

@@ -194,15 +194,14 @@ def load_routed_blocks(part, parts, sparse_layer, routed_count, route_unique, ro
 
 
 @gluon.jit
-def route_verdict(routed, counters, event_need, epoch, error, timeout, route_count, TOP_K: gl.constexpr,
-                  BATCH: gl.constexpr):
-    """The ring megakernel's producer, before an expert tile's weights: waits (bounded) for the route task's
-    event `routed`, then returns the step's distinct experts (0 where the wait gave up). The producer hands the
-    count to the tasks partition (device/ring.py publish_count), so both walk the same segments whatever the
-    wait's verdict: slots filled and slots consumed always match, and a failed step still ends."""
+def routed_experts(ok, route_count, TOP_K: gl.constexpr, BATCH: gl.constexpr):
+    """The ring megakernel's producer, before an expert tile's weights, once its own wait for the route task's event
+    returned `ok` (0: it gave up, and the step is failed: the wait reported it): the step's distinct experts, or 0.
+    The producer hands the count to the tasks partition (device/ring.py publish_count), so both walk the same
+    segments whatever the wait's verdict: slots filled and slots consumed always match, and a failed step still
+    ends."""
     count = gl.to_tensor(0)
-    target = epoch.to(gl.int64) * gl.load(event_need + routed)
-    if rg.wait_event(counters + routed, target, error, timeout) >= 0:
+    if ok == 1:
         if BATCH == 1:
             count = gl.to_tensor(TOP_K)
         else:
