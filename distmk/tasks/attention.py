@@ -82,9 +82,9 @@ def norm_rope_rows(raw, row_offsets, pos, rd, weight, rope, mask, D: tl.constexp
 @triton.jit(noinline=True)
 def attention_gpu(layer, row, kv_head, split, head0, n, qk_raw, qk_norm, rope, k_cache, v_cache, positions,
                   block_table, attn_o, attn_m, attn_l, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-                  G: tl.constexpr, AH: tl.constexpr, AH_PAD: tl.constexpr, B_PAD: tl.constexpr, MAXB: tl.constexpr, BS: tl.constexpr, NBLK: tl.constexpr,
-                  S: tl.constexpr, WINDOW: tl.constexpr, SCALE: tl.constexpr, EPS: tl.constexpr,
-                  QK_NORM: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  G: tl.constexpr, AH: tl.constexpr, AH_PAD: tl.constexpr, B_PAD: tl.constexpr, MAXB: tl.constexpr,
+                  BS: tl.constexpr, NBLK: tl.constexpr, S: tl.constexpr, WINDOW: tl.constexpr, SCALE: tl.constexpr,
+                  EPS: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The keys before the row's last n positions from the cache, a block at a time, then those (at most n, a block
     of B_PAD) from the cache or, where a row of this step computes them, from qk_raw."""
     if row < n:
@@ -136,19 +136,19 @@ def attention_gpu(layer, row, kv_head, split, head0, n, qk_raw, qk_norm, rope, k
 
 
 @gluon.constexpr_function
-def keys_per_thread(G_PAD):
-    """Consecutive keys of a key slot that each of its threads holds: 4, fewer where the heads of a group are
-    many (every thread holds heads x keys x 8 columns of the products; 8 heads at 4 keys spilled registers)."""
-    return max(1, min(4, 16 // G_PAD))
+def keys_per_thread(AH_PAD):
+    """Consecutive keys of a key slot that each of its threads holds: 4, fewer where a task's heads are many
+    (every thread holds heads x keys x 8 columns of the products; 8 heads at 4 keys spilled registers)."""
+    return max(1, min(4, 16 // AH_PAD))
 
 
 @gluon.constexpr_function
-def attention_layout(D, G_PAD, num_warps):
+def attention_layout(D, AH_PAD, num_warps):
     """[heads, key slots, keys of a slot, D] of the ring megakernel's attention: 16-byte vectors along D across the
-    lanes, the rest of a warp and the warps over the key slots, a slot's keys and all heads in each thread. The
+    lanes, the rest of a warp and the warps over the key slots, a slot's keys and the task's heads in each thread. The
     reductions over D stay inside a warp and those over a slot's keys inside a thread."""
     lanes_d = max(1, min(32, D // 8))
-    return gl.BlockedLayout([1, 1, keys_per_thread(G_PAD), 8], [1, 32 // lanes_d, 1, lanes_d], [1, num_warps, 1, 1],
+    return gl.BlockedLayout([1, 1, keys_per_thread(AH_PAD), 8], [1, 32 // lanes_d, 1, lanes_d], [1, num_warps, 1, 1],
                             [3, 2, 1, 0])
 
 
@@ -204,11 +204,11 @@ def attention_prepare(layer, row, kv_head, split, n, k_cache, v_cache, positions
     and the first pass's keys and values. Nothing of it depends on this step's tasks but the keys at this step's own
     positions (at most n per row, the last n before hi: from `tail` on), which are a pass of their own: this finds
     which row computes each of them (step_key_writers) and loads those that are in the cache already."""
-    G_PAD: gl.constexpr = next_power_of_2(AH)
-    R: gl.constexpr = keys_per_thread(G_PAD)
+    AH_PAD: gl.constexpr = next_power_of_2(AH)
+    R: gl.constexpr = keys_per_thread(AH_PAD)
     SLOTS: gl.constexpr = attention_slots(D, num_warps)
     BLOCK: gl.constexpr = SLOTS * R
-    l4: gl.constexpr = attention_layout(D, G_PAD, num_warps)
+    l4: gl.constexpr = attention_layout(D, AH_PAD, num_warps)
     lk: gl.constexpr = gl.SliceLayout(0, l4)
     hi = gl.load(positions + row, mask=row < n, other=-1) + 1          # a row past n: an empty range
     lo = hi * 0
@@ -257,24 +257,24 @@ def _columns(D: gl.constexpr, layout: gl.constexpr):
 def _step_keys_ring(layer, row, kv_head, head0, qk_raw, qk_norm, rope, k_cache, v_cache, prepared, D: gl.constexpr,
                     HQ: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr, AH: gl.constexpr, EPS: gl.constexpr,
                     SCALE: gl.constexpr, QK_NORM: gl.constexpr, num_warps: gl.constexpr):
-    """The row's query heads finished (finish_heads, [G_PAD, D] in the tail layout's) and the pass over this step's
+    """The row's query heads finished (finish_heads, [AH_PAD, D] in the tail layout's) and the pass over this step's
     keys [tail, stop) (tail_layout), those that rows of this step compute finished from qk_raw too, the row's own
     stored in the cache; returns the queries, and the pass's max, sum and output as one more slot."""
-    G_PAD: gl.constexpr = next_power_of_2(AH)
+    AH_PAD: gl.constexpr = next_power_of_2(AH)
     lt: gl.constexpr = tail_layout(D, num_warps)
     lq: gl.constexpr = gl.SliceLayout(1, lt)            # [heads, D]
     lkt: gl.constexpr = gl.SliceLayout(0, lt)           # [keys, D]
     ls: gl.constexpr = gl.SliceLayout(2, lt)            # [heads, keys]
     hi, start, stop, kt, vt, blocks, tail, t, writer, base, cached = prepared
-    rg = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, lq))
+    rg = gl.arange(0, AH_PAD, layout=gl.SliceLayout(1, lq))
     rdq = gl.arange(0, D, layout=gl.SliceLayout(0, lq))
     q_rows = (row * (HQ + HKV) + kv_head * G + head0 + rg) * D
     qt = norm_rope_rows_ring(qk_raw, q_rows, rg * 0 + hi - 1, rdq, qk_norm + 2 * layer * D, rope, rg < AH, D, EPS,
                              QK_NORM)
     qt = qt.to(k_cache.dtype.element_ty).to(gl.float32)              # rounded once, as finish_heads does
-    m_t = gl.full([G_PAD], -1.0e30, gl.float32, layout=gl.SliceLayout(1, ls))
-    l_t = gl.zeros([G_PAD], gl.float32, layout=gl.SliceLayout(1, ls))
-    acc_t = gl.zeros([G_PAD, D], gl.float32, layout=lq)
+    m_t = gl.full([AH_PAD], -1.0e30, gl.float32, layout=gl.SliceLayout(1, ls))
+    l_t = gl.zeros([AH_PAD], gl.float32, layout=gl.SliceLayout(1, ls))
+    acc_t = gl.zeros([AH_PAD, D], gl.float32, layout=lq)
     if tail < stop:
         valid = t < stop
         rd = gl.arange(0, D, layout=gl.SliceLayout(0, lkt))
@@ -297,21 +297,22 @@ def _step_keys_ring(layer, row, kv_head, head0, qk_raw, qk_norm, rope, k_cache, 
 @gluon.jit
 def attention_ring(layer, row, kv_head, split, head0, n, qk_raw, qk_norm, rope, k_cache, v_cache, block_table,
                    attn_o, attn_m, attn_l, prepared, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
-                   G: gl.constexpr, AH: gl.constexpr, MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr, S: gl.constexpr, SCALE: gl.constexpr,
-                   EPS: gl.constexpr, QK_NORM: gl.constexpr, num_warps: gl.constexpr):
+                   G: gl.constexpr, AH: gl.constexpr, MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr,
+                   S: gl.constexpr, SCALE: gl.constexpr, EPS: gl.constexpr, QK_NORM: gl.constexpr,
+                   num_warps: gl.constexpr):
     """attention_gpu for the ring megakernel, shaped for latency: every key slot (attention_layout) is a split of
     its own, with its own running max and sum, so a pass over SLOTS x keys_per_thread keys needs no exchange
     between warps; the slots are combined once at the end. The first pass was loaded before the wait
     (attention_prepare), each next pass is loaded before the current one is computed, and the page numbers one
     pass further ahead. Products are float32 broadcast sums (Gluon has no tl.dot outside wgmma), so the query
     heads are padded to a power of two only. This step's keys are one more slot (_step_keys_ring), computed first."""
-    G_PAD: gl.constexpr = next_power_of_2(AH)
+    AH_PAD: gl.constexpr = next_power_of_2(AH)
     SLOTS: gl.constexpr = attention_slots(D, num_warps)
-    R: gl.constexpr = keys_per_thread(G_PAD)
+    R: gl.constexpr = keys_per_thread(AH_PAD)
     BLOCK: gl.constexpr = SLOTS * R
     hi, start, stop, kt, vt, blocks, tail, _, _, _, _ = prepared
     if row < n:
-        l4: gl.constexpr = attention_layout(D, G_PAD, num_warps)
+        l4: gl.constexpr = attention_layout(D, AH_PAD, num_warps)
         ls: gl.constexpr = gl.SliceLayout(3, l4)           # [heads, slots, keys]: scores
         lm: gl.constexpr = gl.SliceLayout(2, ls)           # [heads, slots]: running max and sum
         la: gl.constexpr = gl.SliceLayout(2, l4)           # [heads, slots, D]: running output
@@ -321,15 +322,15 @@ def attention_ring(layer, row, kv_head, split, head0, n, qk_raw, qk_norm, rope, 
         ts = key_offsets(gl.SliceLayout(0, ls), SLOTS, R)
         rdk = _columns(D, lk)
         cache_layer = layer.to(gl.int64) * NBLK
-        rg = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, lq))
+        rg = gl.arange(0, AH_PAD, layout=gl.SliceLayout(1, lq))
         rd = gl.arange(0, D, layout=gl.SliceLayout(0, lq))
         heads = rg < AH
         qt, m_t, l_t, acc_t = _step_keys_ring(layer, row, kv_head, head0, qk_raw, qk_norm, rope, k_cache, v_cache,
                                               prepared, D, HQ, HKV, G, AH, EPS, SCALE, QK_NORM, num_warps)
         q4 = gl.expand_dims(gl.expand_dims(gl.convert_layout(qt, lq), 1), 2)
-        m_i = gl.full([G_PAD, SLOTS], -1.0e30, gl.float32, layout=lm)   # finite: a slot may see no key in a pass
-        l_i = gl.zeros([G_PAD, SLOTS], gl.float32, layout=lm)
-        acc = gl.zeros([G_PAD, SLOTS, D], gl.float32, layout=la)
+        m_i = gl.full([AH_PAD, SLOTS], -1.0e30, gl.float32, layout=lm)   # finite: a slot may see no key in a pass
+        l_i = gl.zeros([AH_PAD, SLOTS], gl.float32, layout=lm)
+        acc = gl.zeros([AH_PAD, SLOTS, D], gl.float32, layout=la)
         for t0 in range(start, tail, BLOCK):
             t = t0 + BLOCK + tk
             rows = _key_rows(blocks, t, cache_layer, kv_head, HKV, D, BS) + rdk
@@ -357,7 +358,7 @@ def attention_ring(layer, row, kv_head, split, head0, n, qk_raw, qk_norm, rope, 
         out = out + gl.convert_layout(acc_t, lq) * gl.expand_dims(gl.convert_layout(w_t, gl.SliceLayout(1, lq)), 1)
         part = (row * HKV + kv_head) * S + split
         gl.store(attn_o + (part * G + head0 + rg)[:, None] * D + rd[None, :], out, mask=heads[:, None])
-        rgm = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, lm))
+        rgm = gl.arange(0, AH_PAD, layout=gl.SliceLayout(1, lm))
         gl.store(attn_m + part * G + head0 + rgm, gl.where(den > 0, mx, float("-inf")), mask=rgm < AH)
         gl.store(attn_l + part * G + head0 + rgm, den, mask=rgm < AH)
 

@@ -80,8 +80,8 @@ def expert_gate_up_ring(part, parts, routed_count, n, x, route_unique, route_exp
                 gate, up = gate * rstd, up * rstd
                 mask = (rn < nrows - j)[:, None] & (rb < n)[None, :]
                 value = gate / (1.0 + gl.exp(-gate)) * up
-                gl.store(out + rb[None, :] * EXPERT_INTER + (row0 + j + rn)[:, None], value.to(expert_h.dtype.element_ty),
-                         mask=mask)
+                gl.store(out + rb[None, :] * EXPERT_INTER + (row0 + j + rn)[:, None],
+                         value.to(expert_h.dtype.element_ty), mask=mask)
     return c, cx
 
 
