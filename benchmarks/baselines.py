@@ -444,6 +444,7 @@ def hf_eager_ms_per_token(spec: ModelSpec, source, batch: int, context: int, new
 
     with torch.inference_mode():
         seconds(2)                                                      # warm-up
-        decode = statistics.median(seconds(new_tokens) for _ in range(3))
-        prefill = statistics.median(seconds(1) for _ in range(3))
-    return (decode - prefill) / (new_tokens - 1) * 1e3
+        # each n-token run paired with the 1-token run right after it: a load that comes and goes (another
+        # process's) shifts both of a pair, where three of each in a row once gave a negative difference (CPU)
+        extra = statistics.median(seconds(new_tokens) - seconds(1) for _ in range(5))
+    return extra / (new_tokens - 1) * 1e3
