@@ -295,7 +295,7 @@ def compile_ring_matmuls(shape: dict, block_k: int = 256, stages: int = 4, x_sta
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     w_layout, x_layout = matmul_layouts(block_k, b_pad, box)
-    w_desc = f"tensordesc<bf16[{box}, {block_k}],{w_layout!r}>"
+    w_desc = f"tensordesc<bf16[{box}, 64],{w_layout!r}>"     # a swizzle line wide (ring.py load_block)
     x_desc = f"tensordesc<bf16[{b_pad}, {block_k}],{x_layout!r}>"
     signature = {"tasks": "*i32", "queue": "*i32", "queue_ptr": "*i32", "event_need": "*i32", "counters": "*i64",
                  "rows_ptr": "*i32", **{d: w_desc for d in ("wqkv_desc", "wo_desc", "wg_desc", "wu_desc", "wd_desc")},

@@ -140,7 +140,7 @@ def ring_matmuls_runner(engine, b_pad: int = 16, block_k: int = 256, stages: int
     spec, plan, device = engine.spec, engine.plan, engine.device
     stacked = stack_layers(engine.weights)
     w_layout, x_layout = ring.matmul_layouts(block_k, b_pad)
-    weights = [TensorDescriptor.from_tensor(stacked[name].view(-1, stacked[name].shape[-1]), [16, block_k], w_layout)
+    weights = [TensorDescriptor.from_tensor(stacked[name].view(-1, stacked[name].shape[-1]), [16, 64], w_layout)
                for name in ("wqkv", "wo", "w_gate", "w_up", "w_down")]
     # the inputs of qkv and gate_up, of o_proj, of down
     inputs = [torch.randn(b_pad, k, device=device, dtype=torch.bfloat16)

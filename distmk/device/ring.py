@@ -27,10 +27,24 @@ tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
+def _boxes_old(smem, desc, N: gl.constexpr):
+    return smem._reinterpret(smem.dtype, [N] + desc.block_type.shape, desc.layout)
+
+
+@gluon.jit
+def _boxes_new(smem, desc, N: gl.constexpr):
+    return smem.reinterpret(smem.dtype, [N] + desc.block_type.shape, desc.layout)
+
+
+# and shared memory seen as N boxes of a descriptor's (as_boxes) is _reinterpret on 3.6, reinterpret from 3.7 on
+as_boxes = _boxes_new if hasattr(gl.shared_memory_descriptor, "reinterpret") else _boxes_old
+
+
+@gluon.jit
 def make_rings(w_desc, x_desc, BN: gl.constexpr, NBUF: gl.constexpr, XD: gl.constexpr):
     """The weight ring (NBUF slots of BN rows) and the input ring (XD slices) in shared memory, with their
     mbarriers: ready/empty per weight slot, ready per input slice."""
-    BK: gl.constexpr = w_desc.block_type.shape[1]
+    BK: gl.constexpr = x_desc.block_type.shape[1]       # a weight box is narrower: load_block
     ring = gl.allocate_shared_memory(w_desc.dtype, [NBUF, BN, BK], w_desc.layout)
     xring = gl.allocate_shared_memory(x_desc.dtype, [XD] + x_desc.block_type.shape, x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
@@ -91,18 +105,11 @@ def take_count(count, bar, taken, num_warps: gl.constexpr):
 
 
 @gluon.jit
-def _expect_boxes(bar, boxes, desc, MOST: gl.constexpr):
-    """The slot's mbarrier expects `boxes` boxes of the descriptor (expect takes a constant byte count)."""
+def _expect_pieces(bar, boxes, PIECES: gl.constexpr, desc, MOST: gl.constexpr):
+    """The slot's mbarrier expects `boxes` boxes of rows of PIECES copies of the descriptor each (expect takes a
+    constant byte count)."""
     for nb in gl.static_range(1, MOST + 1):
-        mbarrier.expect(bar, nb * desc.block_type.nbytes, pred=boxes == nb)
-
-
-@gluon.jit
-def _copy_boxes(desc, row0, k, boxes, slot, bar, MOST: gl.constexpr):
-    """TMA copies of `boxes` (<= MOST) boxes of rows from row0, columns from k, into the slot's first rows."""
-    BOX: gl.constexpr = desc.block_type.shape[0]
-    for b in gl.static_range(MOST):
-        tma_load(desc, [row0 + b * BOX, k], bar, slot.slice(b * BOX, BOX), pred=b < boxes)
+        mbarrier.expect(bar, nb * PIECES * desc.block_type.nbytes, pred=boxes == nb)
 
 
 @gluon.jit
@@ -128,16 +135,28 @@ def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, 
     boxes of the descriptor's rows, each copied as soon as the consumer frees its slot (and, while the ring
     fills ahead of the task whose first slot is `first`, at most INFLIGHT slots are in flight: _claim_slot);
     returns the slots filled so far. A slot's rows past the block keep an earlier block's weights: consumers never
-    store them."""
+    store them. The descriptor's box is [16 rows, one 128-byte swizzle line of columns], one TMA copy, all issued
+    from one loop: boxes as wide as the slot were a copy per 128 bytes, unrolled at every call (96 copy sites, 22 KB
+    of qwen3-30b-a3b's kernel; a kernel's code is time of its latency-bound tasks: benchmarks/code_size.py)."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
+    BK: gl.constexpr = ring.type.shape[2]
     BOX: gl.constexpr = desc.block_type.shape[0]
-    BK: gl.constexpr = desc.block_type.shape[1]
+    LINE: gl.constexpr = desc.block_type.shape[1]
+    LINES: gl.constexpr = BK // LINE
+    MOST: gl.constexpr = BN // BOX
+    gl.static_assert((LINE * 2 == 128) | (MOST == 1), "a weight box is one swizzle line wide or a whole slot")
+    # the slot is laid out a swizzle line of columns after another ([LINES, BN, LINE]): as boxes, [line, box]
+    boxes_of = as_boxes(ring, desc, NBUF * LINES * MOST)
     boxes = (gl.minimum(rows, BN) + BOX - 1) // BOX
     for k in range(0, K, BK):
         s = _claim_slot(ready, empty, c, first, NBUF, INFLIGHT)
-        _expect_boxes(ready.index(s), boxes, desc, BN // BOX)
-        _copy_boxes(desc, row0, k, boxes, ring.index(s), ready.index(s), BN // BOX)
+        _expect_pieces(ready.index(s), boxes, LINES, desc, MOST)
+        for piece in range(boxes * LINES):
+            line = piece % LINES
+            box = piece // LINES
+            tma_load(desc, [row0 + box * BOX, k + line * LINE], ready.index(s),
+                     boxes_of.index((s * LINES + line) * MOST + box))
         c += 1
     return c
 
@@ -237,8 +256,9 @@ def task_row(rows, i, valid, WIDTH: gl.constexpr):
 
 
 def matmul_layouts(block_k: int, b_pad: int, box: int = 16):
-    """Shared layouts of a weight box [box, block_k] and an input slice [b_pad, block_k] (NVMMA-swizzled)."""
-    return (gl.NVMMASharedLayout.get_default_for([box, block_k], gl.bfloat16),
+    """Shared layouts of a weight box [box, 64] (a 128-byte swizzle line: load_block) and an input slice [b_pad,
+    block_k] (NVMMA-swizzled)."""
+    return (gl.NVMMASharedLayout.get_default_for([box, 64], gl.bfloat16),
             gl.NVMMASharedLayout.get_default_for([b_pad, block_k], gl.bfloat16))
 
 

@@ -274,7 +274,8 @@ def ring_arguments(args: dict, batch: int, block_k: int = 0, slots: int = 0, inp
         return t.reshape(-1, t.shape[-1]) if t.shape[-1] % block_k == 0 else t.new_zeros(RING_B_PAD, block_k)
 
     def weights(t):
-        return TensorDescriptor.from_tensor(matrix(t), [16, block_k], w_layout)
+        """Boxes of 16 rows and one 128-byte swizzle line (device/ring.py load_block)."""
+        return TensorDescriptor.from_tensor(matrix(t), [16, 64], w_layout)
 
     def inputs(t):
         return TensorDescriptor.from_tensor(matrix(t), [b_pad, block_k], x_layout)
