@@ -46,10 +46,10 @@ def expert_down_gpu(layer, part, parts, sparse_layer, n, expert_h, expert_down, 
 @gluon.jit
 def expert_down_weights(part, parts, sparse_layer, routed_count, route_unique, route_expert, expert_down_desc, ring,
                         ready, empty, c, H: gl.constexpr, EXPERTS: gl.constexpr, EXPERT_INTER: gl.constexpr,
-                        BATCH: gl.constexpr, RING_INFLIGHT: gl.constexpr):
+                        TOP_K: gl.constexpr, BATCH: gl.constexpr, RING_INFLIGHT: gl.constexpr):
     return load_routed_blocks(part, parts, sparse_layer, routed_count, route_unique, route_expert, expert_down_desc,
-                              expert_down_desc, False, H, EXPERT_INTER, EXPERTS, BATCH, ring, ready, empty, c,
-                              RING_INFLIGHT)
+                              expert_down_desc, False, H, EXPERT_INTER, EXPERTS, TOP_K, BATCH, ring, ready, empty,
+                              c, RING_INFLIGHT)
 
 
 @gluon.jit
@@ -59,7 +59,7 @@ def expert_down_ring(part, parts, routed_count, n, route_unique, route_expert, r
     """expert_down_gpu on the ring: a segment's blocks read its slot's rows of expert_h (a TMA box of the padded
     batch from row slot * BATCH: rows of other slots beyond n are computed and never stored)."""
     BN: gl.constexpr = ring.type.shape[1]
-    lo, hi, u0, u1 = ring_flat_range(part, parts, routed_count, H)
+    lo, hi, u0, u1 = ring_flat_range(part, parts, routed_count, H, TOP_K, BATCH)
     rn, rb = rg.block_index(ring, xring, num_warps)
     for u in range(u0, u1):
         slot, _, row0, nrows = ring_flat_segment(u, lo, hi, route_unique, route_expert, H, BATCH)

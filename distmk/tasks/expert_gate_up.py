@@ -49,21 +49,22 @@ def expert_gate_up_gpu(part, parts, sparse_layer, n, x, xs, expert_gate, expert_
 @gluon.jit
 def expert_gate_up_weights(part, parts, sparse_layer, routed_count, route_unique, route_expert, expert_gate_desc,
                            expert_up_desc, ring, ready, empty, c, H: gl.constexpr, EXPERTS: gl.constexpr,
-                           EXPERT_INTER: gl.constexpr, BATCH: gl.constexpr, RING_INFLIGHT: gl.constexpr):
+                           EXPERT_INTER: gl.constexpr, TOP_K: gl.constexpr, BATCH: gl.constexpr,
+                           RING_INFLIGHT: gl.constexpr):
     # a block of gate rows, then the same rows of up (gate_up_weights)
     return load_routed_blocks(part, parts, sparse_layer, routed_count, route_unique, route_expert, expert_gate_desc,
-                              expert_up_desc, True, EXPERT_INTER, H, EXPERTS, BATCH, ring, ready, empty, c,
-                              RING_INFLIGHT)
+                              expert_up_desc, True, EXPERT_INTER, H, EXPERTS, TOP_K, BATCH, ring, ready, empty,
+                              c, RING_INFLIGHT)
 
 
 @gluon.jit
 def expert_gate_up_ring(part, parts, routed_count, n, x, route_unique, route_expert, expert_h, xs_desc, ring, ready,
-                        empty, xring, xready, c, cx, H: gl.constexpr, EXPERT_INTER: gl.constexpr, BATCH: gl.constexpr,
-                        EPS: gl.constexpr, num_warps: gl.constexpr):
+                        empty, xring, xready, c, cx, H: gl.constexpr, EXPERT_INTER: gl.constexpr, TOP_K: gl.constexpr,
+                        BATCH: gl.constexpr, EPS: gl.constexpr, num_warps: gl.constexpr):
     """gate_up_ring over the tile's segments; every block reads the same input, so each goes on issuing the next
     one's first input slices (mma_block's chaining), across segments too."""
     BN: gl.constexpr = ring.type.shape[1]
-    lo, hi, u0, u1 = ring_flat_range(part, parts, routed_count, EXPERT_INTER)
+    lo, hi, u0, u1 = ring_flat_range(part, parts, routed_count, EXPERT_INTER, TOP_K, BATCH)
     if lo < hi:         # inputs are primed only for a tile that has blocks: none may be left unconsumed
         rg.prime_inputs(xs_desc, 0, H, xring, xready, cx)
         rstd = rg.norm_rstd(x, n, H, EPS, ring, xring, num_warps)[None, :]     # the post-attention RMSNorm's scale

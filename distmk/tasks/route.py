@@ -151,14 +151,27 @@ def route_gpu(sparse_layer, partials, n, router_logits, router_partial, router_s
         tl.store(route_count, tl.sum(lead, axis=0))
 
 
+@gluon.constexpr_function
+def flat_rows_fit_int32(ROWS, TOP_K, BATCH):
+    """Whether ring_flat_range's products fit in int32 for up to 1024 tiles: its divisions then take a few dozen
+    instructions rather than int64's hundred-odd, inlined at every expert tile's call (the kernel's code is what its
+    latency-bound tasks wait on: benchmarks/results/h200-2026-12-03-s18)."""
+    return 1024 * BATCH * TOP_K * ROWS < 2 ** 31
+
+
 @gluon.jit
-def ring_flat_range(part, parts, count, ROWS: gl.constexpr):
+def ring_flat_range(part, parts, count, ROWS: gl.constexpr, TOP_K: gl.constexpr, BATCH: gl.constexpr):
     """flat_range in Gluon, of `count` distinct experts (routed_count: what the ring's producer saw the route
     choose, the same number for both partitions)."""
-    total = count.to(gl.int64) * ROWS
+    if flat_rows_fit_int32(ROWS, TOP_K, BATCH):
+        total = count.to(gl.int32) * ROWS
+        part = part.to(gl.int32)
+        parts = parts.to(gl.int32)
+    else:
+        total = count.to(gl.int64) * ROWS
     lo = part * total // parts
     hi = (part + 1) * total // parts
-    return lo, hi, lo // ROWS, (hi + ROWS - 1) // ROWS * (lo < hi).to(gl.int64)
+    return lo, hi, lo // ROWS, (hi + ROWS - 1) // ROWS * (lo < hi).to(lo.dtype)
 
 
 @gluon.jit
@@ -176,13 +189,13 @@ def ring_flat_segment(u, lo, hi, route_unique, route_expert, ROWS: gl.constexpr,
 @gluon.jit
 def load_routed_blocks(part, parts, sparse_layer, routed_count, route_unique, route_expert, desc, paired_desc,
                        PAIRED: gl.constexpr, ROWS: gl.constexpr, K: gl.constexpr, EXPERTS: gl.constexpr,
-                       BATCH: gl.constexpr, ring, ready, empty, c, RING_INFLIGHT: gl.constexpr):
+                       TOP_K: gl.constexpr, BATCH: gl.constexpr, ring, ready, empty, c, RING_INFLIGHT: gl.constexpr):
     """The ring producer's half of an expert tile: its segments' rows of each chosen expert's matrix `desc`
     ([sparse layers x experts x ROWS, K]) a block at a time, each block followed by the same rows of `paired_desc`
     where PAIRED (gate, then up); returns the slots filled so far."""
     BN: gl.constexpr = ring.type.shape[1]
     first = c
-    lo, hi, u0, u1 = ring_flat_range(part, parts, routed_count, ROWS)
+    lo, hi, u0, u1 = ring_flat_range(part, parts, routed_count, ROWS, TOP_K, BATCH)
     for u in range(u0, u1):
         _, expert, row0, nrows = ring_flat_segment(u, lo, hi, route_unique, route_expert, ROWS, BATCH)
         base = (sparse_layer * EXPERTS + expert) * ROWS + row0
@@ -260,7 +273,7 @@ def route_ring(sparse_layer, partials, n, router_logits, router_partial, router_
     key = (p.to(gl.int32, bitcast=True).to(gl.int64) << 32) | (EXPERTS_PAD - 1 - re).to(gl.int64)[None, :]
     expert = gl.zeros([RB, TOP_K_PAD], gl.int64, layout)
     weight = gl.zeros([RB, TOP_K_PAD], gl.float32, layout)
-    for k in gl.static_range(TOP_K):
+    for k in range(TOP_K):          # not unrolled: the kernel's code is what its latency-bound tasks wait on
         top = gl.max(key, axis=1)
         key = gl.where(key == top[:, None], -1, key)        # below every expert's key: taken
         expert = gl.where(rk[None, :] == k, (EXPERTS_PAD - 1 - (top & 0xFFFFFFFF))[:, None], expert)
