@@ -177,23 +177,36 @@ def tail_layout(D, num_warps):
 
 
 @gluon.jit
-def norm_rope_rows_ring(raw, row_offsets, pos, rd, weight, rope, mask, D: gl.constexpr, EPS: gl.constexpr,
-                        QK_NORM: gl.constexpr):
-    """norm_rope_rows in Gluon: row_offsets and pos in the rows' slice of the [rows, D] layout, rd in its columns'.
-    The table spares the kernel its sines and cosines: inlined, those of this function (libdevice's, with their
-    slow path for huge angles) made the attention tasks 4-5x slower and every other task slower too."""
+def rope_operands(raw, row_offsets, pos, rd, weight, rope, mask, D: gl.constexpr, QK_NORM: gl.constexpr):
+    """The loads of norm_rope_rows in Gluon, to finish with finish_rope: row_offsets and pos in the rows' slice of
+    the [rows, D] layout, rd in its columns'. Apart so that a task issues all of its loads before it reduces any (a
+    round trip each otherwise). The table spares the kernel its sines and cosines: inlined, those of this function
+    (libdevice's, with their slow path for huge angles) made the attention tasks 4-5x slower and every other task
+    slower too."""
     HALF: gl.constexpr = D // 2
     pair = (rd + HALF) % D
     x = gl.load(raw + row_offsets[:, None] + rd[None, :], mask=mask[:, None], other=0.0)
     partner = gl.load(raw + row_offsets[:, None] + pair[None, :], mask=mask[:, None], other=0.0)
+    w = gl.full(rd.type.shape, 1.0, gl.float32, rd.type.layout)
+    w_pair = w
     if QK_NORM:
-        rstd = gl.rsqrt(gl.sum(x * x, axis=1) / D + EPS)[:, None]
-        x = x * rstd * gl.load(weight + rd).to(gl.float32)[None, :]
-        partner = partner * rstd * gl.load(weight + pair).to(gl.float32)[None, :]
+        w = gl.load(weight + rd).to(gl.float32)
+        w_pair = gl.load(weight + pair).to(gl.float32)
     at = rope + pos[:, None] * D + (rd % HALF)[None, :]
     cos = gl.load(at, mask=mask[:, None], other=0.0)
     sin = gl.load(at + HALF, mask=mask[:, None], other=0.0)
-    return x * cos + gl.where((rd < HALF)[None, :], -partner, partner) * sin
+    return x, partner, w, w_pair, cos, sin
+
+
+@gluon.jit
+def finish_rope(operands, rd, D: gl.constexpr, EPS: gl.constexpr, QK_NORM: gl.constexpr):
+    """norm_rope_rows' arithmetic on rope_operands' loads: q/k-norm (QK_NORM), then rotate-half RoPE."""
+    x, partner, w, w_pair, cos, sin = operands
+    if QK_NORM:
+        rstd = gl.rsqrt(gl.sum(x * x, axis=1) / D + EPS)[:, None]
+        x = x * rstd * w[None, :]
+        partner = partner * rstd * w_pair[None, :]
+    return x * cos + gl.where((rd < D // 2)[None, :], -partner, partner) * sin
 
 
 @gluon.jit
@@ -269,28 +282,25 @@ def _step_keys_ring(layer, row, kv_head, head0, qk_raw, qk_norm, rope, k_cache, 
     rg = gl.arange(0, AH_PAD, layout=gl.SliceLayout(1, lq))
     rdq = gl.arange(0, D, layout=gl.SliceLayout(0, lq))
     q_rows = (row * (HQ + HKV) + kv_head * G + head0 + rg) * D
-    qt = norm_rope_rows_ring(qk_raw, q_rows, rg * 0 + hi - 1, rdq, qk_norm + 2 * layer * D, rope, rg < AH, D, EPS,
-                             QK_NORM)
+    # every load first (the split without this step's keys has them all masked off), then the arithmetic
+    q_ops = rope_operands(qk_raw, q_rows, rg * 0 + hi - 1, rdq, qk_norm + 2 * layer * D, rope, rg < AH, D, QK_NORM)
+    valid = t < stop
+    rd = gl.arange(0, D, layout=gl.SliceLayout(0, lkt))
+    offsets = base[:, None] + rd[None, :]
+    v_step = gl.load(v_cache + offsets, mask=valid[:, None], other=0.0, cache_modifier=".cg")
+    raw_k = (gl.maximum(writer, 0) * (HQ + HKV) + HQ + kv_head) * D
+    k_ops = rope_operands(qk_raw, raw_k, t, rd, qk_norm + (2 * layer + 1) * D, rope, writer >= 0, D, QK_NORM)
+    qt = finish_rope(q_ops, rdq, D, EPS, QK_NORM)
     qt = qt.to(k_cache.dtype.element_ty).to(gl.float32)              # rounded once, as finish_heads does
-    m_t = gl.full([AH_PAD], -1.0e30, gl.float32, layout=gl.SliceLayout(1, ls))
-    l_t = gl.zeros([AH_PAD], gl.float32, layout=gl.SliceLayout(1, ls))
-    acc_t = gl.zeros([AH_PAD, D], gl.float32, layout=lq)
-    if tail < stop:
-        valid = t < stop
-        rd = gl.arange(0, D, layout=gl.SliceLayout(0, lkt))
-        offsets = base[:, None] + rd[None, :]
-        v_step = gl.load(v_cache + offsets, mask=valid[:, None], other=0.0, cache_modifier=".cg")
-        raw_k = (gl.maximum(writer, 0) * (HQ + HKV) + HQ + kv_head) * D
-        fresh = norm_rope_rows_ring(qk_raw, raw_k, t, rd, qk_norm + (2 * layer + 1) * D, rope, writer >= 0, D,
-                                    EPS, QK_NORM).to(k_cache.dtype.element_ty)
-        k_step = gl.where((writer >= 0)[:, None], fresh, cached)
-        gl.store(k_cache + offsets, k_step, mask=(writer == row)[:, None])     # the row's own, for the later steps
-        scores = gl.sum(gl.expand_dims(qt, 1) * gl.expand_dims(k_step.to(gl.float32), 0), axis=2) * SCALE
-        scores = gl.where(gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(0, ls)), 0), scores, float("-inf"))
-        m_t = gl.maximum(gl.max(scores, axis=1), -1.0e30)
-        p = gl.exp(scores - gl.expand_dims(m_t, 1))
-        l_t = gl.sum(p, axis=1)
-        acc_t = gl.sum(gl.expand_dims(p, 2) * gl.expand_dims(v_step.to(gl.float32), 0), axis=1)
+    fresh = finish_rope(k_ops, rd, D, EPS, QK_NORM).to(k_cache.dtype.element_ty)
+    k_step = gl.where((writer >= 0)[:, None], fresh, cached)
+    gl.store(k_cache + offsets, k_step, mask=(writer == row)[:, None])     # the row's own, for the later steps
+    scores = gl.sum(gl.expand_dims(qt, 1) * gl.expand_dims(k_step.to(gl.float32), 0), axis=2) * SCALE
+    scores = gl.where(gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(0, ls)), 0), scores, float("-inf"))
+    m_t = gl.maximum(gl.max(scores, axis=1), -1.0e30)                # finite where the pass has no key
+    p = gl.exp(scores - gl.expand_dims(m_t, 1))
+    l_t = gl.sum(p, axis=1)
+    acc_t = gl.sum(gl.expand_dims(p, 2) * gl.expand_dims(v_step.to(gl.float32), 0), axis=1)
     return qt, m_t, l_t, acc_t
 
 
