@@ -9,7 +9,7 @@ from triton.experimental.gluon import language as gl
 from distmk.device import ring as rg
 from distmk.device.primitives import prefetch_l2
 from distmk.tasks.base import TaskKind, row_parallel_gpu, row_parallel_tile
-from distmk.tasks.router import router_share, router_share_gpu, router_share_ring
+from distmk.tasks.router import router_share, router_share_gpu, router_share_ring, router_share_weights
 
 
 # noinline: see TaskKind.gpu (tasks/base.py)
@@ -46,12 +46,15 @@ def o_proj_ring(layer, row0, nrows, router_layer, n, x, xs, norms, router, route
                 EXPERTS: gl.constexpr, EXPERTS_PAD: gl.constexpr, BATCH: gl.constexpr, O_PROJ_ROWS: gl.constexpr,
                 num_warps: gl.constexpr):
     """The tp=1 tile (ADD_RESIDUAL: the ring megakernel runs only there)."""
+    if EXPERTS > 0:
+        share_weights = router_share_weights(layer, router_layer, row0, nrows, norms, router, H, EXPERTS, EXPERTS_PAD,
+                                             O_PROJ_ROWS, num_warps)
     c, cx = rg.add_residual_rows(attn_desc, 0, HQ * D, row0, nrows, n, x, xs, norms + (2 * layer + 1) * H, H, ring,
                                  ready, empty, xring, xready, c, cx, num_warps)
     if EXPERTS > 0:
         if router_layer >= 0:
-            router_share_ring(layer, router_layer, row0, nrows, n, x, norms, router, router_partial, router_sumsq, H,
-                              EXPERTS, EXPERTS_PAD, BATCH, O_PROJ_ROWS, num_warps)
+            router_share_ring(row0, nrows, n, x, router_partial, router_sumsq, share_weights, H, EXPERTS,
+                              EXPERTS_PAD, BATCH, O_PROJ_ROWS, num_warps)
     return c, cx
 
 

@@ -68,21 +68,39 @@ def router_share_gpu(layer, sparse_layer, row0, nrows, n, x, norms, router, rout
 
 
 @gluon.jit
-def router_share_ring(layer, sparse_layer, row0, nrows, n, x, norms, router, router_partial, router_sumsq,
-                      H: gl.constexpr, EXPERTS: gl.constexpr, EXPERTS_PAD: gl.constexpr, BATCH: gl.constexpr,
-                      O_PROJ_ROWS: gl.constexpr, num_warps: gl.constexpr):
-    """router_share_gpu in Gluon, in float32 FMAs (the tl one's dot rounds to tf32): the gate's [experts, rows]
-    slice is loaded once, each row's share is a reduction within 4 lanes."""
-    rg.cta_barrier()            # the whole CTA reads the rows its threads stored
+def _share_columns(row0, nrows, EXPERTS_PAD: gl.constexpr, O_PROJ_ROWS: gl.constexpr, num_warps: gl.constexpr):
+    """The experts, the residual stream's columns (the tile's rows) and which of them are the tile's, in the layout
+    of the gate's [experts, rows] slice."""
     CP: gl.constexpr = rg.next_power_of_2(O_PROJ_ROWS)
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [num_warps, 1], [1, 0])
-    re = gl.arange(0, EXPERTS_PAD, layout=gl.SliceLayout(1, layout))
     rc = gl.arange(0, CP, layout=gl.SliceLayout(0, layout))
-    cols = row0 + rc
-    valid = rc < nrows
+    return gl.arange(0, EXPERTS_PAD, layout=gl.SliceLayout(1, layout)), row0 + rc, rc < nrows
+
+
+@gluon.jit
+def router_share_weights(layer, sparse_layer, row0, nrows, norms, router, H: gl.constexpr, EXPERTS: gl.constexpr,
+                         EXPERTS_PAD: gl.constexpr, O_PROJ_ROWS: gl.constexpr, num_warps: gl.constexpr):
+    """The gate's [experts, rows] slice and the post-attention norm's weight of the rows, none where the layer is
+    dense (sparse_layer < 0): loaded before the o_proj tile's products, so their round trip overlaps them."""
+    re, cols, valid = _share_columns(row0, nrows, EXPERTS_PAD, O_PROJ_ROWS, num_warps)
+    valid = valid & (sparse_layer >= 0)
     w = gl.load(router + (sparse_layer.to(gl.int64) * EXPERTS + re[:, None]) * H + cols[None, :],
-                mask=(re < EXPERTS)[:, None] & valid[None, :], other=0.0).to(gl.float32)
-    g = gl.load(norms + (2 * layer + 1) * H + cols, mask=valid, other=0.0).to(gl.float32)
+                mask=(re < EXPERTS)[:, None] & valid[None, :], other=0.0)
+    g = gl.load(norms + (2 * layer + 1) * H + cols, mask=valid, other=0.0)
+    return w, g
+
+
+@gluon.jit
+def router_share_ring(row0, nrows, n, x, router_partial, router_sumsq, weights, H: gl.constexpr,
+                      EXPERTS: gl.constexpr, EXPERTS_PAD: gl.constexpr, BATCH: gl.constexpr,
+                      O_PROJ_ROWS: gl.constexpr, num_warps: gl.constexpr):
+    """router_share_gpu in Gluon, in float32 FMAs (the tl one's dot rounds to tf32), on router_share_weights' slice:
+    each row's share is a reduction within 4 lanes."""
+    rg.cta_barrier()            # the whole CTA reads the rows its threads stored
+    re, cols, valid = _share_columns(row0, nrows, EXPERTS_PAD, O_PROJ_ROWS, num_warps)
+    w, g = weights
+    w = w.to(gl.float32)
+    g = g.to(gl.float32)
     share = row0 // O_PROJ_ROWS
     for b in range(n):
         xb = gl.load(x + b * H + cols, mask=valid, other=0.0).to(gl.float32)
