@@ -1,7 +1,7 @@
 """Machine code of the megakernel, compiled for sm_90 without a GPU: SASS bytes in all, and per source file (line
 info), where `--lines N` adds the N heaviest source lines.
 
-    python benchmarks/code_size.py --model qwen3-30b-a3b --batch 1
+    python benchmarks/code_size.py --model qwen3-30b-a3b --batch 1 --options '{"ring_attention_keys": 2}'
 
 Why it is worth a number: every worker runs every task type of a layer in turn, so a layer's code has to come
 through each SM's instruction cache again and again, and the latency-bound tasks (attention, the route, the
@@ -56,11 +56,13 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="llama-3-8b", help="preset name or Hugging Face checkpoint directory")
     p.add_argument("--batch", type=COUNT, default=1, help="rows per step")
     p.add_argument("--kernel", default="ring", choices=("ring", "tl"))
+    p.add_argument("--options", default="{}", help="more kernel options, a JSON object (kernels/options.py)")
     p.add_argument("--lines", type=int, default=0, help="also list the N source lines with the most instructions")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     args = p.parse_args(argv)
     engine = Engine(args.model, backend="triton", device="meta", dtype=torch.bfloat16, max_context=1024,
-                    config=GraphConfig(batch=args.batch, workers=132), kernel_options={"kernel": args.kernel})
+                    config=GraphConfig(batch=args.batch, workers=132),
+                    kernel_options={"kernel": args.kernel, **json.loads(args.options)})
     by_line = instructions_by_line(engine.executor.compile_ahead(arch=90).asm["cubin"])
     by_file = collections.Counter()
     for line, n in by_line.items():

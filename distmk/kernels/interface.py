@@ -166,6 +166,8 @@ CONSTANTS = (
     Arg("QKV_BLOCK_N", lambda l: min(32, padded(qkv_tiles(l.spec, l.plan, l.config)[0][1]))),   # the first: tallest
     # the weight ring (ring megakernel): device/ring.py's _claim_slot
     Arg("RING_INFLIGHT", lambda l: l.options.ring_inflight, "weight slots in flight while the ring fills (0: all)"),
+    Arg("RING_ATTN_KEYS", lambda l: l.options.ring_attention_keys, "keys a thread of an attention task holds a pass "
+        "(0: by its heads)"),
 )
 
 # Flags of the kernel itself, after the constants.

@@ -39,6 +39,8 @@ class KernelOptions:
     ring_block_k: int = option(0, "ring: columns of a slot (0: the widest of 256/128/64 dividing every K)")
     ring_slots: int = option(0, "ring: weight slots (0: as many as its shared memory holds)")
     ring_inputs: int = option(4, "ring: input slices in flight")
+    ring_attention_keys: int = option(0, "ring: consecutive keys a thread of an attention task holds a pass, a "
+                                          "power of two (0: 4, fewer for more heads; fewer is less code, more passes)")
     ring_inflight: int = option(2, "ring: weight slots a worker has in flight at most while its ring fills ahead "
                                    "of a task, so that the task's event poll and first inputs queue behind fewer "
                                    "bytes (0: every free slot)")
@@ -54,6 +56,9 @@ class KernelOptions:
         for name in ("num_stages", "ring_inputs"):
             if getattr(self, name) < 1:
                 raise DistmkError(f"kernel option {name} must be >= 1, got {getattr(self, name)}")
+        if self.ring_attention_keys & (self.ring_attention_keys - 1) or self.ring_attention_keys < 0:
+            raise DistmkError(f"kernel option ring_attention_keys must be 0 or a power of two, got "
+                              f"{self.ring_attention_keys}")
         for name in ("prefetch_kb", "ring_block_k", "ring_slots", "ring_inflight", "block_n"):
             if getattr(self, name) < 0:
                 raise DistmkError(f"kernel option {name} must be >= 0, got {getattr(self, name)}")

@@ -136,20 +136,22 @@ def attention_gpu(layer, row, kv_head, split, head0, n, qk_raw, qk_norm, rope, k
 
 
 @gluon.constexpr_function
-def keys_per_thread(AH_PAD):
-    """Consecutive keys of a key slot that each of its threads holds: 4, fewer where a task's heads are many
-    (every thread holds heads x keys x 8 columns of the products; 8 heads at 4 keys spilled registers)."""
-    return max(1, min(4, 16 // AH_PAD))
+def keys_per_thread(AH_PAD, RING_ATTN_KEYS):
+    """Consecutive keys of a key slot that each of its threads holds: RING_ATTN_KEYS (a kernel option), else 4,
+    fewer where a task's heads are many (every thread holds heads x keys x 8 columns of the products; 8 heads at 4
+    keys spilled registers). Fewer keys a pass is less code (qwen3-30b-a3b's kernel: 143 KB at 4, 134 KB at 2) and
+    more passes."""
+    return RING_ATTN_KEYS or max(1, min(4, 16 // AH_PAD))
 
 
 @gluon.constexpr_function
-def attention_layout(D, AH_PAD, num_warps):
+def attention_layout(D, AH_PAD, RING_ATTN_KEYS, num_warps):
     """[heads, key slots, keys of a slot, D] of the ring megakernel's attention: 16-byte vectors along D across the
     lanes, the rest of a warp and the warps over the key slots, a slot's keys and the task's heads in each thread. The
     reductions over D stay inside a warp and those over a slot's keys inside a thread."""
     lanes_d = max(1, min(32, D // 8))
-    return gl.BlockedLayout([1, 1, keys_per_thread(AH_PAD), 8], [1, 32 // lanes_d, 1, lanes_d], [1, num_warps, 1, 1],
-                            [3, 2, 1, 0])
+    return gl.BlockedLayout([1, 1, keys_per_thread(AH_PAD, RING_ATTN_KEYS), 8], [1, 32 // lanes_d, 1, lanes_d],
+                            [1, num_warps, 1, 1], [3, 2, 1, 0])
 
 
 @gluon.constexpr_function
@@ -212,16 +214,17 @@ def finish_rope(operands, rd, D: gl.constexpr, EPS: gl.constexpr, QK_NORM: gl.co
 @gluon.jit
 def attention_prepare(layer, row, kv_head, split, n, k_cache, v_cache, positions, block_table, D: gl.constexpr,
                       HKV: gl.constexpr, AH: gl.constexpr, MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr,
-                      S: gl.constexpr, WINDOW: gl.constexpr, BATCH: gl.constexpr, num_warps: gl.constexpr):
+                      S: gl.constexpr, WINDOW: gl.constexpr, BATCH: gl.constexpr, RING_ATTN_KEYS: gl.constexpr,
+                      num_warps: gl.constexpr):
     """What attention_ring reads before its event: the split's bounds, the page numbers of its first two passes
     and the first pass's keys and values. Nothing of it depends on this step's tasks but the keys at this step's own
     positions (at most n per row, the last n before hi: from `tail` on), which are a pass of their own: this finds
     which row computes each of them (step_key_writers) and loads those that are in the cache already."""
     AH_PAD: gl.constexpr = next_power_of_2(AH)
-    R: gl.constexpr = keys_per_thread(AH_PAD)
+    R: gl.constexpr = keys_per_thread(AH_PAD, RING_ATTN_KEYS)
     SLOTS: gl.constexpr = attention_slots(D, num_warps)
     BLOCK: gl.constexpr = SLOTS * R
-    l4: gl.constexpr = attention_layout(D, AH_PAD, num_warps)
+    l4: gl.constexpr = attention_layout(D, AH_PAD, RING_ATTN_KEYS, num_warps)
     lk: gl.constexpr = gl.SliceLayout(0, l4)
     hi = gl.load(positions + row, mask=row < n, other=-1) + 1          # a row past n: an empty range
     lo = hi * 0
@@ -309,7 +312,7 @@ def attention_ring(layer, row, kv_head, split, head0, n, qk_raw, qk_norm, rope, 
                    attn_o, attn_m, attn_l, prepared, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
                    G: gl.constexpr, AH: gl.constexpr, MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr,
                    S: gl.constexpr, SCALE: gl.constexpr, EPS: gl.constexpr, QK_NORM: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   RING_ATTN_KEYS: gl.constexpr, num_warps: gl.constexpr):
     """attention_gpu for the ring megakernel, shaped for latency: every key slot (attention_layout) is a split of
     its own, with its own running max and sum, so a pass over SLOTS x keys_per_thread keys needs no exchange
     between warps; the slots are combined once at the end. The first pass was loaded before the wait
@@ -318,11 +321,11 @@ def attention_ring(layer, row, kv_head, split, head0, n, qk_raw, qk_norm, rope, 
     heads are padded to a power of two only. This step's keys are one more slot (_step_keys_ring), computed first."""
     AH_PAD: gl.constexpr = next_power_of_2(AH)
     SLOTS: gl.constexpr = attention_slots(D, num_warps)
-    R: gl.constexpr = keys_per_thread(AH_PAD)
+    R: gl.constexpr = keys_per_thread(AH_PAD, RING_ATTN_KEYS)
     BLOCK: gl.constexpr = SLOTS * R
     hi, start, stop, kt, vt, blocks, tail, _, _, _, _ = prepared
     if row < n:
-        l4: gl.constexpr = attention_layout(D, AH_PAD, num_warps)
+        l4: gl.constexpr = attention_layout(D, AH_PAD, RING_ATTN_KEYS, num_warps)
         ls: gl.constexpr = gl.SliceLayout(3, l4)           # [heads, slots, keys]: scores
         lm: gl.constexpr = gl.SliceLayout(2, ls)           # [heads, slots]: running max and sum
         la: gl.constexpr = gl.SliceLayout(2, l4)           # [heads, slots, D]: running output
