@@ -28,6 +28,7 @@ from distmk.runtime.engine import Engine
 
 _LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/")       # an instruction's address column
+_SPILL = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?P\w+\s+)?(STL|LDL)\b")   # local memory: ptxas's spills
 
 
 def nvdisasm() -> str:
@@ -36,7 +37,8 @@ def nvdisasm() -> str:
 
 
 def instructions_by_line(cubin: bytes) -> collections.Counter:
-    """Instructions of the cubin counted by the source line (file:line) they come from."""
+    """Instructions of the cubin counted by the source line (file:line) they come from, and the spill stores and
+    loads under the keys "STL" and "LDL"."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -48,6 +50,9 @@ def instructions_by_line(cubin: bytes) -> collections.Counter:
             line = f"{os.path.basename(found.group(1))}:{found.group(2)}"
         elif _INSTRUCTION.search(text):
             count[line] += 1
+            spill = _SPILL.search(text)
+            if spill:
+                count[spill.group(1)] += 1
     return count
 
 
@@ -64,15 +69,18 @@ def main(argv=None) -> int:
                     config=GraphConfig(batch=args.batch, workers=132),
                     kernel_options={"kernel": args.kernel, **json.loads(args.options)})
     by_line = instructions_by_line(engine.executor.compile_ahead(arch=90).asm["cubin"])
+    spills = {op: by_line.pop(op, 0) for op in ("STL", "LDL")}
     by_file = collections.Counter()
     for line, n in by_line.items():
         by_file[line.split(":")[0]] += n
     total = sum(by_line.values())
     if args.json:        # SASS instructions are 16 bytes each on sm_90
         print(json.dumps({"model": args.model, "batch": args.batch, "kernel": args.kernel, "sass_bytes": 16 * total,
+                          "spill_stores": spills["STL"], "spill_loads": spills["LDL"],
                           "by_file": {f: 16 * n for f, n in by_file.most_common()}}))
         return 0
-    print(f"{args.model} b{args.batch} {args.kernel} kernel: {total} instructions, {16 * total / 1024:.1f} KB of SASS")
+    print(f"{args.model} b{args.batch} {args.kernel} kernel: {total} instructions, {16 * total / 1024:.1f} KB of SASS, "
+          f"{spills['STL']} spill stores and {spills['LDL']} loads")
     for name, n in by_file.most_common():
         print(f"  {16 * n / 1024:7.1f} KB  {name}")
     for line, n in by_line.most_common(args.lines):

@@ -1,6 +1,9 @@
 """The megakernel compiles for Hopper (sm_90) from this machine: Triton ships ptxas, so CI catches compile
 errors and shared-memory overruns without a GPU. Shapes come from meta tensors, so 8B models cost nothing."""
+import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -194,3 +197,15 @@ def test_auto_kernel_is_tl_off_hopper():
     engine = Engine("tiny-llama", backend="triton", device="meta", dtype=torch.bfloat16, max_context=64,
                     config=GraphConfig(batch=1, workers=DEFAULT_WORKERS))
     assert engine.executor.kernel_name == "tl"
+
+
+def test_code_size_counts_the_ring_kernels_machine_code():
+    """benchmarks/code_size.py: the ring kernel's SASS per source file adds up to its total, with ptxas's spill
+    stores and loads counted apart."""
+    out = subprocess.run([sys.executable, "benchmarks/code_size.py", "--model", "tiny-qwen3", "--batch", "4",
+                          "--json"], capture_output=True, text=True, check=True,
+                         cwd=pathlib.Path(__file__).parent.parent).stdout
+    size = json.loads(out.strip().splitlines()[-1])
+    assert sum(size["by_file"].values()) == size["sass_bytes"] > 0
+    assert {"attention.py", "ring.py"} <= set(size["by_file"])
+    assert size["spill_stores"] >= 0 and size["spill_loads"] >= 0
