@@ -222,24 +222,6 @@ def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready,
     return acc, c, cx + KT
 
 
-@gluon.jit
-def mma_pair(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready, c, cx, chained,
-             num_warps: gl.constexpr):
-    """Consumer: two primed blocks on one input in a row (gate's rows, then up's, as gate_up_weights and
-    load_routed_blocks fill the ring), from one mma_block call site: inlined twice, they were 2.6 KB more of
-    qwen3-30b-a3b's kernel, and a kernel's code is time (benchmarks/code_size.py). The first chains to the
-    second, the second where `chained`. Returns both accumulators and the slots and input slices used so far."""
-    BN: gl.constexpr = ring.type.shape[1]
-    B_PAD: gl.constexpr = xring.type.shape[1]
-    first = gl.zeros([BN, B_PAD], gl.float32, layout=acc_layout(BN, B_PAD, num_warps))
-    second = first
-    for half in range(2):
-        acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, True,
-                               (half == 0) | chained, num_warps)
-        first, second = second, acc
-    return first, second, c, cx
-
-
 @gluon.constexpr_function
 def acc_layout(BN, B_PAD, num_warps):
     """The wgmma accumulator's register layout: weight rows along M, the padded batch along N."""

@@ -74,8 +74,10 @@ def expert_gate_up_ring(part, parts, routed_count, n, x, route_unique, route_exp
             out = expert_h + slot * BATCH * EXPERT_INTER
             for j in range(0, nrows, BN):
                 more = (j + BN < nrows) | (u + 1 < u1)
-                gate, up, c, cx = rg.mma_pair(xs_desc, 0, H, ring, ready, empty, xring, xready, c, cx, more,
-                                              num_warps)
+                gate, c, cx = rg.mma_block(xs_desc, 0, H, ring, ready, empty, xring, xready, c, cx, True, True,
+                                           num_warps)
+                up, c, cx = rg.mma_block(xs_desc, 0, H, ring, ready, empty, xring, xready, c, cx, True, more,
+                                         num_warps)
                 gate, up = gate * rstd, up * rstd
                 mask = (rn < nrows - j)[:, None] & (rb < n)[None, :]
                 value = gate / (1.0 + gl.exp(-gate)) * up

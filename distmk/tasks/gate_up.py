@@ -60,8 +60,9 @@ def gate_up_ring(row0, nrows, n, x, h, xs_desc, ring, ready, empty, xring, xread
     rstd = rg.norm_rstd(x, n, H, EPS, ring, xring, num_warps)[None, :]     # the post-attention RMSNorm's scale
     rn, rb = rg.block_index(ring, xring, num_warps)
     for j in range(0, nrows, BN):
-        gate, up, c, cx = rg.mma_pair(xs_desc, 0, H, ring, ready, empty, xring, xready, c, cx, j + BN < nrows,
-                                      num_warps)
+        gate, c, cx = rg.mma_block(xs_desc, 0, H, ring, ready, empty, xring, xready, c, cx, True, True, num_warps)
+        up, c, cx = rg.mma_block(xs_desc, 0, H, ring, ready, empty, xring, xready, c, cx, True, j + BN < nrows,
+                                 num_warps)
         gate, up = gate * rstd, up * rstd
         mask = (rn < nrows - j)[:, None] & (rb < n)[None, :]
         value = gate / (1.0 + gl.exp(-gate)) * up
