@@ -110,19 +110,22 @@ def load_acquire(ptr, INTERPRET: tl.constexpr, SYSTEM: tl.constexpr):
 def wait_event(counter_ptr, target, abort_ptr, timeout_ns, INTERPRET: tl.constexpr, SYSTEM: tl.constexpr):
     """Spin until *counter_ptr reaches target. Returns the last value seen minus target: negative means the
     wait gave up (timeout, or another worker already aborted the step). Differences, not plain comparisons,
-    so that a wrap-around of counters and targets on very long runs stays harmless."""
-    value = load_acquire(counter_ptr, INTERPRET, SYSTEM)
+    so that a wrap-around of counters and targets on very long runs stays harmless. The abort flag is loaded
+    before the counter: an acquire load waits for its own return before any later load is issued, so a look
+    would otherwise be two round trips."""
     if INTERPRET:
+        value = load_acquire(counter_ptr, INTERPRET, SYSTEM)
         polls = 0
         while (value - target < 0) & (polls < timeout_ns):
             value = load_acquire(counter_ptr, INTERPRET, SYSTEM)
             polls += 1
     else:
-        deadline = now_ns() + timeout_ns
         aborted = tl.load(abort_ptr, volatile=True)
+        value = load_acquire(counter_ptr, INTERPRET, SYSTEM)
+        deadline = now_ns() + timeout_ns
         while (value - target < 0) & (aborted == 0) & (now_ns() < deadline):
-            value = load_acquire(counter_ptr, INTERPRET, SYSTEM)
             aborted = tl.load(abort_ptr, volatile=True)
+            value = load_acquire(counter_ptr, INTERPRET, SYSTEM)
     tl.debug_barrier()
     # Threads poll on their own and may leave the loop differently (one by the deadline or the abort flag,
     # another just after the event completed). A thread that gave up looks again after the barrier: if

@@ -245,6 +245,12 @@ def _acquire64(ptr):
 
 
 @gluon.jit
+def _relaxed64(ptr):
+    return gl.inline_asm_elementwise("ld.global.relaxed.gpu.b64 $0, [$1];", "=l,l", [ptr], dtype=gl.int64,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
 def task_row(rows, i, valid, WIDTH: gl.constexpr):
     """Row i of a task table of rows of WIDTH columns, graph/table.py's COLUMNS in order: type, layer, a0..a3,
     wait, signal; zeros unless valid."""
@@ -291,13 +297,15 @@ def fence_async_global():
 @gluon.jit
 def wait_event(counter_ptr, target, abort_ptr, timeout_ns):
     """primitives.wait_event in Gluon: spin until *counter_ptr reaches target, at most timeout_ns or until a
-    worker aborted the step; returns the last value seen minus target (negative: gave up)."""
+    worker aborted the step; returns the last value seen minus target (negative: gave up). The abort flag is read
+    relaxed and first: an acquire load waits for its own return before any later load is issued (CCTL.IVALL),
+    so two acquires made every look two round trips to L2, even at an event long complete."""
+    aborted = _relaxed64(abort_ptr)
     value = _acquire64(counter_ptr)
     deadline = now_ns() + timeout_ns
-    aborted = _acquire64(abort_ptr)
     while (value - target < 0) & (aborted == 0) & (now_ns() < deadline):
+        aborted = _relaxed64(abort_ptr)
         value = _acquire64(counter_ptr)
-        aborted = _acquire64(abort_ptr)
     cta_barrier()
     if value - target < 0:          # one CTA, one verdict (see primitives.wait_event)
         value = _acquire64(counter_ptr)
