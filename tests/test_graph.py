@@ -172,3 +172,27 @@ def test_device_figures_fixed_off_a_gpu_and_looked_up_by_gpu_name(monkeypatch):
 def test_cost_model_reads_the_bandwidth():
     assert (table_for(hbm_bytes_per_s=1e12).schedule["makespan_s"]
             > table_for().schedule["makespan_s"])
+
+
+def test_fused_attn_reduce_drops_the_phase_and_changes_no_result():
+    """fused_attn_reduce=1: no attn_reduce tasks; every attention task signals the event o_proj waits on, and the
+    split that ends its group last combines it, in the same fixed order (bit-identical logits, any worker count,
+    tp=2, a group of query heads cut over two attention tasks)."""
+    table = table_for("tiny-qwen3-moe", tp=2, fused_attn_reduce=1)
+    kinds = table.tasks[:, TYPE]
+    assert not (kinds == TYPE_ID["attn_reduce"]).any()
+    attention = (kinds == TYPE_ID["attention"]).nonzero().flatten()
+    o_proj = (kinds == TYPE_ID["o_proj"]).nonzero().flatten()
+    for layer in range(PRESETS["tiny-qwen3-moe"].num_layers):
+        signals = {int(table.tasks[t, SIGNAL]) for t in attention if int(table.tasks[t, LAYER]) == layer}
+        waits = {int(table.tasks[t, WAIT]) for t in o_proj if int(table.tasks[t, LAYER]) == layer}
+        assert len(signals) == 1 and signals == waits
+        assert int(table.event_need[signals.pop()]) == sum(int(table.tasks[t, LAYER]) == layer for t in attention)
+    base_tokens, base_logits = generate_with(SMALL, name="tiny-qwen3-moe")[0]
+    for workers in (1, 13):
+        config = GraphConfig(**{**SMALL.__dict__, "workers": workers, "fused_attn_reduce": 1})
+        tokens, logits = generate_with(config, name="tiny-qwen3-moe")[0]
+        assert tokens == base_tokens
+        assert torch.equal(logits, base_logits)
+    with pytest.raises(GraphError, match="fused_attn_reduce must be 0 or 1"):
+        GraphConfig(fused_attn_reduce=2)

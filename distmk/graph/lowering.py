@@ -11,6 +11,7 @@ all-reduced the same way. Tasks are emitted in a topological order, which the sc
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,9 @@ class GraphConfig:
     router_partials: int = field(default=0, metadata={
         "help": "a sparse layer's gate logits: 1 = each o_proj tile adds its rows' share (no router phase; tp=1), "
                 "2 = router tiles; 0 = 1 at tp=1 and batch 1 when the shares are at most 64 KB"})
+    fused_attn_reduce: int = field(default=0, metadata={
+        "help": "1 = the attention task that ends a group's splits last combines them (fixed order, no attn_reduce "
+                "phase); 0 = attn_reduce tasks"})
     workers: int = DEFAULT_WORKERS  # worker queues (one per SM on the GPU: graph/hardware.py)
     context: int = 512        # expected context length, for the cost model only
     dtype_bytes: int = 2      # element size of weights and activations, for the cost model
@@ -50,6 +54,8 @@ class GraphConfig:
         for name in ("kv_splits", "tile_rows", "lm_tile_rows", "router_partials"):
             if getattr(self, name) < 0:
                 raise GraphError(f"GraphConfig.{name} must be >= 0 (0 = automatic), got {getattr(self, name)}")
+        if self.fused_attn_reduce not in (0, 1):
+            raise GraphError(f"GraphConfig.fused_attn_reduce must be 0 or 1, got {self.fused_attn_reduce}")
 
     def resolved(self, spec: ModelSpec, plan: ShardPlan) -> "GraphConfig":
         """Automatic choices made concrete. kv_splits: enough splits that every worker gets an attention task
@@ -216,14 +222,18 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
             g.task("qkv", layer, (row0, nrows), wait=x_ready, signal=qkv_done)
         # a group's query heads may be cut over tasks (attention_heads): each cut has its splits and reduction
         heads = attention_heads(plan.group)
-        attn_done = g.event(f"L{layer}.attn", B * hkv * (plan.group // heads))
-        for b in range(B):
-            for h in range(hkv):
-                for h0 in range(0, plan.group, heads):
-                    parts = g.event(f"L{layer}.attn.b{b}.kv{h}" + (f".q{h0}" if heads < plan.group else ""), S)
-                    for s in range(S):
-                        g.task("attention", layer, (b, h, s, h0), wait=qkv_done, signal=parts)
-                    g.task("attn_reduce", layer, (b, h, h0), wait=parts, signal=attn_done)
+        groups = B * hkv * (plan.group // heads)
+        if config.fused_attn_reduce:    # every split signals; the last of a group combines it first (attention.py)
+            attn_done = g.event(f"L{layer}.attn", groups * S)
+            for b, h, h0, s in itertools.product(range(B), range(hkv), range(0, plan.group, heads), range(S)):
+                g.task("attention", layer, (b, h, s, h0), wait=qkv_done, signal=attn_done)
+        else:
+            attn_done = g.event(f"L{layer}.attn", groups)
+            for b, h, h0 in itertools.product(range(B), range(hkv), range(0, plan.group, heads)):
+                parts = g.event(f"L{layer}.attn.b{b}.kv{h}" + (f".q{h0}" if heads < plan.group else ""), S)
+                for s in range(S):
+                    g.task("attention", layer, (b, h, s, h0), wait=qkv_done, signal=parts)
+                g.task("attn_reduce", layer, (b, h, h0), wait=parts, signal=attn_done)
         x_mid = row_parallel("o_proj", layer, attn_done, "attn")
         if layer in spec.moe_layers:
             x_ready = row_parallel("moe_combine", layer, sparse_mlp(layer, x_mid), "moe")

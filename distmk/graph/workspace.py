@@ -15,6 +15,7 @@ from distmk.graph.lowering import num_lm_tiles, router_shares
 class Dims:
     """The sizes a buffer's shape is made of."""
     batch: int
+    layers: int
     hidden: int
     head_dim: int
     heads: int          # this rank's query heads
@@ -51,6 +52,9 @@ WORKSPACE = (
     Buffer("attn_m", lambda d: (d.batch, d.kv_heads, d.kv_splits, d.group), "float32", "split-KV running maxima"),
     Buffer("attn_l", lambda d: (d.batch, d.kv_heads, d.kv_splits, d.group), "float32", "split-KV running sums"),
     Buffer("attn", lambda d: (d.batch, d.heads * d.head_dim), "act", "attention output, heads concatenated"),
+    Buffer("attn_count", lambda d: (d.layers, d.batch, d.kv_heads, d.group), "int64",
+           "splits of each group's attention ended, kv_splits more a step (fused_attn_reduce: the task that makes "
+           "it a multiple of kv_splits combines the group); zeroed after an aborted step"),
     Buffer("partial", lambda d: (d.batch, d.hidden), "float32", "this rank's row-parallel partial sum"),
     Buffer("h", lambda d: (d.batch, d.inter), "act", "silu(gate) * up"),
     Buffer("logits", lambda d: (d.batch, d.vocab), "float32", "this rank's vocabulary slice"),
@@ -82,8 +86,8 @@ WORKSPACE = (
 
 def allocate_workspace(spec, plan, config, dtype, device) -> dict:
     """WORKSPACE's buffers for a table compiled with `config` (its batch, attention splits and lm_head tiles)."""
-    dims = Dims(batch=config.batch, hidden=spec.hidden_size, head_dim=spec.head_dim, heads=plan.num_heads,
-                kv_heads=plan.num_kv_heads, group=plan.group, inter=plan.inter, vocab=plan.vocab,
+    dims = Dims(batch=config.batch, layers=spec.num_layers, hidden=spec.hidden_size, head_dim=spec.head_dim,
+                heads=plan.num_heads, kv_heads=plan.num_kv_heads, group=plan.group, inter=plan.inter, vocab=plan.vocab,
                 kv_splits=config.kv_splits, lm_tiles=num_lm_tiles(plan, config), experts=spec.num_experts,
                 top_k=spec.experts_per_token, expert_inter=plan.expert_inter, sparse_layers=len(spec.moe_layers),
                 router_parts=router_shares(spec, config))

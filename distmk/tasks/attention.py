@@ -13,7 +13,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from distmk.device.ring import next_power_of_2
+from distmk.device.ring import cta_barrier, next_power_of_2, rows_layout
 from distmk.tasks.base import TaskKind
 from distmk.tasks.qkv import finish_heads
 
@@ -81,12 +81,14 @@ def norm_rope_rows(raw, row_offsets, pos, rd, weight, rope, mask, D: tl.constexp
 # noinline: see TaskKind.gpu (tasks/base.py)
 @triton.jit(noinline=True)
 def attention_gpu(layer, row, kv_head, split, head0, n, qk_raw, qk_norm, rope, k_cache, v_cache, positions,
-                  block_table, attn_o, attn_m, attn_l, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-                  G: tl.constexpr, AH: tl.constexpr, AH_PAD: tl.constexpr, B_PAD: tl.constexpr, MAXB: tl.constexpr,
-                  BS: tl.constexpr, NBLK: tl.constexpr, S: tl.constexpr, WINDOW: tl.constexpr, SCALE: tl.constexpr,
-                  EPS: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  block_table, attn_o, attn_m, attn_l, attn, attn_count, D: tl.constexpr, HQ: tl.constexpr,
+                  HKV: tl.constexpr, G: tl.constexpr, AH: tl.constexpr, AH_PAD: tl.constexpr, B_PAD: tl.constexpr,
+                  MAXB: tl.constexpr, BS: tl.constexpr, NBLK: tl.constexpr, S: tl.constexpr, WINDOW: tl.constexpr,
+                  SCALE: tl.constexpr, EPS: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, BATCH: tl.constexpr, FUSED_ATTN_REDUCE: tl.constexpr):
     """The keys before the row's last n positions from the cache, a block at a time, then those (at most n, a block
-    of B_PAD) from the cache or, where a row of this step computes them, from qk_raw."""
+    of B_PAD) from the cache or, where a row of this step computes them, from qk_raw. FUSED_ATTN_REDUCE: the
+    split that ends its group last (by attn_count, acq_rel) combines it as attn_reduce would, in the same order."""
     if row < n:
         hi = tl.load(positions + row) + 1
         lo = hi * 0
@@ -133,6 +135,12 @@ def attention_gpu(layer, row, kv_head, split, head0, n, qk_raw, qk_norm, rope, k
         tl.store(attn_o + (part * G + rg)[:, None] * D + rd[None, :], acc, mask=heads[:, None])
         tl.store(attn_m + part * G + rg, m_i, mask=heads)
         tl.store(attn_l + part * G + rg, l_i, mask=heads)
+    if FUSED_ATTN_REDUCE:
+        tl.debug_barrier()          # every thread's partials precede the count
+        ended = tl.atomic_add(attn_count + ((layer * BATCH + row) * HKV + kv_head) * G + head0, 1, sem="acq_rel",
+                              scope="gpu")
+        if (ended + 1) % S == 0:    # acquired: the group's other splits' partials are visible
+            attn_reduce_gpu(row, kv_head, head0, n, attn_o, attn_m, attn_l, attn, D, HQ, HKV, G, AH, AH_PAD, S)
 
 
 @gluon.constexpr_function
@@ -309,16 +317,18 @@ def _step_keys_ring(layer, row, kv_head, head0, qk_raw, qk_norm, rope, k_cache, 
 
 @gluon.jit
 def attention_ring(layer, row, kv_head, split, head0, n, qk_raw, qk_norm, rope, k_cache, v_cache, block_table,
-                   attn_o, attn_m, attn_l, prepared, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
-                   G: gl.constexpr, AH: gl.constexpr, MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr,
-                   S: gl.constexpr, SCALE: gl.constexpr, EPS: gl.constexpr, QK_NORM: gl.constexpr,
-                   RING_ATTN_KEYS: gl.constexpr, num_warps: gl.constexpr):
+                   attn_o, attn_m, attn_l, attn, attn_count, prepared, D: gl.constexpr, HQ: gl.constexpr,
+                   HKV: gl.constexpr, G: gl.constexpr, AH: gl.constexpr, MAXB: gl.constexpr, BS: gl.constexpr,
+                   NBLK: gl.constexpr, S: gl.constexpr, SCALE: gl.constexpr, EPS: gl.constexpr, QK_NORM: gl.constexpr,
+                   RING_ATTN_KEYS: gl.constexpr, BATCH: gl.constexpr, FUSED_ATTN_REDUCE: gl.constexpr,
+                   num_warps: gl.constexpr):
     """attention_gpu for the ring megakernel, shaped for latency: every key slot (attention_layout) is a split of
     its own, with its own running max and sum, so a pass over SLOTS x keys_per_thread keys needs no exchange
     between warps; the slots are combined once at the end. The first pass was loaded before the wait
     (attention_prepare), each next pass is loaded before the current one is computed, and the page numbers one
     pass further ahead. Products are float32 broadcast sums (Gluon has no tl.dot outside wgmma), so the query
-    heads are padded to a power of two only. This step's keys are one more slot (_step_keys_ring), computed first."""
+    heads are padded to a power of two only. This step's keys are one more slot (_step_keys_ring), computed first.
+    FUSED_ATTN_REDUCE: as attention_gpu's."""
     AH_PAD: gl.constexpr = next_power_of_2(AH)
     SLOTS: gl.constexpr = attention_slots(D, num_warps)
     R: gl.constexpr = keys_per_thread(AH_PAD, RING_ATTN_KEYS)
@@ -374,6 +384,73 @@ def attention_ring(layer, row, kv_head, split, head0, n, qk_raw, qk_norm, rope, 
         rgm = gl.arange(0, AH_PAD, layout=gl.SliceLayout(1, lm))
         gl.store(attn_m + part * G + head0 + rgm, gl.where(den > 0, mx, float("-inf")), mask=rgm < AH)
         gl.store(attn_l + part * G + head0 + rgm, den, mask=rgm < AH)
+    if FUSED_ATTN_REDUCE:
+        cta_barrier()               # every thread's partials precede the count
+        ended = gl.atomic_add(attn_count + ((layer * BATCH + row) * HKV + kv_head) * G + head0, 1, sem="acq_rel",
+                              scope="gpu")
+        if (ended + 1) % S == 0:    # acquired: the group's other splits' partials are visible
+            attn_reduce_ring(row, kv_head, head0, n, attn_o, attn_m, attn_l, attn, D, HQ, HKV, G, AH, S, num_warps)
+
+
+# noinline: see TaskKind.gpu (tasks/base.py)
+@triton.jit(noinline=True)
+def attn_reduce_gpu(row, kv_head, head0, n, attn_o, attn_m, attn_l, attn, D: tl.constexpr, HQ: tl.constexpr,
+                    HKV: tl.constexpr, G: tl.constexpr, AH: tl.constexpr, AH_PAD: tl.constexpr, S: tl.constexpr):
+    if row < n:
+        rg = head0 + tl.arange(0, AH_PAD)
+        rd = tl.arange(0, D)
+        heads = rg < head0 + AH
+        first = (row * HKV + kv_head) * S
+        mx = tl.full((AH_PAD,), float("-inf"), dtype=tl.float32)
+        for s in tl.static_range(S):
+            mx = tl.maximum(mx, tl.load(attn_m + (first + s) * G + rg, mask=heads, other=0.0))
+        num = tl.zeros((AH_PAD, D), dtype=tl.float32)
+        den = tl.zeros((AH_PAD,), dtype=tl.float32)
+        for s in tl.static_range(S):
+            scale = tl.exp(tl.load(attn_m + (first + s) * G + rg, mask=heads, other=0.0) - mx)
+            o = tl.load(attn_o + ((first + s) * G + rg)[:, None] * D + rd[None, :], mask=heads[:, None], other=0.0)
+            num += o * scale[:, None]
+            den += tl.load(attn_l + (first + s) * G + rg, mask=heads, other=1.0) * scale
+        out = num / den[:, None]
+        dst = attn + row * HQ * D + (kv_head * G + rg)[:, None] * D + rd[None, :]
+        tl.store(dst, out.to(attn.dtype.element_ty), mask=heads[:, None])
+
+
+@gluon.jit
+def attn_reduce_ring(row, kv_head, head0, n, attn_o, attn_m, attn_l, attn, D: gl.constexpr, HQ: gl.constexpr,
+                     HKV: gl.constexpr, G: gl.constexpr, AH: gl.constexpr, S: gl.constexpr, num_warps: gl.constexpr):
+    AH_PAD: gl.constexpr = next_power_of_2(AH)
+    if row < n:
+        layout: gl.constexpr = rows_layout(num_warps)
+        rg = head0 + gl.arange(0, AH_PAD, layout=gl.SliceLayout(1, layout))
+        rd = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+        heads = rg < head0 + AH
+        first = (row * HKV + kv_head) * S
+        mx = gl.full([AH_PAD], float("-inf"), gl.float32, layout=gl.SliceLayout(1, layout))
+        for s in gl.static_range(S):
+            mx = gl.maximum(mx, gl.load(attn_m + (first + s) * G + rg, mask=heads, other=0.0))
+        num = gl.zeros([AH_PAD, D], gl.float32, layout=layout)
+        den = gl.zeros([AH_PAD], gl.float32, layout=gl.SliceLayout(1, layout))
+        for s in gl.static_range(S):
+            scale = gl.exp(gl.load(attn_m + (first + s) * G + rg, mask=heads, other=0.0) - mx)
+            o = gl.load(attn_o + ((first + s) * G + rg)[:, None] * D + rd[None, :], mask=heads[:, None], other=0.0)
+            num += o * scale[:, None]
+            den += gl.load(attn_l + (first + s) * G + rg, mask=heads, other=1.0) * scale
+        out = num / den[:, None]
+        dst = attn + row * HQ * D + (kv_head * G + rg)[:, None] * D + rd[None, :]
+        gl.store(dst, out.to(attn.dtype.element_ty), mask=heads[:, None])
+
+
+def combine_splits(ctx, b: int, kvh: int, h0: int) -> None:
+    """attn_reduce's combine of row b's S partial outputs of KV head kvh's query heads from h0 (the reference's)."""
+    if b >= ctx.num_rows:
+        return
+    g, d, heads = ctx.plan.group, ctx.spec.head_dim, attention_heads(ctx.plan.group)
+    o, m, l = (ctx.buf[name][b, kvh, :, h0:h0 + heads] for name in ("attn_o", "attn_m", "attn_l"))  # [S,h,D],[S,h]
+    mx = m.max(dim=0).values
+    scale = torch.exp(m - mx)                                   # empty splits: exp(-inf) = 0
+    out = (o * scale[..., None]).sum(0) / (l * scale).sum(0)[:, None]
+    ctx.buf["attn"][b, (kvh * g + h0) * d:(kvh * g + h0 + heads) * d] = out.reshape(-1).to(ctx.dtype)
 
 
 def attention_heads(group: int) -> int:
@@ -396,6 +473,15 @@ class Attention(TaskKind):
         return 2 * keys * d * shape.act_bytes + 2 * g * d * shape.act_bytes + g * d * 4
 
     def run(self, ctx, layer, a):
+        self.partials(ctx, layer, a)
+        if ctx.fused_attn_reduce:       # the split that ends its group last combines it, as attention_gpu does
+            b, kvh, _, h0 = a
+            ended = ctx.buf["attn_count"][layer, b, kvh, h0]
+            ended += 1
+            if int(ended) % ctx.kv_splits == 0:
+                combine_splits(ctx, b, kvh, h0)
+
+    def partials(self, ctx, layer, a):
         b, kvh, s, h0 = a
         if b >= ctx.num_rows:
             return
