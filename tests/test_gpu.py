@@ -247,7 +247,7 @@ print("AFTER", engine.generate([1, 2, 3], 2) == healthy)
 
 
 def run_watchdog_script(device: str, workers: int, env=None, kernel: str = "auto", dtype: str = "float32",
-                        model: str = "tiny-llama", event: str = "L0.attn.b0.kv0") -> str:
+                        model: str = "tiny-llama", event: str = "L0.attn") -> str:
     """Provoke a never-signalled event in a subprocess: passes only if the error arrives and nothing hangs."""
     script = (WATCHDOG_SCRIPT.replace("DEVICE", repr(device)).replace("WORKERS", str(workers))
               .replace("MODEL", repr(model)).replace("EVENT", repr(event))

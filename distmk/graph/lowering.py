@@ -39,7 +39,8 @@ class GraphConfig:
     router_partials: int = field(default=0, metadata={
         "help": "a sparse layer's gate logits: 1 = each o_proj tile adds its rows' share (no router phase; tp=1), "
                 "2 = router tiles; 0 = 1 at tp=1 and batch 1 when the shares are at most 64 KB"})
-    fused_attn_reduce: int = field(default=0, metadata={
+    # 1: attention and its combine 10.1 -> 8.4 us of qwen3-30b-a3b's layer (benchmarks/results/h200-2026-12-03-s20)
+    fused_attn_reduce: int = field(default=1, metadata={
         "help": "1 = the attention task that ends a group's splits last combines them (fixed order, no attn_reduce "
                 "phase); 0 = attn_reduce tasks"})
     workers: int = DEFAULT_WORKERS  # worker queues (one per SM on the GPU: graph/hardware.py)
