@@ -12,7 +12,7 @@ from distmk.tasks import TASK_KINDS
 def test_phase_timeline_times_each_phase_from_the_previous_phases_last_end():
     spec = PRESETS["llama-3-8b"]
     table = compile_step(spec, plan_shard(spec, 1, 0), GraphConfig(batch=1, workers=132))
-    run_us = {"qkv": 11.0, "attention": 4.0, "attn_reduce": 1.0, "o_proj": 7.0, "gate_up": 50.0, "down": 26.0}
+    run_us = {"qkv": 11.0, "attention": 4.0, "o_proj": 7.0, "gate_up": 50.0, "down": 26.0}
     kinds = [TASK_KINDS[int(t)].name for t in table.tasks[:, TYPE].tolist()]
     layers = table.tasks[:, LAYER].tolist()
     timings = torch.zeros(table.num_tasks, 4, dtype=torch.int64)
