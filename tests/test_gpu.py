@@ -80,10 +80,11 @@ def test_ring_megakernel_matches_tl_megakernel(name, batch, fused):
     """The weight-ring megakernel against the tl one: the same table, weights and KV cache, one bf16 step of
     `batch` rows at different positions. Mixture-of-experts steps route alike on both (batch 1: the o_proj tiles'
     shares of the gate's logits, batch 4: router tiles and rows that share experts). `fused`: the attention
-    groups combined by their last split (GraphConfig.fused_attn_reduce)."""
+    groups combined by their last split, the route by the o_proj tile that adds the last share of the gate's logits
+    (GraphConfig.fused_attn_reduce, fused_route; 0: attn_reduce and route tasks)."""
     from distmk.kernels.executor import TritonExecutor
     engine = Engine(name, backend="triton", device="cuda", dtype=torch.bfloat16, max_context=256, autotune=False,
-                    config=GraphConfig(batch=batch, workers=sms(), fused_attn_reduce=fused))
+                    config=GraphConfig(batch=batch, workers=sms(), fused_attn_reduce=fused, fused_route=fused))
     assert engine.executor.kernel_name == "ring"
     tl_kernel = TritonExecutor(engine.table, engine.spec, engine.weights, engine.kv, engine.comm, engine.dtype,
                                kernel="tl")

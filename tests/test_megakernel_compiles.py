@@ -15,29 +15,33 @@ from distmk.runtime.engine import Engine
 HOPPER_SHARED_BYTES = 227 * 1024
 
 
-@pytest.mark.parametrize("name, dtype, batch", [
-    ("tiny-llama", torch.float32, 4), ("tiny-qwen3", torch.float32, 4), ("tiny-qwen2", torch.bfloat16, 8),
-    ("tiny-mistral", torch.bfloat16, 1), ("llama-3-8b", torch.bfloat16, 1), ("qwen3-8b", torch.bfloat16, 8),
-    ("qwen2.5-7b", torch.bfloat16, 64), ("tiny-qwen3-moe", torch.float32, 4), ("tiny-mixtral", torch.bfloat16, 8),
-    ("qwen3-30b-a3b", torch.bfloat16, 64), ("mixtral-8x7b", torch.bfloat16, 1),
-    ("qwen3-30b-a3b", torch.bfloat16, 1), ("mixtral-8x7b", torch.bfloat16, 8),      # benchmarks/decode.py's too
+@pytest.mark.parametrize("name, dtype, batch, fused_route", [
+    ("tiny-llama", torch.float32, 4, 0), ("tiny-qwen3", torch.float32, 4, 0), ("tiny-qwen2", torch.bfloat16, 8, 0),
+    ("tiny-mistral", torch.bfloat16, 1, 0), ("llama-3-8b", torch.bfloat16, 1, 0), ("qwen3-8b", torch.bfloat16, 8, 0),
+    ("qwen2.5-7b", torch.bfloat16, 64, 0), ("tiny-qwen3-moe", torch.float32, 4, 0),
+    ("tiny-mixtral", torch.bfloat16, 8, 0), ("qwen3-30b-a3b", torch.bfloat16, 64, 0),
+    ("mixtral-8x7b", torch.bfloat16, 1, 0), ("qwen3-30b-a3b", torch.bfloat16, 1, 0),
+    ("mixtral-8x7b", torch.bfloat16, 8, 0),      # benchmarks/decode.py's too
+    ("qwen3-30b-a3b", torch.bfloat16, 1, 1),     # the o_proj tile that adds the last share routes
 ])
-def test_megakernel_compiles_for_sm90(name, dtype, batch):
+def test_megakernel_compiles_for_sm90(name, dtype, batch, fused_route):
     engine = Engine(name, backend="triton", device="meta", dtype=dtype, max_context=1024,
-                    config=GraphConfig(batch=batch, workers=DEFAULT_WORKERS))
+                    config=GraphConfig(batch=batch, workers=DEFAULT_WORKERS, fused_route=fused_route))
     compiled = engine.executor.compile_ahead(arch=90)
     assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
     assert "megakernel" in compiled.asm["ptx"]
 
 
-@pytest.mark.parametrize("name, batch", [("tiny-qwen2", 16), ("llama-3-8b", 1), ("qwen3-8b", 8), ("tiny-mixtral", 8),
-                                         ("qwen3-30b-a3b", 1)])
-def test_ring_megakernel_compiles_for_sm90(name, batch):
+@pytest.mark.parametrize("name, batch, fused_route", [("tiny-qwen2", 16, 0), ("llama-3-8b", 1, 0), ("qwen3-8b", 8, 0),
+                                                      ("tiny-mixtral", 8, 0), ("qwen3-30b-a3b", 1, 0),
+                                                      ("qwen3-30b-a3b", 1, 1)])
+def test_ring_megakernel_compiles_for_sm90(name, batch, fused_route):
     """The Gluon megakernel (kernels/ring_megakernel.py) builds on the Triton CI installs: qkv bias, plain
     RoPE, q/k-norm finished by attention; mixture-of-experts steps with router tiles (batch 8) and with the o_proj
-    tiles' shares of the gate's logits (batch 1)."""
+    tiles' shares of the gate's logits (batch 1), routed by a route task or by the tile that adds the last share."""
     engine = Engine(name, backend="triton", device="meta", dtype=torch.bfloat16, max_context=1024,
-                    config=GraphConfig(batch=batch, workers=DEFAULT_WORKERS), kernel_options={"kernel": "ring"})
+                    config=GraphConfig(batch=batch, workers=DEFAULT_WORKERS, fused_route=fused_route),
+                    kernel_options={"kernel": "ring"})
     compiled = engine.executor.compile_ahead(arch=90)
     assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
     assert "wgmma" in compiled.asm["ptx"] and "cp.async.bulk.tensor" in compiled.asm["ptx"]

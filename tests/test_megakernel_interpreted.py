@@ -23,9 +23,10 @@ name, router_partials = sys.argv[1], int(sys.argv[2])
 # finishes the heads); the one-row decode steps run a table of their own (BATCH 1: the expert tiles' path where
 # every slot leads; the tensor-parallel test below runs one-row steps on a four-row table); router_partials 0 gives
 # the four-row table router tiles and the one-row table the o_proj tiles' shares, 1 shares to both (and the
-# attention groups combined by their last split: fused_attn_reduce)
+# attention groups combined by their last split, the route by the o_proj tile that adds the last share:
+# fused_attn_reduce, fused_route)
 config = GraphConfig(batch=4, kv_splits=3, tile_rows=24, lm_tile_rows=48, workers=1,
-                     router_partials=router_partials, fused_attn_reduce=router_partials)
+                     router_partials=router_partials, fused_attn_reduce=router_partials, fused_route=router_partials)
 engines = [Engine(name, backend=b, config=config, step_batches=(1,)) for b in ("reference", "triton")]
 runs = [e.generate([1, 2, 3, 4, 5, 6, 7], 5, return_logits=True) for e in engines]
 (ref_tokens, ref_logits), (tokens, logits) = runs
@@ -43,7 +44,7 @@ def test_interpreted_megakernel_matches_reference(models):
     the router, the route task's distinct experts, the expert tiles that cut their rows at run time (crossing from
     one expert into the next) and the combine (prompt steps of 4 and 3 rows, then one-row steps on a one-row
     table); the gate's logits from router tiles and from the o_proj tiles' shares (the second model's prompt
-    steps too: router_partials 1, which also runs it with fused_attn_reduce)."""
+    steps too: router_partials 1, which also runs it with fused_attn_reduce and fused_route)."""
     # a process per model, all at once: the interpreter is single-threaded and CI has two cores
     procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, name, str(int(i == 1))], cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=INTERPRETED)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distmk.comm.cpu import run_simulated_ranks
-from distmk.errors import ModelError, ShardingError
+from distmk.errors import GraphError, ModelError, ShardingError
 from distmk.graph import GraphConfig
 from distmk.graph.lowering import compile_step
 from distmk.graph.table import A0, A2, LAYER, SIGNAL, TYPE, WAIT
@@ -172,7 +172,6 @@ def test_router_partials_choice():
     """router_partials 0 (automatic) takes the o_proj tiles' shares at tp=1 and batch 1 while they are at most
     64 KB (qwen3-30b-a3b: 128 tiles x 128 experts x 4 bytes), router tiles otherwise (mixtral-8x7b's 8 experts at
     batch 8 too) and always at tp > 1, where asking for the shares is refused by name."""
-    from distmk.errors import GraphError
     for name, tp, batch, want in (("qwen3-30b-a3b", 1, 1, 1), ("qwen3-30b-a3b", 1, 8, 2), ("qwen3-30b-a3b", 2, 1, 2),
                                   ("mixtral-8x7b", 1, 1, 1), ("mixtral-8x7b", 1, 8, 2), ("qwen3-8b", 1, 1, 2)):
         spec = preset(name)
@@ -184,6 +183,34 @@ def test_router_partials_choice():
         GraphConfig(router_partials=1).resolved(spec, plan_shard(spec, 2, 0))
     with pytest.raises(GraphError, match="router_partials must be 0, 1 or 2, got 3"):
         GraphConfig(router_partials=3).resolved(spec, plan_shard(spec, 1, 0))
+
+
+def test_fused_route_drops_the_route_phase_and_changes_no_result():
+    """fused_route=1 where the o_proj tiles add the shares (router_partials 1): no route task; the expert tiles wait
+    on the o_proj tiles' event (the tile that adds the last share routes before it signals) and their producer's
+    `routed` event is that one; the same tokens and bit-identical logits with 1 and 13 workers, rows that share
+    experts included (four-row steps). Where router tiles make the logits (router_partials 2) it resolves to 0."""
+    spec = preset("tiny-qwen3-moe")
+    plan = plan_shard(spec, 1, 0)
+    fused = dataclasses.replace(SMALL, router_partials=1, fused_route=1)
+    table = compile_step(spec, plan, fused)
+    rows = table.tasks.tolist()
+    assert not any(TASK_KINDS[row[TYPE]].name == "route" for row in rows)
+    for layer in spec.moe_layers:
+        o_proj = {row[SIGNAL] for row in rows if row[LAYER] == layer and TASK_KINDS[row[TYPE]].name == "o_proj"}
+        ups = [row for row in rows if row[LAYER] == layer and TASK_KINDS[row[TYPE]].name == "expert_gate_up"]
+        assert len(o_proj) == 1 and {row[WAIT] for row in ups} == {row[A0 + 3] for row in ups} == o_proj
+    assert GraphConfig(router_partials=2, fused_route=1).resolved(spec, plan).fused_route == 0
+
+    def run(config):
+        return Engine("tiny-qwen3-moe", config=config).generate(PROMPT, 12, return_logits=True)
+
+    base_tokens, base_logits = run(dataclasses.replace(SMALL, router_partials=1))
+    for workers in (1, 13):
+        tokens, logits = run(dataclasses.replace(fused, workers=workers))
+        assert tokens == base_tokens and torch.equal(logits, base_logits)
+    with pytest.raises(GraphError, match="fused_route must be 0 or 1"):
+        GraphConfig(fused_route=2)
 
 
 def test_expert_tiles_at_batch_1_are_each_a_share_of_one_expert():

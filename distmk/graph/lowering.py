@@ -43,6 +43,9 @@ class GraphConfig:
     fused_attn_reduce: int = field(default=1, metadata={
         "help": "1 = the attention task that ends a group's splits last combines them (fixed order, no attn_reduce "
                 "phase); 0 = attn_reduce tasks"})
+    fused_route: int = field(default=0, metadata={
+        "help": "1 = where the o_proj tiles add the gate's shares (router_partials 1), the tile that adds a sparse "
+                "layer's last share routes it (no route phase); 0 = route tasks"})
     workers: int = DEFAULT_WORKERS  # worker queues (one per SM on the GPU: graph/hardware.py)
     context: int = 512        # expected context length, for the cost model only
     dtype_bytes: int = 2      # element size of weights and activations, for the cost model
@@ -55,16 +58,19 @@ class GraphConfig:
         for name in ("kv_splits", "tile_rows", "lm_tile_rows", "router_partials"):
             if getattr(self, name) < 0:
                 raise GraphError(f"GraphConfig.{name} must be >= 0 (0 = automatic), got {getattr(self, name)}")
-        if self.fused_attn_reduce not in (0, 1):
-            raise GraphError(f"GraphConfig.fused_attn_reduce must be 0 or 1, got {self.fused_attn_reduce}")
+        for name in ("fused_attn_reduce", "fused_route"):
+            if getattr(self, name) not in (0, 1):
+                raise GraphError(f"GraphConfig.{name} must be 0 or 1, got {getattr(self, name)}")
 
     def resolved(self, spec: ModelSpec, plan: ShardPlan) -> "GraphConfig":
         """Automatic choices made concrete. kv_splits: enough splits that every worker gets an attention task
         (at most 16), so attention is one short pass over the keys instead of a long serial one on a few
-        workers."""
+        workers. fused_route: only where the o_proj tiles add the shares (router_partials 1)."""
         tasks_per_split = self.batch * plan.num_kv_heads * (plan.group // attention_heads(plan.group))
         splits = self.kv_splits or max(1, min(16, self.workers // tasks_per_split))
-        return dataclasses.replace(self, kv_splits=splits, router_partials=self.router_partials_choice(spec, plan))
+        partials = self.router_partials_choice(spec, plan)
+        return dataclasses.replace(self, kv_splits=splits, router_partials=partials,
+                                   fused_route=int(self.fused_route and partials == 1))
 
     def router_partials_choice(self, spec: ModelSpec, plan: ShardPlan) -> int:
         """router_partials made concrete (see tasks/router.py for what the o_proj tiles add). At tp > 1 an o_proj
@@ -190,10 +196,11 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
     def sparse_mlp(layer: int, wait: int) -> int:
         """The router tiles (the gate's logits, cut over the experts) unless the o_proj tiles added their shares
         (router_partials 1), the route task (each row's choices and the step's distinct experts,
-        tasks/route.py), then the expert tiles: gate/up, and down once every gate/up tile is done (a down tile
-        may read any expert's expert_h); returns 'every expert output stored', which the combine tiles wait
-        for. Each phase's tiles split the distinct experts' rows evenly at run time, so they stay balanced when
-        rows share experts (GraphConfig.expert_parts says how many)."""
+        tasks/route.py) unless the o_proj tile that adds the last share routes (fused_route), then the expert
+        tiles: gate/up, and down once every gate/up tile is done (a down tile may read any expert's expert_h);
+        returns 'every expert output stored', which the combine tiles wait for. Each phase's tiles split the
+        distinct experts' rows evenly at run time, so they stay balanced when rows share experts
+        (GraphConfig.expert_parts says how many)."""
         sparse, slots = spec.moe_layers.index(layer), B * spec.experts_per_token
         logits, partials = wait, int(config.router_partials == 1)
         if not partials:
@@ -201,8 +208,11 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
             logits = g.event(f"L{layer}.router", len(router_tiles))
             for expert0, nexperts in router_tiles:
                 g.task("router", layer, (sparse, expert0, nexperts), wait=wait, signal=logits)
-        routed = g.event(f"L{layer}.route", 1)
-        g.task("route", layer, (sparse, partials), wait=logits, signal=routed)
+        if config.fused_route:      # the o_proj tiles' event: the last of them routed before it signalled
+            routed = wait
+        else:
+            routed = g.event(f"L{layer}.route", 1)
+            g.task("route", layer, (sparse, partials), wait=logits, signal=routed)
         up_parts, down_parts = config.expert_parts(plan.expert_inter, slots), config.expert_parts(H, slots)
         h_done = g.event(f"L{layer}.expert_h", up_parts)
         for part in range(up_parts):

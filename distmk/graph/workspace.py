@@ -67,6 +67,9 @@ WORKSPACE = (
            "each o_proj tile's share of the gate's logits, before the RMSNorm's scale (router_partials 1)"),
     Buffer("router_sumsq", lambda d: (d.router_parts, d.batch), "float32",
            "and of the residual stream's sum of squares, of which the route task takes that scale"),
+    Buffer("route_arrivals", lambda d: (max(1, d.sparse_layers),), "int64",
+           "o_proj tiles that added a share of each sparse layer's logits, router_parts more a step (fused_route: the "
+           "tile that makes it a multiple of router_parts routes the layer); zeroed after an aborted step"),
     Buffer("route_expert", lambda d: (d.batch, max(1, d.top_k)), "int64", "the expert of each slot"),
     Buffer("route_weight", lambda d: (d.batch, max(1, d.top_k)), "float32", "its routing weight"),
     Buffer("route_slot", lambda d: (d.batch, max(1, d.top_k)), "int64",

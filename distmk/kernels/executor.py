@@ -322,6 +322,7 @@ class TritonExecutor:
         self.error.zero_()
         self.symmetric.counters.zero_()               # the aborted step left counters mid-way: start over
         self.buf["attn_count"].zero_()
+        self.buf["route_arrivals"].zero_()
         self.epoch.zero_()
         targets = self.dev_table.event_need.long().cpu() * err["epoch"]
         root = stalled_event(self.table, counters.cpu() < targets)

@@ -166,8 +166,9 @@ CONSTANTS = (
     Arg("QKV_BLOCK_N", lambda l: min(32, padded(qkv_tiles(l.spec, l.plan, l.config)[0][1]))),   # the first: tallest
     # the weight ring (ring megakernel): device/ring.py's _claim_slot
     Arg("RING_INFLIGHT", lambda l: l.options.ring_inflight, "weight slots in flight while the ring fills (0: all)"),
-    # MoE kernels are larger: 2 keys a pass is 9 KB less code, qwen3-30b-a3b b1 2.88 -> 2.80 ms; dense qwen3-8b +0.3%
     Arg("FUSED_ATTN_REDUCE", lambda l: l.config.fused_attn_reduce, "the last split of a group combines it"),
+    Arg("FUSED_ROUTE", lambda l: l.config.fused_route, "the o_proj tile that adds a layer's last share routes it"),
+    # MoE kernels are larger: 2 keys a pass is 9 KB less code, qwen3-30b-a3b b1 2.88 -> 2.80 ms; dense qwen3-8b +0.3%
     Arg("RING_ATTN_KEYS", lambda l: l.options.ring_attention_keys or (2 if l.spec.num_experts else 0),
         "keys a thread of an attention task holds a pass (0: by its heads)"),
 )

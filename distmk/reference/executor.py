@@ -40,6 +40,7 @@ class StepContext:
     signal: int = -1
     published: dict = None            # what this rank's push tasks made visible to the others, by event
     fused_attn_reduce: int = 0        # GraphConfig's: the last split of an attention group combines it
+    fused_route: int = 0              # GraphConfig's: the o_proj tile that adds a layer's last share routes it
 
 
 class ReferenceExecutor:
@@ -53,7 +54,7 @@ class ReferenceExecutor:
             k_cache=kv_cache.k, v_cache=kv_cache.v, block_size=kv_cache.block_size,
             kv_splits=config.kv_splits,
             o_proj_rows=hidden_tile_rows(spec, config), comm=comm, dtype=dtype, published={},
-            fused_attn_reduce=config.fused_attn_reduce)
+            fused_attn_reduce=config.fused_attn_reduce, fused_route=config.fused_route)
         self.rows = [(TASK_KINDS[r[TYPE]], r[LAYER], tuple(r[A0:A0 + len(TASK_KINDS[r[TYPE]].args)]),
                       r[WAIT], r[SIGNAL]) for r in table.tasks.tolist()]
         # an exchange's event counts one signal per rank; here the other ranks meet inside comm.gather

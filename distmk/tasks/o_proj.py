@@ -1,6 +1,7 @@
 """A row tile of the attention output projection (row-parallel): attn @ Wo[rows]^T, into the residual
 stream (tp=1) or this rank's partial sum (tp>1, combined by an allreduce task). In a sparse layer at tp=1 it
-can also add its rows' share of the gate's logits (router_layer >= 0: tasks/router.py)."""
+can also add its rows' share of the gate's logits (router_layer >= 0: tasks/router.py), and the tile that adds
+the last share routes the layer (GraphConfig.fused_route: tasks/route.py route_if_last)."""
 import triton
 import triton.language as tl
 from triton.experimental import gluon
@@ -9,15 +10,19 @@ from triton.experimental.gluon import language as gl
 from distmk.device import ring as rg
 from distmk.device.primitives import prefetch_l2
 from distmk.tasks.base import TaskKind, row_parallel_gpu, row_parallel_tile
+from distmk.tasks.route import route_if_last, route_if_last_gpu, route_if_last_ring
 from distmk.tasks.router import router_share, router_share_gpu, router_share_ring, router_share_weights
 
 
 # noinline: see TaskKind.gpu (tasks/base.py)
 @triton.jit(noinline=True)
-def o_proj_gpu(layer, row0, nrows, mode, router_layer, n, attn, wo, x, xs, partial, norms, router, router_partial,
-               router_sumsq, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, EXPERTS: tl.constexpr,
-               EXPERTS_PAD: tl.constexpr, BATCH: tl.constexpr, O_PROJ_ROWS: tl.constexpr, B_PAD: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def o_proj_gpu(layer, row0, nrows, mode, router_layer, n, attn, wo, x, xs, partial, norms, router, router_logits,
+               router_partial, router_sumsq, route_arrivals, route_expert, route_weight, route_slot, route_unique,
+               route_count, route_history, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr,
+               EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
+               SLOTS_PAD: tl.constexpr, NORM_TOPK: tl.constexpr, BATCH: tl.constexpr, ROUTER_PARTS: tl.constexpr,
+               O_PROJ_ROWS: tl.constexpr, FUSED_ROUTE: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     w = wo + layer.to(tl.int64) * H * HQ * D
     next_norm = norms + (2 * layer + 1) * H             # the post-attention norm
     row_parallel_gpu(attn, w, row0, nrows, mode, n, x, xs, next_norm, partial, HQ * D, H, B_PAD, BLOCK_N, BLOCK_K,
@@ -26,6 +31,11 @@ def o_proj_gpu(layer, row0, nrows, mode, router_layer, n, attn, wo, x, xs, parti
         if router_layer >= 0:
             router_share_gpu(layer, router_layer, row0, nrows, n, x, norms, router, router_partial, router_sumsq,
                              H, EXPERTS, EXPERTS_PAD, BATCH, O_PROJ_ROWS, B_PAD, BLOCK_N, DOT_PRECISION)
+            if FUSED_ROUTE:
+                route_if_last_gpu(router_layer, n, router_logits, router_partial, router_sumsq, route_arrivals,
+                                  route_expert, route_weight, route_slot, route_unique, route_count, route_history, H,
+                                  EPS, EXPERTS, EXPERTS_PAD, TOP_K, TOP_K_PAD, SLOTS_PAD, NORM_TOPK, BATCH,
+                                  ROUTER_PARTS)
 
 
 @triton.jit
@@ -41,10 +51,13 @@ def o_proj_weights(layer, row0, nrows, wo_desc, ring, ready, empty, c, H: gl.con
 
 
 @gluon.jit
-def o_proj_ring(layer, row0, nrows, router_layer, n, x, xs, norms, router, router_partial, router_sumsq, attn_desc,
-                ring, ready, empty, xring, xready, c, cx, H: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
-                EXPERTS: gl.constexpr, EXPERTS_PAD: gl.constexpr, BATCH: gl.constexpr, O_PROJ_ROWS: gl.constexpr,
-                num_warps: gl.constexpr):
+def o_proj_ring(layer, row0, nrows, router_layer, n, x, xs, norms, router, router_logits, router_partial,
+                router_sumsq, route_arrivals, route_expert, route_weight, route_slot, route_unique, route_count,
+                route_history, attn_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr,
+                HQ: gl.constexpr, D: gl.constexpr, EPS: gl.constexpr, EXPERTS: gl.constexpr,
+                EXPERTS_PAD: gl.constexpr, TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr, SLOTS_PAD: gl.constexpr,
+                NORM_TOPK: gl.constexpr, BATCH: gl.constexpr, ROUTER_PARTS: gl.constexpr,
+                O_PROJ_ROWS: gl.constexpr, FUSED_ROUTE: gl.constexpr, num_warps: gl.constexpr):
     """The tp=1 tile (ADD_RESIDUAL: the ring megakernel runs only there)."""
     if EXPERTS > 0:
         share_weights = router_share_weights(layer, router_layer, row0, nrows, norms, router, H, EXPERTS, EXPERTS_PAD,
@@ -55,6 +68,11 @@ def o_proj_ring(layer, row0, nrows, router_layer, n, x, xs, norms, router, route
         if router_layer >= 0:
             router_share_ring(row0, nrows, n, x, router_partial, router_sumsq, share_weights, H, EXPERTS,
                               EXPERTS_PAD, BATCH, O_PROJ_ROWS, num_warps)
+            if FUSED_ROUTE:
+                route_if_last_ring(router_layer, n, router_logits, router_partial, router_sumsq, route_arrivals,
+                                   route_expert, route_weight, route_slot, route_unique, route_count, route_history,
+                                   H, EPS, EXPERTS, EXPERTS_PAD, TOP_K, TOP_K_PAD, SLOTS_PAD, NORM_TOPK, BATCH,
+                                   ROUTER_PARTS, num_warps)
     return c, cx
 
 
@@ -75,3 +93,5 @@ class OProj(TaskKind):
         row_parallel_tile(ctx, ctx.buf["attn"], ctx.weights.layers[layer].wo, row0, nrows, mode, 2 * layer + 1)
         if router_layer >= 0:
             router_share(ctx, layer, router_layer, row0, nrows)
+            if ctx.fused_route:
+                route_if_last(ctx, router_layer)

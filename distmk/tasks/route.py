@@ -151,6 +151,23 @@ def route_gpu(sparse_layer, partials, n, router_logits, router_partial, router_s
         tl.store(route_count, tl.sum(lead, axis=0))
 
 
+@triton.jit
+def route_if_last_gpu(sparse_layer, n, router_logits, router_partial, router_sumsq, route_arrivals, route_expert,
+                      route_weight, route_slot, route_unique, route_count, route_history, H: tl.constexpr,
+                      EPS: tl.constexpr, EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr,
+                      TOP_K_PAD: tl.constexpr, SLOTS_PAD: tl.constexpr, NORM_TOPK: tl.constexpr, BATCH: tl.constexpr,
+                      ROUTER_PARTS: tl.constexpr):
+    """fused_route, after an o_proj tile stored its share of the sparse layer's logits: the tile whose share makes
+    the layer's count of arrivals a multiple of ROUTER_PARTS (acq_rel: every other share is visible to it) routes
+    the layer before the tile signals, so the expert tiles wait on the o_proj tiles' event (no route phase)."""
+    tl.debug_barrier()          # every thread's share precedes the count
+    arrived = tl.atomic_add(route_arrivals + sparse_layer, 1, sem="acq_rel", scope="gpu")
+    if (arrived + 1) % ROUTER_PARTS == 0:
+        route_gpu(sparse_layer, 1, n, router_logits, router_partial, router_sumsq, route_expert, route_weight,
+                  route_slot, route_unique, route_count, route_history, H, EPS, EXPERTS, EXPERTS_PAD, TOP_K,
+                  TOP_K_PAD, SLOTS_PAD, NORM_TOPK, BATCH, ROUTER_PARTS)
+
+
 @gluon.constexpr_function
 def flat_rows_fit_int32(ROWS, TOP_K, BATCH):
     """Whether ring_flat_range's products fit in int32 for up to 1024 tiles: its divisions then take a few dozen
@@ -311,6 +328,29 @@ def route_ring(sparse_layer, partials, n, router_logits, router_partial, router_
         gl.store(route_count, gl.sum(lead, axis=0).to(gl.int64))
 
 
+@gluon.jit
+def route_if_last_ring(sparse_layer, n, router_logits, router_partial, router_sumsq, route_arrivals, route_expert,
+                       route_weight, route_slot, route_unique, route_count, route_history, H: gl.constexpr,
+                       EPS: gl.constexpr, EXPERTS: gl.constexpr, EXPERTS_PAD: gl.constexpr, TOP_K: gl.constexpr,
+                       TOP_K_PAD: gl.constexpr, SLOTS_PAD: gl.constexpr, NORM_TOPK: gl.constexpr,
+                       BATCH: gl.constexpr, ROUTER_PARTS: gl.constexpr, num_warps: gl.constexpr):
+    """route_if_last_gpu in Gluon."""
+    rg.cta_barrier()            # every thread's share precedes the count
+    arrived = gl.atomic_add(route_arrivals + sparse_layer, 1, sem="acq_rel", scope="gpu")
+    if (arrived + 1) % ROUTER_PARTS == 0:
+        route_ring(sparse_layer, 1, n, router_logits, router_partial, router_sumsq, route_expert, route_weight,
+                   route_slot, route_unique, route_count, route_history, H, EPS, EXPERTS, EXPERTS_PAD, TOP_K,
+                   TOP_K_PAD, SLOTS_PAD, NORM_TOPK, BATCH, ROUTER_PARTS, num_warps)
+
+
+def route_if_last(ctx, sparse_layer: int) -> None:
+    """route_if_last_gpu's semantics: the o_proj tile that adds a sparse layer's last share of the step routes it."""
+    arrived = ctx.buf["route_arrivals"][sparse_layer]
+    arrived += 1
+    if int(arrived) % ctx.buf["router_partial"].shape[0] == 0:
+        route(ctx, sparse_layer, 1)
+
+
 class Route(TaskKind):
     name = "route"
     # sparse_layer: the layer's index among the sparse ones (its route_history row); partials: 1 where the o_proj
@@ -323,14 +363,19 @@ class Route(TaskKind):
         return shape.router_shares * shape.batch * (shape.spec.num_experts + 1) * 4
 
     def run(self, ctx, layer, a):
-        n, top_k = ctx.num_rows, ctx.spec.experts_per_token
-        weights, experts = choose(router_logits(ctx, a[1]), top_k, ctx.spec.norm_topk_prob)
-        ctx.buf["route_weight"][:n] = weights
-        ctx.buf["route_expert"][:n] = experts
-        ctx.buf["route_history"][a[0], :n] = experts
-        flat = experts.flatten()
-        first = (flat[:, None] == flat[None, :]).int().argmax(dim=1)
-        ctx.buf["route_slot"][:n] = first.view(n, top_k)
-        unique = (first == torch.arange(len(flat), device=flat.device)).nonzero().flatten()
-        ctx.buf["route_unique"][:len(unique)] = unique
-        ctx.buf["route_count"][0] = len(unique)
+        route(ctx, *a)
+
+
+def route(ctx, sparse_layer: int, partials: int) -> None:
+    """The route task's semantics: every row's choices of the sparse layer, its leading slots and their count."""
+    n, top_k = ctx.num_rows, ctx.spec.experts_per_token
+    weights, experts = choose(router_logits(ctx, partials), top_k, ctx.spec.norm_topk_prob)
+    ctx.buf["route_weight"][:n] = weights
+    ctx.buf["route_expert"][:n] = experts
+    ctx.buf["route_history"][sparse_layer, :n] = experts
+    flat = experts.flatten()
+    first = (flat[:, None] == flat[None, :]).int().argmax(dim=1)
+    ctx.buf["route_slot"][:n] = first.view(n, top_k)
+    unique = (first == torch.arange(len(flat), device=flat.device)).nonzero().flatten()
+    ctx.buf["route_unique"][:len(unique)] = unique
+    ctx.buf["route_count"][0] = len(unique)
