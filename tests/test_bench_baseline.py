@@ -107,7 +107,7 @@ def test_tensor_parallel_decoder_matches_transformers(name, tp, tmp_path):
 
 def test_hf_eager_baseline_runs_on_cpu():
     spec = preset("tiny-qwen3")
-    ms = hf_eager_ms_per_token(spec, RandomWeights(spec), batch=2, context=8, new_tokens=4, dtype=torch.float32,
+    ms = hf_eager_ms_per_token(spec, RandomWeights(spec), batch=2, context=8, new_tokens=8, dtype=torch.float32,
                                device="cpu")
     assert ms > 0
 
