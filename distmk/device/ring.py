@@ -130,14 +130,17 @@ def _claim_slot(ready, empty, c, first, NBUF: gl.constexpr, INFLIGHT: gl.constex
 
 
 @gluon.jit
-def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, INFLIGHT: gl.constexpr):
+def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, INFLIGHT: gl.constexpr,
+               STACK: gl.constexpr = 1):
     """Producer: the ring slots of one block of `rows` (<= BN) weight rows from row0, BK columns at a time, in
     boxes of the descriptor's rows, each copied as soon as the consumer frees its slot (and, while the ring
     fills ahead of the task whose first slot is `first`, at most INFLIGHT slots are in flight: _claim_slot);
     returns the slots filled so far. A slot's rows past the block keep an earlier block's weights: consumers never
     store them. The descriptor's box is [16 rows, one 128-byte swizzle line of columns], one TMA copy, all issued
     from one loop: boxes as wide as the slot were a copy per 128 bytes, unrolled at every call (96 copy sites, 22 KB
-    of qwen3-30b-a3b's kernel; a kernel's code is time of its latency-bound tasks: benchmarks/code_size.py)."""
+    of qwen3-30b-a3b's kernel; a kernel's code is time of its latency-bound tasks: benchmarks/code_size.py).
+    STACK > 1 (stack_factor: rows <= BN // STACK): a slot holds STACK chunks of BK columns, chunk u in its rows
+    [u * BN // STACK, (u + 1) * BN // STACK) (mma_stacked)."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
     BK: gl.constexpr = ring.type.shape[2]
@@ -145,18 +148,20 @@ def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, 
     LINE: gl.constexpr = desc.block_type.shape[1]
     LINES: gl.constexpr = BK // LINE
     MOST: gl.constexpr = BN // BOX
+    UNIT_BOXES: gl.constexpr = MOST // STACK
     gl.static_assert((LINE * 2 == 128) | (MOST == 1), "a weight box is one swizzle line wide or a whole slot")
     # the slot is laid out a swizzle line of columns after another ([LINES, BN, LINE]): as boxes, [line, box]
     boxes_of = as_boxes(ring, desc, NBUF * LINES * MOST)
-    boxes = (gl.minimum(rows, BN) + BOX - 1) // BOX
-    for k in range(0, K, BK):
+    boxes = (gl.minimum(rows, BN // STACK) + BOX - 1) // BOX
+    for k in range(0, K, BK * STACK):
         s = _claim_slot(ready, empty, c, first, NBUF, INFLIGHT)
-        _expect_pieces(ready.index(s), boxes, LINES, desc, MOST)
-        for piece in range(boxes * LINES):
-            line = piece % LINES
-            box = piece // LINES
-            tma_load(desc, [row0 + box * BOX, k + line * LINE], ready.index(s),
-                     boxes_of.index((s * LINES + line) * MOST + box))
+        _expect_pieces(ready.index(s), boxes, LINES * STACK, desc, UNIT_BOXES)
+        for unit in gl.static_range(STACK):
+            for piece in range(boxes * LINES):
+                line = piece % LINES
+                box = piece // LINES
+                tma_load(desc, [row0 + box * BOX, k + unit * BK + line * LINE], ready.index(s),
+                         boxes_of.index((s * LINES + line) * MOST + unit * UNIT_BOXES + box))
         c += 1
     return c
 
@@ -229,12 +234,13 @@ def acc_layout(BN, B_PAD, num_warps):
 
 
 @gluon.jit
-def load_rows(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, INFLIGHT: gl.constexpr):
-    """Producer: the slots of a task's `rows` weight rows from row0, block after block."""
+def load_rows(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, INFLIGHT: gl.constexpr,
+              STACK: gl.constexpr = 1):
+    """Producer: the slots of a task's `rows` weight rows from row0, block after block (STACK: load_block)."""
     BN: gl.constexpr = ring.type.shape[1]
     first = c
     for j in range(0, rows, BN):
-        c = load_block(desc, row0 + j, rows - j, K, ring, ready, empty, c, first, INFLIGHT)
+        c = load_block(desc, row0 + j, rows - j, K, ring, ready, empty, c, first, INFLIGHT, STACK)
     return c
 
 
@@ -245,7 +251,7 @@ def stack_factor(BN, BK, rows, K, STACK_K):
     the rows padded to 16 or 32, so that the slot's [BN, BK] holds that many chunks of the tile's rows side by side
     (each a unit of rows) and the ring ahead of the tile holds that many times more of it (qwen3-30b-a3b's 16-row
     o_proj tiles filled a quarter of a slot: 40 of their 128 KB were in the ring before their event). 1: a chunk a
-    slot (load_rows)."""
+    slot."""
     unit = max(16, next_power_of_2(rows))
     stack = min(STACK_K, BN // unit) if STACK_K and unit * 2 <= BN else 1
     while stack > 1 and (K // BK) % stack:
@@ -254,40 +260,9 @@ def stack_factor(BN, BK, rows, K, STACK_K):
 
 
 @gluon.jit
-def load_stacked(desc, row0, rows, K: gl.constexpr, STACK: gl.constexpr, ring, ready, empty, c,
-                 INFLIGHT: gl.constexpr):
-    """Producer: load_rows of a tile of at most BN // STACK rows with STACK K chunks a slot (stack_factor): the
-    slot's unit u (rows [u * BN // STACK, (u + 1) * BN // STACK)) holds the tile's rows at columns k + u * BK.
-    Every unit is copied whole (rows past the tile are never stored)."""
-    if STACK == 1:
-        c = load_rows(desc, row0, rows, K, ring, ready, empty, c, INFLIGHT)
-    else:
-        NBUF: gl.constexpr = ring.type.shape[0]
-        BN: gl.constexpr = ring.type.shape[1]
-        BK: gl.constexpr = ring.type.shape[2]
-        BOX: gl.constexpr = desc.block_type.shape[0]
-        LINE: gl.constexpr = desc.block_type.shape[1]
-        LINES: gl.constexpr = BK // LINE
-        MOST: gl.constexpr = BN // BOX
-        UNIT_BOXES: gl.constexpr = BN // STACK // BOX
-        boxes_of = as_boxes(ring, desc, NBUF * LINES * MOST)
-        first = c
-        for k in range(0, K, BK * STACK):
-            s = _claim_slot(ready, empty, c, first, NBUF, INFLIGHT)
-            mbarrier.expect(ready.index(s), MOST * LINES * desc.block_type.nbytes)
-            for piece in range(MOST * LINES):
-                line = piece % LINES
-                box = piece // LINES
-                tma_load(desc, [row0 + (box % UNIT_BOXES) * BOX, k + (box // UNIT_BOXES) * BK + line * LINE],
-                         ready.index(s), boxes_of.index((s * LINES + line) * MOST + box))
-            c += 1
-    return c
-
-
-@gluon.jit
 def mma_stacked(x_desc, x_row, K: gl.constexpr, STACK: gl.constexpr, ring, ready, empty, xring, xready, c, cx,
                 num_warps: gl.constexpr):
-    """Consumer: mma_block of a tile load_stacked filled, its STACK > 1 K chunks a slot: the slot times input
+    """Consumer: mma_block of a tile load_rows filled with STACK > 1 K chunks a slot: the slot times input
     slice k + u into accumulator u (a wgmma is 64 rows: each runs the whole slot, of which only unit u's rows
     count in accumulator u), a slot's STACK wgmmas in flight together, then unit u's rows of accumulator u summed
     over u. Returns acc [BN // STACK, B_PAD] (in a layout of its own: stacked_index), the slots and input slices
@@ -474,7 +449,7 @@ def store_residual_ring(x, xs, offs, mask, values, next_norm_w):
 @gluon.jit
 def add_residual_rows(x_desc, x_row, K: gl.constexpr, row0, rows, n, x, xs, next_norm_w, H: gl.constexpr, ring, ready,
                       empty, xring, xready, c, cx, STACK: gl.constexpr, num_warps: gl.constexpr):
-    """x[:n, row0:row0 + rows] += x_in @ W[row0:row0 + rows]^T over the slots load_stacked filled, and the scaled
+    """x[:n, row0:row0 + rows] += x_in @ W[row0:row0 + rows]^T over the slots load_rows filled, and the scaled
     stream's columns with it (next_norm_w: the next RMSNorm's weight; tasks/base.py store_residual): the
     row-parallel o_proj and down tiles at tp=1. The residual and the norm's weight are loaded before the products,
     so their round trip overlaps them."""

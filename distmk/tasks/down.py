@@ -30,7 +30,7 @@ def down_prefetch(layer, row0, nrows, w_down, H: tl.constexpr, INTER: tl.constex
 def down_weights(layer, row0, nrows, w_down_desc, ring, ready, empty, c, H: gl.constexpr, INTER: gl.constexpr,
                  O_PROJ_ROWS: gl.constexpr, RING_INFLIGHT: gl.constexpr, RING_STACK_K: gl.constexpr):
     STACK: gl.constexpr = rg.stack_factor(ring.type.shape[1], ring.type.shape[2], O_PROJ_ROWS, INTER, RING_STACK_K)
-    return rg.load_stacked(w_down_desc, layer * H + row0, nrows, INTER, STACK, ring, ready, empty, c, RING_INFLIGHT)
+    return rg.load_rows(w_down_desc, layer * H + row0, nrows, INTER, ring, ready, empty, c, RING_INFLIGHT, STACK)
 
 
 @gluon.jit

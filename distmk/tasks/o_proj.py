@@ -49,7 +49,7 @@ def o_proj_weights(layer, row0, nrows, wo_desc, ring, ready, empty, c, H: gl.con
                    D: gl.constexpr, O_PROJ_ROWS: gl.constexpr, RING_INFLIGHT: gl.constexpr,
                    RING_STACK_K: gl.constexpr):
     STACK: gl.constexpr = rg.stack_factor(ring.type.shape[1], ring.type.shape[2], O_PROJ_ROWS, HQ * D, RING_STACK_K)
-    return rg.load_stacked(wo_desc, layer * H + row0, nrows, HQ * D, STACK, ring, ready, empty, c, RING_INFLIGHT)
+    return rg.load_rows(wo_desc, layer * H + row0, nrows, HQ * D, ring, ready, empty, c, RING_INFLIGHT, STACK)
 
 
 @gluon.jit
