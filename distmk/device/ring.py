@@ -265,8 +265,7 @@ def mma_stacked(x_desc, x_row, K: gl.constexpr, STACK: gl.constexpr, ring, ready
     """Consumer: mma_block of a tile load_rows filled with STACK > 1 K chunks a slot: the slot times input
     slice k + u into accumulator u (a wgmma is 64 rows: each runs the whole slot, of which only unit u's rows
     count in accumulator u), a slot's STACK wgmmas in flight together, then unit u's rows of accumulator u summed
-    over u. Returns acc [BN // STACK, B_PAD] (in a layout of its own: stacked_index), the slots and input slices
-    used so far."""
+    over u. Returns acc [BN // STACK, B_PAD] (in stacked_layout), the slots and input slices used so far."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
     XD: gl.constexpr = xring.type.shape[0]
@@ -296,7 +295,10 @@ def mma_stacked(x_desc, x_row, K: gl.constexpr, STACK: gl.constexpr, ring, ready
                 acc2 = warpgroup_mma(ring.index(s), x_slice, acc2, use_acc=j > 0, is_async=True)
             else:
                 acc3 = warpgroup_mma(ring.index(s), x_slice, acc3, use_acc=j > 0, is_async=True)
-        acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
+        if STACK == 4:
+            acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
+        else:
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1])
         mbarrier.arrive(empty.index(s), count=1)
         # the slot's slices are used: each of them and the one before (mma_block's rule) may be refilled, XD - 1
         # slices ahead of the first of them
@@ -312,14 +314,14 @@ def mma_stacked(x_desc, x_row, K: gl.constexpr, STACK: gl.constexpr, ring, ready
         mixed = gl.where(unit == 2, acc2, gl.where(unit == 3, acc3, mixed))
     mixed = gl.convert_layout(mixed, gl.BlockedLayout([1, B_PAD], [32, 1], [num_warps, 1], [1, 0]))
     acc = gl.sum(gl.reshape(mixed, [STACK, UNIT, B_PAD]), axis=0)
-    return acc, c, cx + KT
+    return gl.convert_layout(acc, stacked_layout(B_PAD, num_warps)), c, cx + KT
 
 
-@gluon.jit
-def stacked_index(acc):
-    """Row and batch indices of mma_stacked's accumulator."""
-    return (gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout)),
-            gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, acc.type.layout)))
+@gluon.constexpr_function
+def stacked_layout(B_PAD, num_warps):
+    """mma_stacked's accumulator [rows, B_PAD]: a row's batch in one thread, so that the residual it adds to can be
+    loaded before the products (add_residual_rows)."""
+    return gl.BlockedLayout([1, B_PAD], [32, 1], [num_warps, 1], [1, 0])
 
 
 @gluon.jit
@@ -466,12 +468,14 @@ def add_residual_rows(x_desc, x_row, K: gl.constexpr, row0, rows, n, x, xs, next
                                    num_warps)
             store_residual_ring(x, xs, offs, mask, residual + acc, g[:, None])
     else:
-        acc, c, cx = mma_stacked(x_desc, x_row, K, STACK, ring, ready, empty, xring, xready, c, cx, num_warps)
-        rn, rb = stacked_index(acc)
+        layout: gl.constexpr = stacked_layout(xring.type.shape[1], num_warps)
+        rn = gl.arange(0, BN // STACK, layout=gl.SliceLayout(1, layout))
+        rb = gl.arange(0, xring.type.shape[1], layout=gl.SliceLayout(0, layout))
         cols = row0 + rn
         offs = rb[None, :] * H + cols[:, None]
         mask = (rn < rows)[:, None] & (rb < n)[None, :]
         residual = gl.load(x + offs, mask=mask, other=0.0).to(gl.float32)
         g = gl.load(next_norm_w + cols, mask=rn < rows, other=0.0).to(gl.float32)
+        acc, c, cx = mma_stacked(x_desc, x_row, K, STACK, ring, ready, empty, xring, xready, c, cx, num_warps)
         store_residual_ring(x, xs, offs, mask, residual + acc, g[:, None])
     return c, cx
