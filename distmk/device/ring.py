@@ -305,14 +305,15 @@ def mma_stacked(x_desc, x_row, K: gl.constexpr, STACK: gl.constexpr, ring, ready
         for u in gl.static_range(STACK):
             ahead = j * STACK + u + XD - 1
             slot = (cx + ahead) % XD
-            mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=ahead < KT)
-            tma_load(x_desc, [x_row, ahead * BK], xready.index(slot), xring.index(slot), pred=ahead < KT)
+            more = ahead < KT
+            mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=more)
+            tma_load(x_desc, [x_row, ahead * BK], xready.index(slot), xring.index(slot), pred=more)
         c += 1
     unit = (gl.arange(0, BN, layout=gl.SliceLayout(1, layout)) // UNIT)[:, None]
     mixed = gl.where(unit == 0, acc0, acc1)
     if STACK == 4:
         mixed = gl.where(unit == 2, acc2, gl.where(unit == 3, acc3, mixed))
-    mixed = gl.convert_layout(mixed, gl.BlockedLayout([1, B_PAD], [32, 1], [num_warps, 1], [1, 0]))
+    mixed = gl.convert_layout(mixed, stacked_layout(B_PAD, num_warps))
     acc = gl.sum(gl.reshape(mixed, [STACK, UNIT, B_PAD]), axis=0)
     return gl.convert_layout(acc, stacked_layout(B_PAD, num_warps)), c, cx + KT
 
