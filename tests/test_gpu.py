@@ -72,22 +72,19 @@ def hopper() -> bool:
 
 
 @pytest.mark.skipif(not hopper(), reason="the ring megakernel needs a Hopper GPU")
-@pytest.mark.parametrize("name, batch, fused, options", [
-    ("tiny-llama", 16, 0, {}), ("tiny-qwen3", 4, 0, {}), ("tiny-qwen2", 1, 0, {}), ("tiny-mistral", 8, 0, {}),
-    ("qwen3-0.6b", 8, 0, {}), ("llama-3.2-1b", 1, 0, {}), ("tiny-qwen3-moe", 1, 0, {}), ("tiny-mixtral", 4, 0, {}),
-    ("qwen3-0.6b", 8, 1, {}), ("tiny-qwen3-moe", 1, 1, {}),
-    ("llama-3.2-1b", 1, 1, {"ring_stack_k": 1}), ("qwen3-0.6b", 8, 1, {"ring_stack_k": 1, "ring_inputs": 5})])
-def test_ring_megakernel_matches_tl_megakernel(name, batch, fused, options):
+@pytest.mark.parametrize("name, batch, fused", [("tiny-llama", 16, 0), ("tiny-qwen3", 4, 0), ("tiny-qwen2", 1, 0),
+                                                ("tiny-mistral", 8, 0), ("qwen3-0.6b", 8, 0), ("llama-3.2-1b", 1, 0),
+                                                ("tiny-qwen3-moe", 1, 0), ("tiny-mixtral", 4, 0),
+                                                ("qwen3-0.6b", 8, 1), ("tiny-qwen3-moe", 1, 1)])
+def test_ring_megakernel_matches_tl_megakernel(name, batch, fused):
     """The weight-ring megakernel against the tl one: the same table, weights and KV cache, one bf16 step of
     `batch` rows at different positions. Mixture-of-experts steps route alike on both (batch 1: the o_proj tiles'
     shares of the gate's logits, batch 4: router tiles and rows that share experts). `fused`: the attention
     groups combined by their last split, the route by the o_proj tile that adds the last share of the gate's logits
-    (GraphConfig.fused_attn_reduce, fused_route; 0: attn_reduce and route tasks). `options`: the ring's, o_proj and
-    down tiles stacking 2 and 4 K chunks a weight slot (ring_stack_k)."""
+    (GraphConfig.fused_attn_reduce, fused_route; 0: attn_reduce and route tasks)."""
     from distmk.kernels.executor import TritonExecutor
     engine = Engine(name, backend="triton", device="cuda", dtype=torch.bfloat16, max_context=256, autotune=False,
-                    config=GraphConfig(batch=batch, workers=sms(), fused_attn_reduce=fused, fused_route=fused),
-                    kernel_options=options)
+                    config=GraphConfig(batch=batch, workers=sms(), fused_attn_reduce=fused, fused_route=fused))
     assert engine.executor.kernel_name == "ring"
     tl_kernel = TritonExecutor(engine.table, engine.spec, engine.weights, engine.kv, engine.comm, engine.dtype,
                                kernel="tl")

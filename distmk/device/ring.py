@@ -130,17 +130,14 @@ def _claim_slot(ready, empty, c, first, NBUF: gl.constexpr, INFLIGHT: gl.constex
 
 
 @gluon.jit
-def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, INFLIGHT: gl.constexpr,
-               STACK: gl.constexpr = 1):
+def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, INFLIGHT: gl.constexpr):
     """Producer: the ring slots of one block of `rows` (<= BN) weight rows from row0, BK columns at a time, in
     boxes of the descriptor's rows, each copied as soon as the consumer frees its slot (and, while the ring
     fills ahead of the task whose first slot is `first`, at most INFLIGHT slots are in flight: _claim_slot);
     returns the slots filled so far. A slot's rows past the block keep an earlier block's weights: consumers never
     store them. The descriptor's box is [16 rows, one 128-byte swizzle line of columns], one TMA copy, all issued
     from one loop: boxes as wide as the slot were a copy per 128 bytes, unrolled at every call (96 copy sites, 22 KB
-    of qwen3-30b-a3b's kernel; a kernel's code is time of its latency-bound tasks: benchmarks/code_size.py).
-    STACK > 1 (stack_factor: rows <= BN // STACK): a slot holds STACK chunks of BK columns, chunk u in its rows
-    [u * BN // STACK, (u + 1) * BN // STACK) (mma_stacked)."""
+    of qwen3-30b-a3b's kernel; a kernel's code is time of its latency-bound tasks: benchmarks/code_size.py)."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
     BK: gl.constexpr = ring.type.shape[2]
@@ -148,20 +145,18 @@ def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, 
     LINE: gl.constexpr = desc.block_type.shape[1]
     LINES: gl.constexpr = BK // LINE
     MOST: gl.constexpr = BN // BOX
-    UNIT_BOXES: gl.constexpr = MOST // STACK
     gl.static_assert((LINE * 2 == 128) | (MOST == 1), "a weight box is one swizzle line wide or a whole slot")
     # the slot is laid out a swizzle line of columns after another ([LINES, BN, LINE]): as boxes, [line, box]
     boxes_of = as_boxes(ring, desc, NBUF * LINES * MOST)
-    boxes = (gl.minimum(rows, BN // STACK) + BOX - 1) // BOX
-    for k in range(0, K, BK * STACK):
+    boxes = (gl.minimum(rows, BN) + BOX - 1) // BOX
+    for k in range(0, K, BK):
         s = _claim_slot(ready, empty, c, first, NBUF, INFLIGHT)
-        _expect_pieces(ready.index(s), boxes, LINES * STACK, desc, UNIT_BOXES)
-        for unit in gl.static_range(STACK):
-            for piece in range(boxes * LINES):
-                line = piece % LINES
-                box = piece // LINES
-                tma_load(desc, [row0 + box * BOX, k + unit * BK + line * LINE], ready.index(s),
-                         boxes_of.index((s * LINES + line) * MOST + unit * UNIT_BOXES + box))
+        _expect_pieces(ready.index(s), boxes, LINES, desc, MOST)
+        for piece in range(boxes * LINES):
+            line = piece % LINES
+            box = piece // LINES
+            tma_load(desc, [row0 + box * BOX, k + line * LINE], ready.index(s),
+                     boxes_of.index((s * LINES + line) * MOST + box))
         c += 1
     return c
 
@@ -234,95 +229,13 @@ def acc_layout(BN, B_PAD, num_warps):
 
 
 @gluon.jit
-def load_rows(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, INFLIGHT: gl.constexpr,
-              STACK: gl.constexpr = 1):
-    """Producer: the slots of a task's `rows` weight rows from row0, block after block (STACK: load_block)."""
+def load_rows(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, INFLIGHT: gl.constexpr):
+    """Producer: the slots of a task's `rows` weight rows from row0, block after block."""
     BN: gl.constexpr = ring.type.shape[1]
     first = c
     for j in range(0, rows, BN):
-        c = load_block(desc, row0 + j, rows - j, K, ring, ready, empty, c, first, INFLIGHT, STACK)
+        c = load_block(desc, row0 + j, rows - j, K, ring, ready, empty, c, first, INFLIGHT)
     return c
-
-
-@gluon.constexpr_function
-def stack_factor(BN, BK, rows, K, STACK_K):
-    """K chunks a weight slot stacks for a row-parallel tile of at most `rows` rows (the o_proj and down tiles'
-    hidden_tile_rows) and K columns, at most STACK_K (the kernel option ring_stack_k: kernels/interface.py): BN //
-    the rows padded to 16 or 32, so that the slot's [BN, BK] holds that many chunks of the tile's rows side by side
-    (each a unit of rows) and the ring ahead of the tile holds that many times more of it (qwen3-30b-a3b's 16-row
-    o_proj tiles filled a quarter of a slot: 40 of their 128 KB were in the ring before their event). 1: a chunk a
-    slot."""
-    unit = max(16, next_power_of_2(rows))
-    stack = min(STACK_K, BN // unit) if STACK_K and unit * 2 <= BN else 1
-    while stack > 1 and (K // BK) % stack:
-        stack //= 2
-    return stack
-
-
-@gluon.jit
-def mma_stacked(x_desc, x_row, K: gl.constexpr, STACK: gl.constexpr, ring, ready, empty, xring, xready, c, cx,
-                num_warps: gl.constexpr):
-    """Consumer: mma_block of a tile load_rows filled with STACK > 1 K chunks a slot: the slot times input
-    slice k + u into accumulator u (a wgmma is 64 rows: each runs the whole slot, of which only unit u's rows
-    count in accumulator u), a slot's STACK wgmmas in flight together, then unit u's rows of accumulator u summed
-    over u. Returns acc [BN // STACK, B_PAD] (in stacked_layout), the slots and input slices used so far."""
-    NBUF: gl.constexpr = ring.type.shape[0]
-    BN: gl.constexpr = ring.type.shape[1]
-    XD: gl.constexpr = xring.type.shape[0]
-    B_PAD: gl.constexpr = xring.type.shape[1]
-    BK: gl.constexpr = xring.type.shape[2]
-    KT: gl.constexpr = K // BK
-    UNIT: gl.constexpr = BN // STACK
-    gl.static_assert(XD > STACK, "a slot's input slices and the next one's first are in flight together")
-    layout: gl.constexpr = acc_layout(BN, B_PAD, num_warps)
-    _first_inputs(x_desc, x_row, KT, xring, xready, cx, True)
-    acc0 = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
-    acc1 = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
-    acc2 = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
-    acc3 = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
-    for j in range(KT // STACK):
-        s = c % NBUF
-        mbarrier.wait(ready.index(s), (c // NBUF) & 1)
-        for u in gl.static_range(STACK):
-            xs = (cx + j * STACK + u) % XD
-            mbarrier.wait(xready.index(xs), ((cx + j * STACK + u) // XD) & 1)
-            x_slice = xring.index(xs).permute((1, 0))
-            if u == 0:
-                acc0 = warpgroup_mma(ring.index(s), x_slice, acc0, use_acc=j > 0, is_async=True)
-            elif u == 1:
-                acc1 = warpgroup_mma(ring.index(s), x_slice, acc1, use_acc=j > 0, is_async=True)
-            elif u == 2:
-                acc2 = warpgroup_mma(ring.index(s), x_slice, acc2, use_acc=j > 0, is_async=True)
-            else:
-                acc3 = warpgroup_mma(ring.index(s), x_slice, acc3, use_acc=j > 0, is_async=True)
-        if STACK == 4:
-            acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
-        else:
-            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1])
-        mbarrier.arrive(empty.index(s), count=1)
-        # the slot's slices are used: each of them and the one before (mma_block's rule) may be refilled, XD - 1
-        # slices ahead of the first of them
-        for u in gl.static_range(STACK):
-            ahead = j * STACK + u + XD - 1
-            slot = (cx + ahead) % XD
-            more = ahead < KT
-            mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=more)
-            tma_load(x_desc, [x_row, ahead * BK], xready.index(slot), xring.index(slot), pred=more)
-        c += 1
-    unit = (gl.arange(0, BN, layout=gl.SliceLayout(1, layout)) // UNIT)[:, None]
-    mixed = gl.where(unit == 0, acc0, acc1)
-    if STACK == 4:
-        mixed = gl.where(unit == 2, acc2, gl.where(unit == 3, acc3, mixed))
-    mixed = gl.convert_layout(mixed, stacked_layout(B_PAD, num_warps))
-    acc = gl.sum(gl.reshape(mixed, [STACK, UNIT, B_PAD]), axis=0)
-    return gl.convert_layout(acc, stacked_layout(B_PAD, num_warps)), c, cx + KT
-
-
-@gluon.constexpr_function
-def stacked_layout(B_PAD, num_warps):
-    """mma_stacked's accumulator [rows, B_PAD]: a row's batch in one thread, so that the residual it adds to can be
-    loaded before the products (add_residual_rows)."""
-    return gl.BlockedLayout([1, B_PAD], [32, 1], [num_warps, 1], [1, 0])
 
 
 @gluon.jit
@@ -451,32 +364,20 @@ def store_residual_ring(x, xs, offs, mask, values, next_norm_w):
 
 @gluon.jit
 def add_residual_rows(x_desc, x_row, K: gl.constexpr, row0, rows, n, x, xs, next_norm_w, H: gl.constexpr, ring, ready,
-                      empty, xring, xready, c, cx, STACK: gl.constexpr, num_warps: gl.constexpr):
+                      empty, xring, xready, c, cx, num_warps: gl.constexpr):
     """x[:n, row0:row0 + rows] += x_in @ W[row0:row0 + rows]^T over the slots load_rows filled, and the scaled
     stream's columns with it (next_norm_w: the next RMSNorm's weight; tasks/base.py store_residual): the
     row-parallel o_proj and down tiles at tp=1. The residual and the norm's weight are loaded before the products,
     so their round trip overlaps them."""
     BN: gl.constexpr = ring.type.shape[1]
-    if STACK == 1:
-        rn, rb = block_index(ring, xring, num_warps)
-        for j in range(0, rows, BN):
-            cols = row0 + j + rn
-            offs = rb[None, :] * H + cols[:, None]
-            mask = (rn < rows - j)[:, None] & (rb < n)[None, :]
-            residual = gl.load(x + offs, mask=mask, other=0.0).to(gl.float32)
-            g = gl.load(next_norm_w + cols, mask=rn < rows - j, other=0.0).to(gl.float32)
-            acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, j > 0, j + BN < rows,
-                                   num_warps)
-            store_residual_ring(x, xs, offs, mask, residual + acc, g[:, None])
-    else:
-        layout: gl.constexpr = stacked_layout(xring.type.shape[1], num_warps)
-        rn = gl.arange(0, BN // STACK, layout=gl.SliceLayout(1, layout))
-        rb = gl.arange(0, xring.type.shape[1], layout=gl.SliceLayout(0, layout))
-        cols = row0 + rn
+    rn, rb = block_index(ring, xring, num_warps)
+    for j in range(0, rows, BN):
+        cols = row0 + j + rn
         offs = rb[None, :] * H + cols[:, None]
-        mask = (rn < rows)[:, None] & (rb < n)[None, :]
+        mask = (rn < rows - j)[:, None] & (rb < n)[None, :]
         residual = gl.load(x + offs, mask=mask, other=0.0).to(gl.float32)
-        g = gl.load(next_norm_w + cols, mask=rn < rows, other=0.0).to(gl.float32)
-        acc, c, cx = mma_stacked(x_desc, x_row, K, STACK, ring, ready, empty, xring, xready, c, cx, num_warps)
+        g = gl.load(next_norm_w + cols, mask=rn < rows - j, other=0.0).to(gl.float32)
+        acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, j > 0, j + BN < rows,
+                               num_warps)
         store_residual_ring(x, xs, offs, mask, residual + acc, g[:, None])
     return c, cx

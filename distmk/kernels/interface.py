@@ -166,8 +166,6 @@ CONSTANTS = (
     Arg("QKV_BLOCK_N", lambda l: min(32, padded(qkv_tiles(l.spec, l.plan, l.config)[0][1]))),   # the first: tallest
     # the weight ring (ring megakernel): device/ring.py's _claim_slot
     Arg("RING_INFLIGHT", lambda l: l.options.ring_inflight, "weight slots in flight while the ring fills (0: all)"),
-    Arg("RING_STACK_K", lambda l: l.options.ring_stack_k and min(4, 1 << (l.options.ring_inputs - 1).bit_length() >> 1),
-        "the most K chunks an o_proj / down tile's weight slot stacks: a power of two below ring_inputs (0: off)"),
     Arg("FUSED_ATTN_REDUCE", lambda l: l.config.fused_attn_reduce, "the last split of a group combines it"),
     Arg("FUSED_ROUTE", lambda l: l.config.fused_route, "the o_proj tile that adds a layer's last share routes it"),
     # MoE kernels are larger: 2 keys a pass is 9 KB less code, qwen3-30b-a3b b1 2.88 -> 2.80 ms; dense qwen3-8b +0.3%

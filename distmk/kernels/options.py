@@ -45,9 +45,6 @@ class KernelOptions:
     ring_inflight: int = option(2, "ring: weight slots a worker has in flight at most while its ring fills ahead "
                                    "of a task, so that the task's event poll and first inputs queue behind fewer "
                                    "bytes (0: every free slot)")
-    ring_stack_k: int = option(0, "ring: 1 = o_proj and down tiles of at most 32 rows take 2-4 K chunks a weight "
-                                  "slot, so the ring ahead of them holds 2-4 times more of them (device/ring.py "
-                                  "stack_factor); 0 = a chunk a slot", choices=(0, 1))
 
     def __post_init__(self):
         if not self.timeout_s > 0:
@@ -63,8 +60,6 @@ class KernelOptions:
         if self.ring_attention_keys & (self.ring_attention_keys - 1) or self.ring_attention_keys < 0:
             raise DistmkError(f"kernel option ring_attention_keys must be 0 or a power of two, got "
                               f"{self.ring_attention_keys}")
-        if self.ring_stack_k not in (0, 1):
-            raise DistmkError(f"kernel option ring_stack_k must be 0 or 1, got {self.ring_stack_k}")
         for name in ("prefetch_kb", "ring_block_k", "ring_slots", "ring_inflight", "block_n"):
             if getattr(self, name) < 0:
                 raise DistmkError(f"kernel option {name} must be >= 0, got {getattr(self, name)}")

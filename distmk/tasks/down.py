@@ -28,19 +28,16 @@ def down_prefetch(layer, row0, nrows, w_down, H: tl.constexpr, INTER: tl.constex
 
 @gluon.jit
 def down_weights(layer, row0, nrows, w_down_desc, ring, ready, empty, c, H: gl.constexpr, INTER: gl.constexpr,
-                 O_PROJ_ROWS: gl.constexpr, RING_INFLIGHT: gl.constexpr, RING_STACK_K: gl.constexpr):
-    STACK: gl.constexpr = rg.stack_factor(ring.type.shape[1], ring.type.shape[2], O_PROJ_ROWS, INTER, RING_STACK_K)
-    return rg.load_rows(w_down_desc, layer * H + row0, nrows, INTER, ring, ready, empty, c, RING_INFLIGHT, STACK)
+                 RING_INFLIGHT: gl.constexpr):
+    return rg.load_rows(w_down_desc, layer * H + row0, nrows, INTER, ring, ready, empty, c, RING_INFLIGHT)
 
 
 @gluon.jit
 def down_ring(layer, row0, nrows, n, x, xs, norms, h_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr,
-              INTER: gl.constexpr, O_PROJ_ROWS: gl.constexpr, RING_STACK_K: gl.constexpr, num_warps: gl.constexpr):
-    """The tp=1 tile (ADD_RESIDUAL: the ring megakernel runs only there); O_PROJ_ROWS: the hidden size's tiles'
-    height, theirs too."""
-    STACK: gl.constexpr = rg.stack_factor(ring.type.shape[1], ring.type.shape[2], O_PROJ_ROWS, INTER, RING_STACK_K)
+              INTER: gl.constexpr, num_warps: gl.constexpr):
+    """The tp=1 tile (ADD_RESIDUAL: the ring megakernel runs only there)."""
     return rg.add_residual_rows(h_desc, 0, INTER, row0, nrows, n, x, xs, norms + (2 * layer + 2) * H, H, ring, ready,
-                                empty, xring, xready, c, cx, STACK, num_warps)
+                                empty, xring, xready, c, cx, num_warps)
 
 
 class Down(TaskKind):

@@ -46,10 +46,8 @@ def o_proj_prefetch(layer, row0, nrows, wo, H: tl.constexpr, HQ: tl.constexpr, D
 
 @gluon.jit
 def o_proj_weights(layer, row0, nrows, wo_desc, ring, ready, empty, c, H: gl.constexpr, HQ: gl.constexpr,
-                   D: gl.constexpr, O_PROJ_ROWS: gl.constexpr, RING_INFLIGHT: gl.constexpr,
-                   RING_STACK_K: gl.constexpr):
-    STACK: gl.constexpr = rg.stack_factor(ring.type.shape[1], ring.type.shape[2], O_PROJ_ROWS, HQ * D, RING_STACK_K)
-    return rg.load_rows(wo_desc, layer * H + row0, nrows, HQ * D, ring, ready, empty, c, RING_INFLIGHT, STACK)
+                   D: gl.constexpr, RING_INFLIGHT: gl.constexpr):
+    return rg.load_rows(wo_desc, layer * H + row0, nrows, HQ * D, ring, ready, empty, c, RING_INFLIGHT)
 
 
 @gluon.jit
@@ -59,15 +57,13 @@ def o_proj_ring(layer, row0, nrows, router_layer, n, x, xs, norms, router, route
                 HQ: gl.constexpr, D: gl.constexpr, EPS: gl.constexpr, EXPERTS: gl.constexpr,
                 EXPERTS_PAD: gl.constexpr, TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr, SLOTS_PAD: gl.constexpr,
                 NORM_TOPK: gl.constexpr, BATCH: gl.constexpr, ROUTER_PARTS: gl.constexpr,
-                O_PROJ_ROWS: gl.constexpr, FUSED_ROUTE: gl.constexpr, RING_STACK_K: gl.constexpr,
-                num_warps: gl.constexpr):
+                O_PROJ_ROWS: gl.constexpr, FUSED_ROUTE: gl.constexpr, num_warps: gl.constexpr):
     """The tp=1 tile (ADD_RESIDUAL: the ring megakernel runs only there)."""
-    STACK: gl.constexpr = rg.stack_factor(ring.type.shape[1], ring.type.shape[2], O_PROJ_ROWS, HQ * D, RING_STACK_K)
     if EXPERTS > 0:
         share_weights = router_share_weights(layer, router_layer, row0, nrows, norms, router, H, EXPERTS, EXPERTS_PAD,
                                              O_PROJ_ROWS, num_warps)
     c, cx = rg.add_residual_rows(attn_desc, 0, HQ * D, row0, nrows, n, x, xs, norms + (2 * layer + 1) * H, H, ring,
-                                 ready, empty, xring, xready, c, cx, STACK, num_warps)
+                                 ready, empty, xring, xready, c, cx, num_warps)
     if EXPERTS > 0:
         if router_layer >= 0:
             router_share_ring(row0, nrows, n, x, router_partial, router_sumsq, share_weights, H, EXPERTS,
