@@ -135,7 +135,7 @@ def test_tp_that_does_not_divide_the_experts_is_refused():
 
 
 def test_sparse_layers_are_lowered_to_router_expert_and_combine_tiles():
-    """tiny-qwen3-moe: its sparse layers have a route task, at tp 2 after a router tile (of all 8 experts), at tp 1
+    """tiny-qwen3-moe (fused_route 0): its sparse layers have a route task, at tp 2 after a router tile (of all 8 experts), at tp 1
     (router_partials 1) after the o_proj tiles that add their shares of the logits (the layer's sparse index as
     their router_layer), expert tiles that cut the batch * top_k slots' rows (at most tile_rows each when every
     slot leads) whatever slots lead, every down tile waiting for all the gate/up tiles, and combine tiles in the
@@ -143,7 +143,8 @@ def test_sparse_layers_are_lowered_to_router_expert_and_combine_tiles():
     spec = preset("tiny-qwen3-moe")
     for tp in (1, 2):
         plan = plan_shard(spec, tp, 0)
-        table = compile_step(spec, plan, dataclasses.replace(SMALL, router_partials=1 if tp == 1 else 0))
+        config = dataclasses.replace(SMALL, router_partials=1 if tp == 1 else 0, fused_route=0)
+        table = compile_step(spec, plan, config)
         kinds = [(TASK_KINDS[t].name, layer) for t, layer in table.tasks[:, :2].tolist()]
         slots = SMALL.batch * spec.experts_per_token
         for sparse, layer in enumerate(spec.moe_layers):
@@ -205,7 +206,7 @@ def test_fused_route_drops_the_route_phase_and_changes_no_result():
     def run(config):
         return Engine("tiny-qwen3-moe", config=config).generate(PROMPT, 12, return_logits=True)
 
-    base_tokens, base_logits = run(dataclasses.replace(SMALL, router_partials=1))
+    base_tokens, base_logits = run(dataclasses.replace(SMALL, router_partials=1, fused_route=0))
     for workers in (1, 13):
         tokens, logits = run(dataclasses.replace(fused, workers=workers))
         assert tokens == base_tokens and torch.equal(logits, base_logits)

@@ -43,7 +43,8 @@ class GraphConfig:
     fused_attn_reduce: int = field(default=1, metadata={
         "help": "1 = the attention task that ends a group's splits last combines them (fixed order, no attn_reduce "
                 "phase); 0 = attn_reduce tasks"})
-    fused_route: int = field(default=0, metadata={
+    # 1: qwen3-30b-a3b b1 2.680-2.687 against 2.692-2.695 ms (ring, benchmarks/results/h200-2026-12-03-s22)
+    fused_route: int = field(default=1, metadata={
         "help": "1 = where the o_proj tiles add the gate's shares (router_partials 1), the tile that adds a sparse "
                 "layer's last share routes it (no route phase); 0 = route tasks"})
     workers: int = DEFAULT_WORKERS  # worker queues (one per SM on the GPU: graph/hardware.py)
