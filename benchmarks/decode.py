@@ -158,8 +158,11 @@ def run(args, launcher: str, log) -> dict:
     keep = {}
     distmk = time_distmk(args, device, log, keep)
     step_ms = distmk["step_ms"]
-    log(distmk.pop("breakdown", ""))
+    breakdown = distmk.pop("breakdown", "")
+    log(breakdown)
     log(f"distmk: {distmk}")
+    if breakdown:       # in the JSON too: the step's trace is what says what limits it
+        distmk["breakdown"] = breakdown.splitlines()
     phase_s["distmk"] = round(time.perf_counter() - t1, 1)
     release()
     peaks = {}
