@@ -124,6 +124,32 @@ def test_steps_back_to_back_give_the_tokens_of_single_steps(engine, monkeypatch)
         Batcher(engine, steps_per_launch=0)
 
 
+def test_log_probabilities_are_recorded_a_token_at_a_time(engine):
+    """A sequence that asks for log-probabilities gets one per new token, its token's log-softmax and the k most
+    likely, also while steps could run back to back (a step whose rows need the logits runs alone): beside a
+    greedy sequence that does not ask, sampled ones included, and the tokens are those of generating alone."""
+    import torch
+    from distmk.runtime.sampling import SamplingParams
+    prompts = [list(range(1, 12)), [7, 8, 9]]
+    alone, logits = engine.generate(prompts[0], 7, return_logits=True)
+    batcher = Batcher(engine, steps_per_launch=4)
+    seqs = [batcher.submit(Sequence(prompts[0], 7, logprobs=3, keep_logits=True)),
+            batcher.submit(Sequence(prompts[1], 7)),
+            batcher.submit(Sequence(prompts[1], 5, SamplingParams(temperature=1.0, seed=3), logprobs=0,
+                                    keep_logits=True))]
+    while batcher.busy:
+        batcher.step()
+    assert seqs[0].output == alone and seqs[1].output == engine.generate(prompts[1], 7)
+    want = torch.log_softmax(logits.double(), dim=-1)
+    for i, (token, got) in enumerate(zip(alone, seqs[0].token_logprobs, strict=True)):
+        assert got.logprob == pytest.approx(want[i, token].item())
+        assert [t for t, _ in got.top] == want[i].topk(3).indices.tolist() and got.top[0] == (token, got.logprob)
+    sampled = seqs[2]
+    assert len(sampled.token_logprobs) == len(sampled.output) == 5
+    for token, row, got in zip(sampled.output, sampled.logits, sampled.token_logprobs):
+        assert got.top == () and got.logprob == pytest.approx(torch.log_softmax(row.double(), -1)[token].item())
+
+
 def test_admission_is_bounded_by_rows_and_by_free_blocks(engine):
     batcher = Batcher(engine)
     seqs = [batcher.submit(Sequence([1, 2, 3], 4)) for _ in range(9)]

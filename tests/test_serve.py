@@ -131,6 +131,58 @@ def test_developer_role_and_names_in_chat(server):
     assert complete(server, named, 8, chat=True) == complete(server, plain, 8, chat=True)
 
 
+def test_logprobs_are_transformers_log_softmax(server):
+    """Completions' logprobs (n alternatives, the chosen token among them) and chat's logprobs + top_logprobs:
+    each token's log-probability and the most likely ones' are transformers' log-softmax of its logits (float32,
+    the same weights), streamed and whole alike; top_logprobs needs logprobs, and at most 20 are listed."""
+    import torch
+    ids = [1, 2, 3, 4, 5, 6, 7]
+    tokens, logits = hf_greedy(MODEL, tuple(ids), 6)
+    want = torch.log_softmax(torch.as_tensor(logits).double(), dim=-1)
+    top3 = want.topk(3, dim=-1).values.tolist()
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 3, "ignore_eos": True,
+            "return_token_ids": True}
+    whole = post(server, "/v1/completions", body).json()["choices"][0]
+    assert whole["token_ids"] == tokens
+    lp = whole["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
+    for i, token in enumerate(tokens):
+        assert lp["token_logprobs"][i] == pytest.approx(want[i, token].item(), abs=1e-4)
+        assert lp["token_logprobs"][i] == pytest.approx(top3[i][0], abs=1e-4)     # greedy: the most likely
+        # keyed by text: the byte-level tokenizer's ids past 255 all read "" (one key), so values, not a count
+        assert all(min(abs(v - t) for t in top3[i]) < 1e-4 for v in lp["top_logprobs"][i].values())
+        assert lp["text_offset"][i] == sum(map(len, lp["tokens"][:i]))
+    chunks = sse_chunks(server, "/v1/completions", {**body, "stream": True})
+    assert [c["choices"][0]["logprobs"]["token_logprobs"][0] for c in chunks] == lp["token_logprobs"]
+    assert [c["choices"][0]["logprobs"]["text_offset"][0] for c in chunks] == lp["text_offset"]
+
+    chatml = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    chat_tokens, chat_logits = hf_greedy(MODEL, tuple(chatml.encode()), 4)
+    chat_want = torch.log_softmax(torch.as_tensor(chat_logits).double(), dim=-1)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,
+            "logprobs": True, "top_logprobs": 3, "ignore_eos": True, "return_token_ids": True}
+    choice = post(server, "/v1/chat/completions", body).json()["choices"][0]
+    assert choice["token_ids"] == chat_tokens
+    content = choice["logprobs"]["content"]
+    for i, (entry, token) in enumerate(zip(content, chat_tokens, strict=True)):
+        assert entry["logprob"] == pytest.approx(chat_want[i, token].item(), abs=1e-4)
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(
+            chat_want[i].topk(3).values.tolist(), abs=1e-4)
+    streamed = sse_chunks(server, "/v1/chat/completions", {**body, "stream": True})
+    assert [e for c in streamed for e in c["choices"][0]["logprobs"]["content"]] == content
+    plain = {k: v for k, v in body.items() if k != "top_logprobs"}
+    assert post(server, "/v1/chat/completions", {**plain, "logprobs": False}).json()["choices"][0]["logprobs"] is None
+    # logprobs alone: each token's own, no alternatives
+    assert [e["top_logprobs"] for e in post(server, "/v1/chat/completions", plain).json()["choices"][0]["logprobs"]
+            ["content"]] == [[]] * 4
+
+    r = post(server, "/v1/chat/completions", {k: v for k, v in body.items() if k != "logprobs"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "'top_logprobs': needs logprobs: true"
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21})
+    assert r.status_code == 400 and "'logprobs': Input should be less than or equal to 20" in r.text
+
+
 def test_json_bodies_need_a_json_content_type(server):
     body = json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": 2}).encode()
     for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):

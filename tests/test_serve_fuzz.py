@@ -80,7 +80,7 @@ WRONG = {
     "stream": ["yes", 1],
     "n": [2, 0, "1"],
     "stream_options": ["x", {"foo": True}, {"include_usage": True}],
-    "logprobs": [3], "echo": [True], "presence_penalty": [1], "frequency_penalty": [-0.5],
+    "logprobs": [21, -1, "2", True], "echo": [True], "presence_penalty": [1], "frequency_penalty": [-0.5],
     "logit_bias": [{"5": 1}], "best_of": [2], "suffix": ["end"],
     "tools": [[]], "response_format": [{"type": "json_object"}], "frobnicate": [1],
 }
@@ -89,7 +89,8 @@ WRONG_CHAT = {"messages": ["hi", [], [{"role": "bot", "content": "x"}], [{"role"
                            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
                            [{"role": "user", "content": "x", "name": 7}],
                            [{"role": "user", "content": "x" * 100}]],
-              "max_completion_tokens": [0, "2"], "logprobs": [True]}
+              "max_completion_tokens": [0, "2"], "logprobs": ["yes", 1],
+              "top_logprobs": [21, -1, 3]}         # 3: valid only beside logprobs: true
 UNKNOWN_NAMES = ["", " ", "__proto__", "constructor", "x" * 300, "é€😀", "max tokens", "Temperature", "prompt ",
                  "stream\u0000", "$where"]
 

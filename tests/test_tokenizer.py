@@ -61,3 +61,14 @@ def test_incremental_decoding_adds_up_to_decoding_everything(which, hf_dir):
         pieces = [decoder.push(t) for t in ids] + [decoder.flush()]
         assert "".join(pieces) == tok.decode(ids)
         assert not any(p.endswith("\ufffd") for p in pieces[:-1])      # incomplete characters wait
+
+
+def test_token_text_shows_one_token_as_logprobs_list_it(hf_dir):
+    """A checkpoint's token reads as its own text, special tokens included (an end of turn is worth seeing in
+    log-probabilities); the byte-level fallback's as its byte (U+FFFD for a piece of a longer character, nothing
+    for an id past 255)."""
+    tok = load_tokenizer(str(hf_dir / "with_template"), 400)
+    ids = tok.encode("Paris")
+    assert "".join(tok.token_text(i) for i in ids) == "Paris"
+    assert tok.token_text(tok.tok.eos_token_id) == "</s>" and tok.decode([tok.tok.eos_token_id]) == ""
+    assert [ByteTokenizer(512).token_text(i) for i in (97, 0xC3, 300)] == ["a", "\ufffd", ""]

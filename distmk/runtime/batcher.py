@@ -23,7 +23,7 @@ import torch
 
 from distmk.errors import DistmkError
 from distmk.runtime.prefill import prefill_chunk
-from distmk.runtime.sampling import SamplingParams, sample
+from distmk.runtime.sampling import SamplingParams, TokenLogprob, sample, token_logprob
 
 
 @dataclass
@@ -41,6 +41,8 @@ class Sequence:
     generator: torch.Generator | None = None
     keep_logits: bool = False         # record the [vocab] logits each new token was chosen from
     logits: list[torch.Tensor] = field(default_factory=list)
+    logprobs: int | None = None       # record each new token's log-probability and its k most likely alternatives
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -197,7 +199,8 @@ class Batcher:
                 seq.fed += 1
         if not batch:
             return None
-        needs_logits = any(seq.keep_logits or not seq.params.greedy for seq, _ in batch)
+        needs_logits = any(seq.keep_logits or seq.logprobs is not None or not seq.params.greedy
+                           for seq, _ in batch)
         steps = 1
         if self.steps_per_launch > 1 and not needs_logits and not self.waiting and all(s.output for s, _ in batch):
             # every row decodes: a sequence's reserved blocks hold its max_tokens, so none steps past them
@@ -231,6 +234,8 @@ class Batcher:
                 continue
             if seq.keep_logits:
                 seq.logits.append(logits[row])
+            if seq.logprobs is not None:
+                seq.token_logprobs.append(token_logprob(logits[row], token, seq.logprobs))
             self._produce(seq, token, produced)
         for later in greedy[1:]:                # back-to-back steps: every row a greedy decoding sequence
             for row, (seq, _) in enumerate(batch):

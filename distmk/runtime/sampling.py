@@ -5,7 +5,8 @@ device's, so a seed draws a different stream on a GPU than on the CPU, as preset
 
 Safe for any finite parameters: temperatures under GREEDY_BELOW are greedy (as vLLM treats them), the
 rest scale the logits in float64 after subtracting their maximum (so nothing overflows to inf or nan),
-and top-p always keeps the most likely token."""
+and top-p always keeps the most likely token. A token's log-probability (token_logprob) is the model's, of the
+logits before temperature, top-k and top-p, as OpenAI and vLLM report it."""
 from __future__ import annotations
 
 import math
@@ -64,3 +65,18 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_p[drop] = 0
         probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log-probability, and the `k` most likely tokens' (id, log-probability), most likely
+    first. At least -9999 (as vLLM reports an impossible token): JSON has no -Infinity."""
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    logprobs = torch.log_softmax(logits.double(), dim=-1).clamp(min=-9999.0)
+    top = torch.topk(logprobs, min(k, logprobs.numel()), sorted=True) if k else None
+    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+    return TokenLogprob(float(logprobs[token]), pairs)

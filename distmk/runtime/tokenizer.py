@@ -35,6 +35,10 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def token_text(self, token: int) -> str:
+        """One token's text as log-probabilities show it (a byte of a longer character: U+FFFD)."""
+        return self.decode([token])
+
     def render_chat(self, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
         """The prompt of a conversation ([{"role", "content"}] with text content), and the stop strings
         that end a reply in its format."""
@@ -51,6 +55,10 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token: int) -> str:
+        """One token's text as log-probabilities show it, special tokens included ("<|im_end|>")."""
+        return self.tok.decode([token])
 
     def render_chat(self, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
         if not self.tok.chat_template:

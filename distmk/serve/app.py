@@ -26,7 +26,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from distmk.errors import DistmkError
 from distmk.runtime.batcher import Sequence
-from distmk.runtime.sampling import resolve_sampling
+from distmk.runtime.sampling import TokenLogprob, resolve_sampling
 from distmk.runtime.tokenizer import IncrementalDecoder
 from distmk.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_body
 
@@ -134,6 +134,7 @@ class Piece:
     text: str
     token: int
     finish_reason: str | None
+    logprob: TokenLogprob | None = None     # where the request asked for log-probabilities
 
 
 class Generation:
@@ -158,10 +159,10 @@ class Generation:
         served.metrics.prompt_tokens.inc(len(self.seq.prompt))
         served.scheduler.submit(self.seq, self)
 
-    def on_token(self, token: int, finish_reason: str | None) -> None:
+    def on_token(self, token: int, finish_reason: str | None, logprob: TokenLogprob | None = None) -> None:
         self.engine_done = finish_reason is not None
         if not self.closed:
-            self.queue.put_nowait((token, finish_reason))
+            self.queue.put_nowait((token, finish_reason, logprob))
 
     def on_failure(self, message: str, status: int = 503) -> None:
         if not self.closed:
@@ -174,7 +175,7 @@ class Generation:
             if isinstance(item, Aborted):
                 self.finish_reason = "error"
                 raise item
-            token, finish_reason = item
+            token, finish_reason, logprob = item
             now = time.monotonic()
             if self.last_token_at is None:
                 metrics.ttft.observe(now - self.arrived)
@@ -192,7 +193,7 @@ class Generation:
             if stopped and finish_reason is None:
                 self.served.scheduler.cancel(self.seq)         # frees its KV blocks before the next step
             self.finish_reason = "stop" if stopped else finish_reason
-            yield Piece(text, token, self.finish_reason)
+            yield Piece(text, token, self.finish_reason, logprob)
 
     def close(self) -> None:
         """Whatever ended the request (its client left, a stop string, an abort): a sequence the engine
@@ -328,7 +329,8 @@ def create_app(served: Served) -> FastAPI:
         top_k = None if req.top_k is None else max(req.top_k, 0)          # -1, as vLLM has it: no limit
         params = resolve_sampling(req.temperature, req.top_p, top_k, req.seed, defaults=served.sampling_defaults,
                                   greedy_default=False)
-        seq = Sequence(prompt, max_tokens or room, params, stop_on_eos=not req.ignore_eos)
+        seq = Sequence(prompt, max_tokens or room, params, stop_on_eos=not req.ignore_eos,
+                       logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs)
         try:
             served.scheduler.check(seq)
         except DistmkError as e:
@@ -398,9 +400,28 @@ class Reply:
     """OpenAI's response shapes for one request: a whole completion, or its chunks as server-sent events."""
 
     def __init__(self, served: Served, req, chat: bool, prompt: list[int]):
-        self.req, self.chat, self.prompt = req, chat, prompt
+        self.req, self.chat, self.prompt, self.tokenizer = req, chat, prompt, served.tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.head = {"id": self.id, "created": int(time.time()), "model": served.model_name}
+
+    def logprobs(self, pieces: list[Piece], offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object of these tokens (None where the request did not ask): chat's list of
+        {token, logprob, bytes, top_logprobs}, or completions' parallel lists, whose top_logprobs hold the
+        chosen token too (as vLLM's do) and whose text_offset counts the token texts before each from
+        `offset`."""
+        if not [p for p in pieces if p.logprob is not None]:
+            return None
+        text = self.tokenizer.token_text
+        if self.chat:
+            def entry(token, logprob):
+                return {"token": text(token), "logprob": logprob, "bytes": list(text(token).encode())}
+            return {"content": [{**entry(p.token, p.logprob.logprob),
+                                 "top_logprobs": [entry(t, v) for t, v in p.logprob.top]} for p in pieces]}
+        tokens = [text(p.token) for p in pieces]
+        offsets = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [p.logprob.logprob for p in pieces],
+                "top_logprobs": [{text(t): v for t, v in ((p.token, p.logprob.logprob), *p.logprob.top)}
+                                 for p in pieces], "text_offset": offsets}
 
     def usage(self, generation: Generation) -> dict:
         n = len(generation.tokens)
@@ -415,10 +436,11 @@ class Reply:
             collect.cancel()
             return Response(status_code=499)    # nginx's "client closed request", for the metrics only
         try:
-            text = collect.result()
+            pieces = collect.result()
         except Aborted as e:
             raise e.as_api_error() from None
-        choice = {"index": 0, "logprobs": None, "finish_reason": generation.finish_reason}
+        text = "".join(piece.text for piece in pieces)
+        choice = {"index": 0, "logprobs": self.logprobs(pieces), "finish_reason": generation.finish_reason}
         choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
         if self.req.return_token_ids:
             choice.update(prompt_token_ids=self.prompt, token_ids=generation.tokens)
@@ -426,17 +448,19 @@ class Reply:
         return {**self.head, "object": obj, "choices": [choice], "usage": self.usage(generation)}
 
     @staticmethod
-    async def _collect(generation: Generation) -> str:
-        return "".join([piece.text async for piece in generation.pieces()])
+    async def _collect(generation: Generation) -> list[Piece]:
+        return [piece async for piece in generation.pieces()]
 
     async def events(self, generation: Generation):
         """One chunk per generated token (its text may be empty while a character or a possible stop
         string is incomplete), then the usage if asked, then [DONE]."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        first = True
+        first, offset = True, 0
         try:
             async for piece in generation.pieces():
-                choice = {"index": 0, "logprobs": None, "finish_reason": piece.finish_reason}
+                logprobs = self.logprobs([piece], offset)
+                offset += len(logprobs["tokens"][0]) if logprobs and not self.chat else 0
+                choice = {"index": 0, "logprobs": logprobs, "finish_reason": piece.finish_reason}
                 if self.chat:
                     choice["delta"] = {"role": "assistant", "content": piece.text} if first else {"content": piece.text}
                 else:

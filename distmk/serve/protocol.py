@@ -2,9 +2,10 @@
 
 Bodies are validated strictly: a wrong type is an error rather than coerced ("1" is not a number), and a
 parameter the server does not implement is refused by name instead of silently ignored. A few that
-clients send with neutral values by habit (presence_penalty: 0, logprobs: false, ...) are accepted with
-exactly those values. Extensions shared with vLLM: top_k, ignore_eos, return_token_ids. max_tokens: null
-means as many as the context has room for.
+clients send with neutral values by habit (presence_penalty: 0, echo: false, ...) are accepted with
+exactly those values. Log-probabilities as OpenAI has them: `logprobs` (completions: how many alternatives,
+0..MAX_LOGPROBS), `logprobs` and `top_logprobs` (chat). Extensions shared with vLLM: top_k, ignore_eos,
+return_token_ids. max_tokens: null means as many as the context has room for.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator
 
 MAX_STOP_STRINGS = 4
+MAX_LOGPROBS = 20              # alternatives a token's log-probabilities may list (OpenAI's chat limit, vLLM's default)
 MAX_STOP_CHARS = 1024          # per stop string: a longer one is refused rather than matched
 
 
@@ -113,7 +115,7 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     prompt: Annotated[str | list[int], PlainValidator(_one_prompt)]
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: Annotated[int | None, _neutral(None)] = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Annotated[bool, _neutral(False)] = False
     best_of: Annotated[int | None, _neutral(1)] = None
     suffix: Annotated[str | None, _neutral(None)] = None
@@ -135,7 +137,15 @@ class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: Annotated[bool | None, _neutral(False)] = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _only_with_logprobs(cls, v, info):
+        if v is not None and info.data.get("logprobs") is not True:
+            raise ValueError("needs logprobs: true")
+        return v
 
 
 def parse_body(model: type[_Strict], body: bytes) -> _Strict:

@@ -15,16 +15,18 @@ import torch
 
 from distmk.errors import DistmkError
 from distmk.runtime.batcher import Batcher, PrefillInputs, Sequence, StepInputs
+from distmk.runtime.sampling import TokenLogprob
 from distmk.serve.lockstep import RankLost, on_engine_device
 
 HEARTBEAT_S = 5.0
 
 
 class Listener(Protocol):
-    """Called on the event loop: each new token of the sequence, or a failure (a message for the client and
-    its HTTP status: 503 when the engine is down, 500 when only this sequence failed)."""
+    """Called on the event loop: each new token of the sequence (with its log-probabilities where the sequence
+    asked for them), or a failure (a message for the client and its HTTP status: 503 when the engine is down,
+    500 when only this sequence failed)."""
 
-    def on_token(self, token: int, finish_reason: str | None) -> None: ...
+    def on_token(self, token: int, finish_reason: str | None, logprob: TokenLogprob | None = None) -> None: ...
 
     def on_failure(self, message: str, status: int = 503) -> None: ...
 
@@ -128,8 +130,10 @@ class Scheduler:
                 if self.trace:
                     self.trace.tokens([seq.id for seq, _ in produced])
                 last = {seq.id: i for i, (seq, _) in enumerate(produced)}    # a sequence may get several tokens
+                # a sequence that records log-probabilities has its steps one at a time: one token a step
                 deliveries = [(self.listeners[seq.id], token, seq.finish_reason if last[seq.id] == i else None,
-                               seq.error) for i, (seq, token) in enumerate(produced)]
+                               seq.error, seq.token_logprobs[-1] if seq.logprobs is not None and token is not None
+                               else None) for i, (seq, token) in enumerate(produced)]
                 for i in last.values():
                     if produced[i][0].finish_reason is not None:
                         del self.listeners[produced[i][0].id]
@@ -153,12 +157,12 @@ class Scheduler:
 
 
 def _deliver(deliveries) -> None:
-    """(listener, token, finish_reason, error) as they were after the step (the next may already run)."""
-    for listener, token, finish_reason, error in deliveries:
+    """(listener, token, finish_reason, error, logprob) as they were after the step (the next may already run)."""
+    for listener, token, finish_reason, error, logprob in deliveries:
         if token is None:                     # this sequence failed (the others go on)
             listener.on_failure(error, status=500)
         else:
-            listener.on_token(token, finish_reason)
+            listener.on_token(token, finish_reason, logprob)
 
 
 def _fail_all(listeners, message: str) -> None:
