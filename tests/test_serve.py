@@ -178,7 +178,8 @@ def test_logprobs_are_transformers_log_softmax(server):
             ["content"]] == [[]] * 4
 
     r = post(server, "/v1/chat/completions", {k: v for k, v in body.items() if k != "logprobs"})
-    assert r.status_code == 400 and r.json()["error"]["message"] == "'top_logprobs': needs logprobs: true"
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "'top_logprobs': is only allowed when logprobs is true"
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21})
     assert r.status_code == 400 and "'logprobs': Input should be less than or equal to 20" in r.text
 

@@ -78,6 +78,16 @@ def _text_content(v: Any) -> str:
     raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts (only text is supported)')
 
 
+def _only_when(name: str, switch: str):
+    """A validator of parameter `name`: given, it needs the parameter `switch` (declared before it) to be true,
+    as OpenAI has it for stream_options and top_logprobs."""
+    def check(v, info):
+        if v is not None and info.data.get(switch) is not True:
+            raise ValueError(f"is only allowed when {switch} is true")
+        return v
+    return field_validator(name)(check)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -104,12 +114,7 @@ class _Sampling(_Strict):
     frequency_penalty: Annotated[float, _neutral(0)] = 0.0
     logit_bias: Annotated[dict[str, float] | None, _neutral(None)] = None
 
-    @field_validator("stream_options")
-    @classmethod
-    def _only_when_streaming(cls, v, info):
-        if v is not None and info.data.get("stream") is not True:
-            raise ValueError("is only allowed when stream is true")
-        return v
+    _only_when_streaming = _only_when("stream_options", "stream")
 
 
 class CompletionRequest(_Sampling):
@@ -140,12 +145,7 @@ class ChatRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _only_with_logprobs(cls, v, info):
-        if v is not None and info.data.get("logprobs") is not True:
-            raise ValueError("needs logprobs: true")
-        return v
+    _only_with_logprobs = _only_when("top_logprobs", "logprobs")
 
 
 def parse_body(model: type[_Strict], body: bytes) -> _Strict:
