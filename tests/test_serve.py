@@ -184,6 +184,32 @@ def test_logprobs_are_transformers_log_softmax(server):
     assert r.status_code == 400 and "'logprobs': Input should be less than or equal to 20" in r.text
 
 
+def test_n_choices_are_the_requests_of_seeds_one_apart(server):
+    """n choices of a seeded request: choice i is what the request alone gets with seed + i (choice 0 the same
+    request's with n = 1), streamed (chunks of the choices interleaved, each its own index) and whole alike, chat
+    too, and the usage counts every choice's tokens once beside the prompt's."""
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 5, "temperature": 1.0, "seed": 11, "n": 3,
+            "return_token_ids": True, "ignore_eos": True}
+    out = post(server, "/v1/completions", body).json()
+    alone = [post(server, "/v1/completions", {**body, "n": 1, "seed": 11 + i}).json()["choices"][0]
+             for i in range(3)]
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert [(c["text"], c["token_ids"]) for c in out["choices"]] == [(c["text"], c["token_ids"]) for c in alone]
+    assert len({tuple(c["token_ids"]) for c in alone}) == 3
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 15, "total_tokens": 18}
+    chunks = sse_chunks(server, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    streamed = {i: [t for c in chunks[:-1] if c["choices"][0]["index"] == i for t in c["choices"][0]["token_ids"]]
+                for i in range(3)}
+    assert streamed == {i: c["token_ids"] for i, c in enumerate(alone)} and chunks[-1]["usage"] == out["usage"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "n": 2, "seed": 5,
+            "return_token_ids": True, "ignore_eos": True}
+    both = post(server, "/v1/chat/completions", chat).json()["choices"]
+    second = post(server, "/v1/chat/completions", {**chat, "n": 1, "seed": 6}).json()["choices"][0]
+    assert both[1]["token_ids"] == second["token_ids"] and both[1]["message"] == second["message"]
+    greedy = post(server, "/v1/completions", {**body, "temperature": 0, "n": 2}).json()["choices"]
+    assert greedy[0]["token_ids"] == greedy[1]["token_ids"]
+
+
 def test_json_bodies_need_a_json_content_type(server):
     body = json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": 2}).encode()
     for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
@@ -273,7 +299,8 @@ def test_32_concurrent_clients_get_what_they_would_get_alone(server):
     ({"model": MODEL, "prompt": "hi", "max_tokens": 5000}, 400, "more than the context has room for"),
     ({"model": MODEL, "prompt": list(range(1, 1100))}, 400, "the prompt has 1099 tokens"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "the model 'gpt-4' does not exist"),
-    ({"model": MODEL, "prompt": "hi", "n": 3}, 400, "'n': is not supported"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, 400, "'n': Input should be greater than or equal to 1"),
+    ({"model": MODEL, "prompt": "hi", "n": 41}, 400, "n 41 is more choices than the server runs or queues at once"),
     ({"model": MODEL, "prompt": "hi", "temperature": "0.5"}, 400, "'temperature': Input should be a valid number"),
     ({"model": MODEL, "prompt": "hi", "tools": []}, 400, "unsupported parameter 'tools'"),
     ({"model": MODEL, "prompt": [1, 9999]}, 400, "outside the vocabulary"),
@@ -288,24 +315,25 @@ def test_errors_say_what_is_wrong(server, body, status, says):
     assert r.status_code == status and says in r.json()["error"]["message"], r.text
 
 
-def test_client_disconnect_frees_the_sequence(server):
+def test_client_disconnect_frees_the_sequences(server):
     body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 900, "temperature": 0, "ignore_eos": True}
     cancelled = metric(server, "distmk_requests_finished_total", '{reason="cancelled"}')
-    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True, "n": 2},
+                      timeout=60) as r:
         lines = r.iter_lines()
         for _ in range(3):
             assert next(line for line in lines if line).startswith("data: {")
         assert metric(server, "distmk_kv_cache_used_blocks") > 0
     wait_for(lambda: metric(server, "distmk_kv_cache_used_blocks") == 0, what="the stream's KV blocks to be freed")
-    # a client of a whole (non-streamed) completion that hangs up is noticed too
+    # a client of a whole (non-streamed) completion that hangs up is noticed too (both choices' sequences)
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
-        payload = json.dumps(body).encode()
+        payload = json.dumps({**body, "n": 2}).encode()
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
         wait_for(lambda: metric(server, "distmk_kv_cache_used_blocks") > 0, what="the request to start")
     wait_for(lambda: metric(server, "distmk_kv_cache_used_blocks") == 0, what="the hung-up request's KV blocks")
-    assert metric(server, "distmk_requests_finished_total", '{reason="cancelled"}') == cancelled + 2
+    assert metric(server, "distmk_requests_finished_total", '{reason="cancelled"}') == cancelled + 4
 
 
 def test_beyond_the_queue_requests_get_429(server):
@@ -315,16 +343,19 @@ def test_beyond_the_queue_requests_get_429(server):
     async def run():
         async with httpx.AsyncClient(base_url=server.url, timeout=60,
                                      limits=httpx.Limits(max_connections=64)) as http:
-            streams = [http.stream("POST", "/v1/completions", json=body) for _ in range(MAX_SEQS + MAX_QUEUE)]
+            streams = [http.stream("POST", "/v1/completions", json=body) for _ in range(MAX_SEQS + MAX_QUEUE - 1)]
             opened = await asyncio.gather(*(s.__aenter__() for s in streams))
             assert all(r.status_code == 200 for r in opened)
+            two = await http.post("/v1/completions", json={**body, "stream": False, "n": 2})   # one place left
+            last = http.stream("POST", "/v1/completions", json=body)
+            assert (await last.__aenter__()).status_code == 200
             extra = await http.post("/v1/completions", json={**body, "stream": False})
-            for s in streams:
+            for s in [*streams, last]:
                 await s.__aexit__(None, None, None)
-            return extra
+            return two, extra
 
-    extra = asyncio.run(run())
-    assert extra.status_code == 429 and extra.json()["error"]["code"] == "rate_limit_exceeded"
+    two, extra = asyncio.run(run())
+    assert two.status_code == extra.status_code == 429 and extra.json()["error"]["code"] == "rate_limit_exceeded"
     wait_for(lambda: metric(server, "distmk_kv_cache_used_blocks") == 0, what="the abandoned streams to be freed")
     assert metric(server, "distmk_running_sequences") == 0 and metric(server, "distmk_waiting_sequences") == 0
     assert complete(server, [1, 2, 3], 3)[2] == "length"

@@ -78,7 +78,7 @@ WRONG = {
     "seed": ["1", 2 ** 70, 1.5],
     "stop": [5, [1], ["a"] * 5, [""], {"s": 1}, "s" * 1025],
     "stream": ["yes", 1],
-    "n": [2, 0, "1"],
+    "n": [0, "1", 1.5, 10 ** 6],
     "stream_options": ["x", {"foo": True}, {"include_usage": True}],
     "logprobs": [21, -1, "2", True], "echo": [True], "presence_penalty": [1], "frequency_penalty": [-0.5],
     "logit_bias": [{"5": 1}], "best_of": [2], "suffix": ["end"],

@@ -9,6 +9,7 @@ Requests beyond the running batch wait in a bounded queue; past it they are refu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import time
@@ -55,11 +56,12 @@ class Served:
     async def tokenize(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
 
-    def check_admission(self) -> None:
-        """503 while the engine is down, 429 at capacity: before any work on a request, and as it starts."""
+    def check_admission(self, sequences: int = 1) -> None:
+        """503 while the engine is down, 429 at capacity (a request of n choices takes n places): before any
+        work on a request, and as it starts."""
         if not self.scheduler.alive:
             raise APIError(503, f"the engine is down: {self.scheduler.failure or 'stopping'}", type="server_error")
-        if len(self.live) >= self.capacity:
+        if len(self.live) + sequences > self.capacity:
             raise APIError(429, f"the server is at capacity ({len(self.live)} requests running or queued); "
                                 "retry later", type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": "1"})
@@ -211,18 +213,19 @@ class Generation:
 
 
 class GenerationStream(StreamingResponse):
-    """Server-sent events of a generation; closes it however the response ends (a client that disconnects
-    cancels the response task, which lands here)."""
+    """Server-sent events of a request's generations (one a choice); closes them however the response ends (a
+    client that disconnects cancels the response task, which lands here)."""
 
-    def __init__(self, generation: Generation, events):
+    def __init__(self, generations: list[Generation], events):
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.generation = generation
+        self.generations = generations
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.generation.close()
+            for generation in self.generations:
+                generation.close()
 
 
 def create_app(served: Served) -> FastAPI:
@@ -329,22 +332,32 @@ def create_app(served: Served) -> FastAPI:
         top_k = None if req.top_k is None else max(req.top_k, 0)          # -1, as vLLM has it: no limit
         params = resolve_sampling(req.temperature, req.top_p, top_k, req.seed, defaults=served.sampling_defaults,
                                   greedy_default=False)
-        seq = Sequence(prompt, max_tokens or room, params, stop_on_eos=not req.ignore_eos,
-                       logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs)
+        if req.n > served.capacity:
+            raise APIError(400, f"n {req.n} is more choices than the server runs or queues at once "
+                                f"({served.capacity})", param="n")
+        # choice i draws from seed + i: choice 0 is what the same request with n = 1 gets
+        seqs = [Sequence(prompt, max_tokens or room, params if params.seed is None or i == 0 else
+                         dataclasses.replace(params, seed=(params.seed + i) % 2 ** 64),
+                         stop_on_eos=not req.ignore_eos,
+                         logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs)
+                for i in range(req.n)]
         try:
-            served.scheduler.check(seq)
+            served.scheduler.check(seqs[0])
         except DistmkError as e:
             raise APIError(400, str(e), param=prompt_param) from None
-        generation = Generation(served, seq, req.stop + format_stops, arrived)
-        generation.start()
+        served.check_admission(len(seqs))
+        generations = [Generation(served, seq, req.stop + format_stops, arrived) for seq in seqs]
+        for generation in generations:
+            generation.start()
         reply = Reply(served, req, chat, prompt)
         if req.stream:
             count(request, 200)
-            return GenerationStream(generation, reply.events(generation))
+            return GenerationStream(generations, reply.events(generations))
         try:
-            response = await reply.whole(generation, request)
+            response = await reply.whole(generations, request)
         finally:
-            generation.close()
+            for generation in generations:
+                generation.close()
         count(request, 200 if isinstance(response, dict) else response.status_code)
         return response
 
@@ -423,58 +436,92 @@ class Reply:
                 "top_logprobs": [{text(t): v for t, v in ((p.token, p.logprob.logprob), *p.logprob.top)}
                                  for p in pieces], "text_offset": offsets}
 
-    def usage(self, generation: Generation) -> dict:
-        n = len(generation.tokens)
+    def usage(self, generations: list[Generation]) -> dict:
+        n = sum(len(generation.tokens) for generation in generations)
         return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n}
 
-    async def whole(self, generation: Generation, request: Request):
-        collect = asyncio.ensure_future(self._collect(generation))
+    async def whole(self, generations: list[Generation], request: Request):
+        """Every choice, once all are complete; a choice that fails fails the request, and a client that goes
+        away stops them all."""
+        collects = [asyncio.ensure_future(self._collect(generation)) for generation in generations]
         gone = asyncio.ensure_future(_client_gone(request))
-        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        pending = set(collects)
+        while pending:
+            done, pending = await asyncio.wait(pending | {gone}, return_when=asyncio.FIRST_COMPLETED)
+            pending.discard(gone)
+            if gone in done or any(c.exception() for c in done if c is not gone):
+                break
         gone.cancel()
-        if not collect.done():                  # nobody is listening: stop generating
+        for collect in pending:
             collect.cancel()
+        failed = [c.exception() for c in collects if c.done() and not c.cancelled() and c.exception()]
+        if failed:
+            raise failed[0].as_api_error() from None
+        if pending:                             # nobody is listening: stop generating
             return Response(status_code=499)    # nginx's "client closed request", for the metrics only
-        try:
+        choices = []
+        for index, (generation, collect) in enumerate(zip(generations, collects)):
             pieces = collect.result()
-        except Aborted as e:
-            raise e.as_api_error() from None
-        text = "".join(piece.text for piece in pieces)
-        choice = {"index": 0, "logprobs": self.logprobs(pieces), "finish_reason": generation.finish_reason}
-        choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
-        if self.req.return_token_ids:
-            choice.update(prompt_token_ids=self.prompt, token_ids=generation.tokens)
+            text = "".join(piece.text for piece in pieces)
+            choice = {"index": index, "logprobs": self.logprobs(pieces), "finish_reason": generation.finish_reason}
+            choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+            if self.req.return_token_ids:
+                choice.update(prompt_token_ids=self.prompt, token_ids=generation.tokens)
+            choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self.head, "object": obj, "choices": [choice], "usage": self.usage(generation)}
+        return {**self.head, "object": obj, "choices": choices, "usage": self.usage(generations)}
 
     @staticmethod
     async def _collect(generation: Generation) -> list[Piece]:
         return [piece async for piece in generation.pieces()]
 
-    async def events(self, generation: Generation):
-        """One chunk per generated token (its text may be empty while a character or a possible stop
-        string is incomplete), then the usage if asked, then [DONE]."""
+    async def events(self, generations: list[Generation]):
+        """One chunk per generated token of each choice, as they come (its text may be empty while a
+        character or a possible stop string is incomplete), then the usage if asked, then [DONE]. A choice
+        that fails ends the stream with the error."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        first, offset = True, 0
+        first, offsets = [True] * len(generations), [0] * len(generations)
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, generation: Generation):
+            try:
+                async for piece in generation.pieces():
+                    merged.put_nowait((index, piece))
+            except Aborted as e:
+                merged.put_nowait((index, e))
+            finally:
+                merged.put_nowait((index, None))
+
+        pumps = [asyncio.ensure_future(pump(i, generation)) for i, generation in enumerate(generations)]
         try:
-            async for piece in generation.pieces():
-                logprobs = self.logprobs([piece], offset)
-                offset += len(logprobs["tokens"][0]) if logprobs and not self.chat else 0
-                choice = {"index": 0, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+            running = len(generations)
+            while running:
+                index, piece = await merged.get()
+                if piece is None:
+                    running -= 1
+                    continue
+                if isinstance(piece, Aborted):
+                    yield _event(piece.as_api_error().body())
+                    break
+                logprobs = self.logprobs([piece], offsets[index])
+                offsets[index] += len(logprobs["tokens"][0]) if logprobs and not self.chat else 0
+                choice = {"index": index, "logprobs": logprobs, "finish_reason": piece.finish_reason}
                 if self.chat:
-                    choice["delta"] = {"role": "assistant", "content": piece.text} if first else {"content": piece.text}
+                    choice["delta"] = ({"role": "assistant", "content": piece.text} if first[index]
+                                       else {"content": piece.text})
                 else:
                     choice["text"] = piece.text
                 if self.req.return_token_ids:
                     choice["token_ids"] = [piece.token]
-                    if first:
+                    if first[index]:
                         choice["prompt_token_ids"] = self.prompt
-                first = False
+                first[index] = False
                 yield _event({**self.head, "object": obj, "choices": [choice]})
-        except Aborted as e:
-            yield _event(e.as_api_error().body())
+        finally:
+            for task in pumps:
+                task.cancel()
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
-            yield _event({**self.head, "object": obj, "choices": [], "usage": self.usage(generation)})
+            yield _event({**self.head, "object": obj, "choices": [], "usage": self.usage(generations)})
         yield "data: [DONE]\n\n"
 
 

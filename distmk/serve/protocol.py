@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator
 
 MAX_STOP_STRINGS = 4
+MAX_CHOICES = 128              # n, at most (also at most what the server runs or queues at once)
 MAX_LOGPROBS = 20              # alternatives a token's log-probabilities may list (OpenAI's chat limit, vLLM's default)
 MAX_STOP_CHARS = 1024          # per stop string: a longer one is refused rather than matched
 
@@ -106,7 +107,7 @@ class _Sampling(_Strict):
     stop: Annotated[list[str], PlainValidator(_stop_strings)] = []
     stream: bool = False
     stream_options: StreamOptions | None = None     # only with stream: true, as OpenAI has it
-    n: Annotated[int, _neutral(1)] = 1              # one choice per request
+    n: int = Field(1, ge=1, le=MAX_CHOICES)         # choices, each a sequence of its own
     user: str | None = None                        # the caller's id for the operator's logs: unused here
     ignore_eos: bool = False
     return_token_ids: bool = False
