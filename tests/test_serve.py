@@ -151,6 +151,7 @@ def test_logprobs_are_transformers_log_softmax(server):
         assert lp["token_logprobs"][i] == pytest.approx(top3[i][0], abs=1e-4)     # greedy: the most likely
         # keyed by text: the byte-level tokenizer's ids past 255 all read "" (one key), so values, not a count
         assert all(min(abs(v - t) for t in top3[i]) < 1e-4 for v in lp["top_logprobs"][i].values())
+        assert lp["top_logprobs"][i][lp["tokens"][i]] == lp["token_logprobs"][i]       # the chosen one's own
         assert lp["text_offset"][i] == sum(map(len, lp["tokens"][:i]))
     chunks = sse_chunks(server, "/v1/completions", {**body, "stream": True})
     assert [c["choices"][0]["logprobs"]["token_logprobs"][0] for c in chunks] == lp["token_logprobs"]
@@ -166,7 +167,8 @@ def test_logprobs_are_transformers_log_softmax(server):
     content = choice["logprobs"]["content"]
     for i, (entry, token) in enumerate(zip(content, chat_tokens, strict=True)):
         assert entry["logprob"] == pytest.approx(chat_want[i, token].item(), abs=1e-4)
-        assert entry["bytes"] == list(entry["token"].encode())
+        assert entry["bytes"] == ([token] if token < 256 else [])          # the byte-level fallback's
+        assert entry["token"] == bytes(entry["bytes"]).decode(errors="replace")
         assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(
             chat_want[i].topk(3).values.tolist(), abs=1e-4)
     streamed = sse_chunks(server, "/v1/chat/completions", {**body, "stream": True})

@@ -63,12 +63,23 @@ def test_incremental_decoding_adds_up_to_decoding_everything(which, hf_dir):
         assert not any(p.endswith("\ufffd") for p in pieces[:-1])      # incomplete characters wait
 
 
-def test_token_text_shows_one_token_as_logprobs_list_it(hf_dir):
-    """A checkpoint's token reads as its own text, special tokens included (an end of turn is worth seeing in
-    log-probabilities); the byte-level fallback's as its byte (U+FFFD for a piece of a longer character, nothing
-    for an id past 255)."""
+def test_token_bytes_are_what_a_token_adds(hf_dir, tmp_path):
+    """A token's bytes, as log-probabilities list them: a byte-level BPE token's own (the pieces of a character
+    split across tokens add up to it), a SentencePiece token's with its word-start space, a special token's
+    text (an end of turn is worth seeing); the byte-level fallback's byte (none for an id past 255)."""
     tok = load_tokenizer(str(hf_dir / "with_template"), 400)
-    ids = tok.encode("Paris")
-    assert "".join(tok.token_text(i) for i in ids) == "Paris"
-    assert tok.token_text(tok.tok.eos_token_id) == "</s>" and tok.decode([tok.tok.eos_token_id]) == ""
-    assert [ByteTokenizer(512).token_text(i) for i in (97, 0xC3, 300)] == ["a", "\ufffd", ""]
+    text = "Hi there, é€😀 Paris"
+    ids = tok.encode(text)
+    assert any(tok.token_bytes(i).decode(errors="replace") == "\ufffd" for i in ids)    # a piece of a character
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert tok.token_bytes(tok.tok.eos_token_id) == b"</s>" and tok.decode([tok.tok.eos_token_id]) == ""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    spm = Tokenizer(models.BPE())
+    spm.pre_tokenizer = pre_tokenizers.Metaspace()
+    spm.decoder = decoders.Metaspace()
+    spm.train_from_iterator(["Hi there, how are you?"] * 20, trainers.BpeTrainer(vocab_size=100))
+    PreTrainedTokenizerFast(tokenizer_object=spm).save_pretrained(tmp_path / "spm")
+    spm = load_tokenizer(str(tmp_path / "spm"), 100)
+    assert b"".join(spm.token_bytes(i) for i in spm.encode("Hi there you")) == b" Hi there you"
+    assert [ByteTokenizer(512).token_bytes(i) for i in (97, 0xC3, 300)] == [b"a", b"\xc3", b""]

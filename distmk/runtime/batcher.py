@@ -23,7 +23,7 @@ import torch
 
 from distmk.errors import DistmkError
 from distmk.runtime.prefill import prefill_chunk
-from distmk.runtime.sampling import SamplingParams, TokenLogprob, sample, token_logprob
+from distmk.runtime.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
 
 
 @dataclass
@@ -221,7 +221,7 @@ class Batcher:
             return []
         batch, inputs = planned
         greedy, logits = self.run(inputs)
-        produced = []
+        produced, asked = [], []           # asked: (row, sequence) of the new tokens whose logprobs are recorded
         for row, (seq, i) in enumerate(batch):
             if i != len(seq.prompt) + len(seq.output) - 1:     # a prompt row that is not the prompt's last
                 continue
@@ -235,8 +235,20 @@ class Batcher:
             if seq.keep_logits:
                 seq.logits.append(logits[row])
             if seq.logprobs is not None:
-                seq.token_logprobs.append(token_logprob(logits[row], token, seq.logprobs))
+                asked.append((row, seq))
             self._produce(seq, token, produced)
+        if asked:               # every row's at once: one copy to the host, not a few per row
+            rows, seqs = [row for row, _ in asked], [seq for _, seq in asked]
+            try:
+                found = token_logprobs(logits[rows], [seq.output[-1] for seq in seqs], [seq.logprobs for seq in seqs])
+            except Exception as e:  # noqa: BLE001 - these sequences fail, the others go on
+                for seq in seqs:
+                    seq.logprobs, seq.error = None, f"log-probabilities failed: {e}"
+                    self._finish(seq, "error")
+                    produced.append((seq, None))
+            else:
+                for seq, logprob in zip(seqs, found):
+                    seq.token_logprobs.append(logprob)
         for later in greedy[1:]:                # back-to-back steps: every row a greedy decoding sequence
             for row, (seq, _) in enumerate(batch):
                 if seq.finish_reason is None:

@@ -5,7 +5,7 @@ device's, so a seed draws a different stream on a GPU than on the CPU, as preset
 
 Safe for any finite parameters: temperatures under GREEDY_BELOW are greedy (as vLLM treats them), the
 rest scale the logits in float64 after subtracting their maximum (so nothing overflows to inf or nan),
-and top-p always keeps the most likely token. A token's log-probability (token_logprob) is the model's, of the
+and top-p always keeps the most likely token. A token's log-probability (token_logprobs) is the model's, of the
 logits before temperature, top-k and top-p, as OpenAI and vLLM report it."""
 from __future__ import annotations
 
@@ -70,13 +70,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 @dataclass(frozen=True)
 class TokenLogprob:
     """A chosen token's log-probability, and the `k` most likely tokens' (id, log-probability), most likely
-    first. At least -9999 (as vLLM reports an impossible token): JSON has no -Infinity."""
+    first. At least -9999 (as vLLM reports an impossible token; JSON has no -Infinity), and -9999 for a logit
+    that is not a number."""
     logprob: float
     top: tuple[tuple[int, float], ...]
 
 
-def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
-    logprobs = torch.log_softmax(logits.double(), dim=-1).clamp(min=-9999.0)
-    top = torch.topk(logprobs, min(k, logprobs.numel()), sorted=True) if k else None
-    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
-    return TokenLogprob(float(logprobs[token]), pairs)
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """TokenLogprob of each row of `logits` [rows, vocab]: row r chose tokens[r] and lists its ks[r] most likely;
+    computed where the logits are, in one copy to the host for all rows."""
+    logprobs = torch.log_softmax(logits.double(), dim=-1).nan_to_num(nan=-9999.0).clamp(min=-9999.0)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+    top = torch.topk(logprobs, min(max(ks), logprobs.shape[-1]), dim=-1, sorted=True)
+    chosen, ids, values = chosen.tolist(), top.indices.tolist(), top.values.tolist()
+    return [TokenLogprob(chosen[r], tuple(zip(ids[r][:k], values[r][:k]))) for r, k in enumerate(ks)]

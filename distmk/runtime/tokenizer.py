@@ -11,6 +11,8 @@ and "<|im_end|>" ends the reply (it is a stop string), as it does for models tra
 """
 from __future__ import annotations
 
+import re
+
 from distmk.errors import DistmkError
 
 CHATML_END = "<|im_end|>"
@@ -35,9 +37,9 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    def token_text(self, token: int) -> str:
-        """One token's text as log-probabilities show it (a byte of a longer character: U+FFFD)."""
-        return self.decode([token])
+    def token_bytes(self, token: int) -> bytes:
+        """One token's bytes, as log-probabilities show them (an id past 255: none)."""
+        return bytes([token]) if token < 256 else b""
 
     def render_chat(self, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
         """The prompt of a conversation ([{"role", "content"}] with text content), and the stop strings
@@ -48,7 +50,10 @@ class ByteTokenizer:
 class HFTokenizer:
     def __init__(self, path: str):
         from transformers import AutoTokenizer
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
         self.tok = AutoTokenizer.from_pretrained(path)
+        self._byte_of = {char: byte for byte, char in bytes_to_unicode().items()}     # byte-level BPE's alphabet
+        self._bytes: dict[int, bytes] = {}
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text)
@@ -56,9 +61,23 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def token_text(self, token: int) -> str:
-        """One token's text as log-probabilities show it, special tokens included ("<|im_end|>")."""
-        return self.tok.decode([token])
+    def token_bytes(self, token: int) -> bytes:
+        """One token's bytes, as log-probabilities show them: a byte-level BPE token's own bytes (a piece of a
+        longer character too, which decoding it alone would turn into U+FFFD), a SentencePiece token's with its
+        word-start space ("▁world": b" world") or its byte-fallback byte ("<0xE2>"), a special token's text."""
+        if token not in self._bytes:
+            piece = self.tok.convert_ids_to_tokens(token)
+            decoder = getattr(getattr(self.tok, "backend_tokenizer", None), "decoder", None)
+            if token in self.tok.added_tokens_decoder or piece is None:
+                raw = self.tok.decode([token]).encode()
+            elif type(decoder).__name__ == "ByteLevel":
+                raw = bytes(self._byte_of[c] for c in piece)
+            elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+                raw = bytes([int(piece[3:5], 16)])
+            else:
+                raw = piece.replace("\u2581", " ").encode()
+            self._bytes[token] = raw
+        return self._bytes[token]
 
     def render_chat(self, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
         if not self.tok.chat_template:

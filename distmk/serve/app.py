@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import secrets
 import time
@@ -224,6 +225,7 @@ class GenerationStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
+            await self.body_iterator.aclose()       # its tasks end with it (a client that left: Starlette does not)
             for generation in self.generations:
                 generation.close()
 
@@ -347,8 +349,13 @@ def create_app(served: Served) -> FastAPI:
             raise APIError(400, str(e), param=prompt_param) from None
         served.check_admission(len(seqs))
         generations = [Generation(served, seq, req.stop + format_stops, arrived) for seq in seqs]
-        for generation in generations:
-            generation.start()
+        try:
+            for generation in generations:
+                generation.start()
+        except APIError:                        # the engine went down meanwhile: none of them stays
+            for generation in generations:
+                generation.close()
+            raise
         reply = Reply(served, req, chat, prompt)
         if req.stream:
             count(request, 200)
@@ -421,20 +428,26 @@ class Reply:
         """OpenAI's logprobs object of these tokens (None where the request did not ask): chat's list of
         {token, logprob, bytes, top_logprobs}, or completions' parallel lists, whose top_logprobs hold the
         chosen token too (as vLLM's do) and whose text_offset counts the token texts before each from
-        `offset`."""
+        `offset`. A token's text is its bytes (tokenizer.token_bytes) as UTF-8, U+FFFD for a piece of a
+        character; `bytes` has them all."""
         if not [p for p in pieces if p.logprob is not None]:
             return None
-        text = self.tokenizer.token_text
+        raw = self.tokenizer.token_bytes
+
+        def text(token: int) -> str:
+            return raw(token).decode("utf-8", errors="replace")
+
         if self.chat:
             def entry(token, logprob):
-                return {"token": text(token), "logprob": logprob, "bytes": list(text(token).encode())}
+                return {"token": text(token), "logprob": logprob, "bytes": list(raw(token))}
             return {"content": [{**entry(p.token, p.logprob.logprob),
                                  "top_logprobs": [entry(t, v) for t, v in p.logprob.top]} for p in pieces]}
         tokens = [text(p.token) for p in pieces]
-        offsets = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
         return {"tokens": tokens, "token_logprobs": [p.logprob.logprob for p in pieces],
-                "top_logprobs": [{text(t): v for t, v in ((p.token, p.logprob.logprob), *p.logprob.top)}
-                                 for p in pieces], "text_offset": offsets}
+                # the chosen token last: where another token reads the same, the chosen one's value shows
+                "top_logprobs": [{text(t): v for t, v in (*p.logprob.top, (p.token, p.logprob.logprob))}
+                                 for p in pieces],
+                "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=offset))}
 
     def usage(self, generations: list[Generation]) -> dict:
         n = sum(len(generation.tokens) for generation in generations)
@@ -446,14 +459,16 @@ class Reply:
         collects = [asyncio.ensure_future(self._collect(generation)) for generation in generations]
         gone = asyncio.ensure_future(_client_gone(request))
         pending = set(collects)
-        while pending:
-            done, pending = await asyncio.wait(pending | {gone}, return_when=asyncio.FIRST_COMPLETED)
-            pending.discard(gone)
-            if gone in done or any(c.exception() for c in done if c is not gone):
-                break
-        gone.cancel()
-        for collect in pending:
-            collect.cancel()
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending | {gone}, return_when=asyncio.FIRST_COMPLETED)
+                pending.discard(gone)
+                if gone in done or any(c.exception() for c in done if c is not gone):
+                    break
+        finally:                                # also where this handler is cancelled (at shutdown)
+            gone.cancel()
+            for collect in pending:
+                collect.cancel()
         failed = [c.exception() for c in collects if c.done() and not c.cancelled() and c.exception()]
         if failed:
             raise failed[0].as_api_error() from None
