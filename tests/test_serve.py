@@ -208,6 +208,8 @@ def test_n_choices_are_the_requests_of_seeds_one_apart(server):
     both = post(server, "/v1/chat/completions", chat).json()["choices"]
     second = post(server, "/v1/chat/completions", {**chat, "n": 1, "seed": 6}).json()["choices"][0]
     assert both[1]["token_ids"] == second["token_ids"] and both[1]["message"] == second["message"]
+    unseeded = post(server, "/v1/completions", {k: v for k, v in body.items() if k != "seed"}).json()["choices"]
+    assert len({tuple(c["token_ids"]) for c in unseeded}) == 3
     greedy = post(server, "/v1/completions", {**body, "temperature": 0, "n": 2}).json()["choices"]
     assert greedy[0]["token_ids"] == greedy[1]["token_ids"]
 

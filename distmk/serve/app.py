@@ -63,8 +63,9 @@ class Served:
         if not self.scheduler.alive:
             raise APIError(503, f"the engine is down: {self.scheduler.failure or 'stopping'}", type="server_error")
         if len(self.live) + sequences > self.capacity:
-            raise APIError(429, f"the server is at capacity ({len(self.live)} requests running or queued); "
-                                "retry later", type="rate_limit_error", code="rate_limit_exceeded",
+            raise APIError(429, f"the server is at capacity ({len(self.live)} sequences running or queued of "
+                                f"{self.capacity}, {sequences} more asked); retry later", type="rate_limit_error",
+                           code="rate_limit_exceeded",
                            headers={"Retry-After": "1"})
 
     def abort_all(self, message: str) -> None:
@@ -504,6 +505,8 @@ class Reply:
                     merged.put_nowait((index, piece))
             except Aborted as e:
                 merged.put_nowait((index, e))
+            except Exception as e:  # noqa: BLE001 - the stream ends with the error rather than a silent choice
+                merged.put_nowait((index, Aborted(f"internal error: {type(e).__name__}: {e}", status=500)))
             finally:
                 merged.put_nowait((index, None))
 
