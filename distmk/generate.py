@@ -30,6 +30,8 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=PROBABILITY, default=None, help="default: the checkpoint's, else 1")
     p.add_argument("--top-k", type=NON_NEGATIVE, default=None, help="0 = no limit (default: the checkpoint's, else 0)")
     p.add_argument("--sample-seed", type=SEED, default=0, help="seed of the sampling (temperature > 0)")
+    p.add_argument("--repetition-penalty", type=float_in(0, lo_open=True), default=None,
+                   help="transformers' repetition penalty, > 0 (default: the checkpoint's, else 1 = none)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--trace", metavar="OUT.json",
                    help="triton backend: write a Chrome/Perfetto trace of the last step and print the "
@@ -65,7 +67,8 @@ def run_with(args, launch, comm, device) -> dict:
             raise DistmkError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
     t1 = time.perf_counter()
     params = resolve_sampling(args.temperature, args.top_p, args.top_k, args.sample_seed,
-                              defaults=engine.spec.generation_defaults, greedy_default=True)
+                              defaults=engine.spec.generation_defaults, greedy_default=True,
+                              repetition_penalty=args.repetition_penalty)
     tokens = engine.generate(prompt, args.max_new_tokens, params, stop_on_eos=not args.ignore_eos)
     t2 = time.perf_counter()
     if args.trace:

@@ -8,7 +8,7 @@ from distmk.comm.cpu import run_simulated_ranks
 from distmk.runtime.batcher import Batcher, Sequence, run_step
 from distmk.runtime.engine import Engine
 from distmk.runtime.sampling import SamplingParams, sample
-from conftest import PROMPT, SMALL, hf_greedy
+from conftest import PROMPT, SMALL, hf_generate, hf_greedy, hf_model
 
 
 def test_top_k_and_top_p_support():
@@ -82,7 +82,40 @@ def test_a_sequence_whose_sampling_fails_fails_alone():
 @pytest.mark.parametrize("kw, message", [({"temperature": -0.1}, "temperature"), ({"top_p": 0}, "top_p"),
                                          ({"top_k": -1}, "top_k"), ({"temperature": float("nan")}, "temperature"),
                                          ({"temperature": float("inf")}, "temperature"),
-                                         ({"top_p": float("nan")}, "top_p")])
+                                         ({"top_p": float("nan")}, "top_p"),
+                                         ({"presence_penalty": 2.5}, "presence_penalty must be in"),
+                                         ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+                                         ({"repetition_penalty": 0}, "repetition_penalty must be a finite")])
 def test_bad_sampling_parameters(kw, message):
     with pytest.raises(DistmkError, match=message):
         SamplingParams(**kw)
+
+
+def test_penalties_are_transformers_and_openais():
+    """repetition_penalty is transformers' RepetitionPenaltyLogitsProcessor over prompt and output; presence and
+    frequency are OpenAI's documented subtraction over the output's counts; a greedy sequence with a penalty takes
+    the penalised argmax."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+    from distmk.runtime.sampling import penalize
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, generator=gen, dtype=torch.float64)
+    prompt, output = [3, 7, 7, 11], [7, 20, 20, 20, 42]
+    want = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + output]), logits[None].clone())[0]
+    assert torch.allclose(penalize(logits, SamplingParams(repetition_penalty=1.3), prompt, output), want)
+    got = penalize(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25), prompt, output)
+    counts = torch.bincount(torch.tensor(output), minlength=50).double()
+    assert torch.allclose(got, logits - (-0.25) * counts - 0.5 * (counts > 0).double())
+    assert torch.equal(got[3], logits[3])                        # presence and frequency: the output only
+    top = int(logits.argmax())
+    logits[top] += 0.01 - (logits[top] - logits.topk(2).values[1])       # the best by 0.01 over the second
+    assert sample(logits, SamplingParams()) == top
+    assert sample(logits, SamplingParams(presence_penalty=1.0), output=[top]) != top
+
+
+def test_greedy_with_repetition_penalty_gives_transformers_tokens():
+    """Greedy decoding with a repetition penalty: transformers' generate(repetition_penalty=...) tokens."""
+    want = hf_generate(hf_model("tiny-llama"), PROMPT, 24, repetition_penalty=1.5)[0, len(PROMPT):].tolist()
+    plain = Engine("tiny-llama", config=SMALL).generate(PROMPT, 24, SamplingParams(), stop_on_eos=False)
+    got = Engine("tiny-llama", config=SMALL).generate(PROMPT, 24, SamplingParams(repetition_penalty=1.5),
+                                                      stop_on_eos=False)
+    assert got == want != plain

@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from conftest import MODEL, PROMPT, SERVE_ON_CPU, Server, hf_greedy, rank_pids, serve_alone, torchrun
+from conftest import (MODEL, PROMPT, SERVE_ON_CPU, Server, hf_generate, hf_greedy, hf_model, rank_pids,
+                      serve_alone, torchrun)
 
 ENGINE = ["--model", MODEL, *SERVE_ON_CPU]
 MAX_SEQS, MAX_QUEUE = 8, 32                  # the main server: 8 running, 32 queued, then 429
@@ -212,6 +213,19 @@ def test_n_choices_are_the_requests_of_seeds_one_apart(server):
     assert len({tuple(c["token_ids"]) for c in unseeded}) == 3
     greedy = post(server, "/v1/completions", {**body, "temperature": 0, "n": 2}).json()["choices"]
     assert greedy[0]["token_ids"] == greedy[1]["token_ids"]
+
+
+def test_penalties(server):
+    """Greedy with vLLM's repetition_penalty: transformers' generate(repetition_penalty=...) tokens; OpenAI's
+    presence and frequency penalties change what greedy decoding picks (and are refused out of [-2, 2])."""
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    want = hf_generate(hf_model(MODEL), prompt, 16, repetition_penalty=1.5)[0, len(prompt):].tolist()
+    assert complete(server, prompt, 16, ignore_eos=True, repetition_penalty=1.5)[1] == want
+    plain = complete(server, prompt, 16, ignore_eos=True)[1]
+    assert complete(server, prompt, 16, ignore_eos=True, presence_penalty=2.0)[1] != plain
+    assert complete(server, prompt, 16, ignore_eos=True, frequency_penalty=0.0, presence_penalty=0)[1] == plain
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "frequency_penalty": 2.5})
+    assert r.status_code == 400 and "'frequency_penalty': Input should be less than or equal to 2" in r.text
 
 
 def test_json_bodies_need_a_json_content_type(server):

@@ -1,10 +1,12 @@
 """distmk's greedy tokens and logits against transformers' own generate, on the same weights."""
+import json
+
 import pytest
 import torch
 
 from distmk.comm.cpu import run_simulated_ranks
 from distmk.runtime.engine import Engine
-from conftest import PROMPT, SMALL, TINY, hf_generate, hf_greedy
+from conftest import PROMPT, SMALL, TINY, hf_generate, hf_greedy, hf_model
 
 
 def generate_tp(name, tp, config=SMALL, new_tokens=32, prompt=PROMPT, prefill_chunk=0, **kw):
@@ -150,3 +152,18 @@ def test_eos_ids_of_generation_config_stop_as_transformers_stops(generation_conf
     assert engine.spec.eos_token_id == tuple(gen["eos_token_id"])
     assert engine.spec.generation_defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
     assert engine.generate(PROMPT, 32) == reference
+
+
+def test_repetition_penalty_of_generation_config_is_the_default_as_in_transformers(tmp_path):
+    """A checkpoint whose generation_config.json sets repetition_penalty (Qwen2.5's do): transformers' generate
+    applies it, and so does distmk where the caller leaves it out (the CLI's and the server's defaults)."""
+    from transformers import AutoModelForCausalLM
+    from distmk.runtime.sampling import resolve_sampling
+    hf_model("tiny-llama").save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.5}))
+    reference = hf_generate(AutoModelForCausalLM.from_pretrained(tmp_path), PROMPT, 24)[0, len(PROMPT):].tolist()
+    engine = Engine(str(tmp_path), config=SMALL)
+    assert engine.spec.generation_defaults == {"repetition_penalty": 1.5}
+    params = resolve_sampling(None, None, None, 0, defaults=engine.spec.generation_defaults, greedy_default=True)
+    plain = hf_greedy("tiny-llama", new_tokens=24)[0]
+    assert engine.generate(PROMPT, 24, params, stop_on_eos=False) == reference != plain

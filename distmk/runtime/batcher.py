@@ -199,7 +199,7 @@ class Batcher:
                 seq.fed += 1
         if not batch:
             return None
-        needs_logits = any(seq.keep_logits or seq.logprobs is not None or not seq.params.greedy
+        needs_logits = any(seq.keep_logits or seq.logprobs is not None or seq.params.needs_logits
                            for seq, _ in batch)
         steps = 1
         if self.steps_per_launch > 1 and not needs_logits and not self.waiting and all(s.output for s, _ in batch):
@@ -226,7 +226,8 @@ class Batcher:
             if i != len(seq.prompt) + len(seq.output) - 1:     # a prompt row that is not the prompt's last
                 continue
             try:
-                token = greedy[0][row] if seq.params.greedy else sample(logits[row], seq.params, seq.generator)
+                token = (sample(logits[row], seq.params, seq.generator, seq.prompt, seq.output)
+                         if seq.params.needs_logits else greedy[0][row])
             except Exception as e:  # noqa: BLE001 - whatever it was, it concerns this sequence only
                 seq.error = f"sampling failed: {e}"
                 self._finish(seq, "error")

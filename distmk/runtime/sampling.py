@@ -5,7 +5,10 @@ device's, so a seed draws a different stream on a GPU than on the CPU, as preset
 
 Safe for any finite parameters: temperatures under GREEDY_BELOW are greedy (as vLLM treats them), the
 rest scale the logits in float64 after subtracting their maximum (so nothing overflows to inf or nan),
-and top-p always keeps the most likely token. A token's log-probability (token_logprobs) is the model's, of the
+and top-p always keeps the most likely token. Penalties first, on the logits of the tokens a sequence has
+seen: transformers' (and vLLM's) repetition_penalty over the prompt and the output, OpenAI's presence and
+frequency penalties over the output; a greedy sequence with a penalty takes the penalised logits' argmax here,
+not the device's. A token's log-probability (token_logprobs) is the model's, of the
 logits before temperature, top-k and top-p, as OpenAI and vLLM report it."""
 from __future__ import annotations
 
@@ -25,6 +28,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0             # 0 = no limit
     seed: int | None = None
+    presence_penalty: float = 0.0    # subtracted from the logit of each token the output has
+    frequency_penalty: float = 0.0   # subtracted from a token's logit once per time the output has it
+    repetition_penalty: float = 1.0  # a seen token's logit divided by it where positive, multiplied where negative
 
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -33,24 +39,56 @@ class SamplingParams:
             raise DistmkError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise DistmkError(f"top_k must be >= 0, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:          # also refuses nan
+                raise DistmkError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise DistmkError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether choosing a token takes the gathered logits (sample), not the device's argmax."""
+        return not self.greedy or self.penalized
+
 
 def resolve_sampling(temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None, *,
-                     defaults: dict, greedy_default: bool) -> SamplingParams:
+                     defaults: dict, greedy_default: bool, presence_penalty: float = 0.0,
+                     frequency_penalty: float = 0.0, repetition_penalty: float | None = None) -> SamplingParams:
     """What a caller asked for, each parameter it left out (None) taken from the checkpoint's defaults
     (ModelSpec.generation_defaults), else from distmk's: greedy for the CLI, temperature 1 for the API."""
-    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
-    values = {"temperature": 0.0 if greedy_default else 1.0, "top_p": 1.0, "top_k": 0, **defaults,
-              **{k: v for k, v in given.items() if v is not None}}
-    return SamplingParams(values["temperature"], values["top_p"], values["top_k"], seed)
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
+    values = {"temperature": 0.0 if greedy_default else 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0,
+              **defaults, **{k: v for k, v in given.items() if v is not None}}
+    return SamplingParams(values["temperature"], values["top_p"], values["top_k"], seed, presence_penalty,
+                          frequency_penalty, values["repetition_penalty"])
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    logits = logits.double()
+def penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The logits (float64) with the sequence's penalties: repetition over every token of prompt and output,
+    presence and frequency over the output's counts."""
+    logits = logits.double().clone()
+    if params.repetition_penalty != 1:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=logits.device)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if output and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=logits.numel()).double()
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).double()
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+           prompt: list[int] = (), output: list[int] = ()) -> int:
+    """The next token of a sequence with this prompt and output so far (what the penalties read)."""
+    logits = penalize(logits, params, prompt, output) if params.penalized else logits.double()
     if params.greedy:
         return int(logits.argmax())
     logits = (logits - logits.max()) / params.temperature       # <= 0 everywhere, 0 at the maximum

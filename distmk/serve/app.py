@@ -334,7 +334,8 @@ def create_app(served: Served) -> FastAPI:
                            param="max_tokens", code="context_length_exceeded")
         top_k = None if req.top_k is None else max(req.top_k, 0)          # -1, as vLLM has it: no limit
         params = resolve_sampling(req.temperature, req.top_p, top_k, req.seed, defaults=served.sampling_defaults,
-                                  greedy_default=False)
+                                  greedy_default=False, presence_penalty=req.presence_penalty,
+                                  frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty)
         if req.n > served.capacity:
             raise APIError(400, f"n {req.n} is more choices than the server runs or queues at once "
                                 f"({served.capacity})", param="n")

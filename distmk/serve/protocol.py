@@ -2,10 +2,10 @@
 
 Bodies are validated strictly: a wrong type is an error rather than coerced ("1" is not a number), and a
 parameter the server does not implement is refused by name instead of silently ignored. A few that
-clients send with neutral values by habit (presence_penalty: 0, echo: false, ...) are accepted with
-exactly those values. Log-probabilities as OpenAI has them: `logprobs` (completions: how many alternatives,
-0..MAX_LOGPROBS), `logprobs` and `top_logprobs` (chat). Extensions shared with vLLM: top_k, ignore_eos,
-return_token_ids. max_tokens: null means as many as the context has room for.
+clients send with neutral values by habit (echo: false, logit_bias: null, ...) are accepted with exactly
+those values. Log-probabilities as OpenAI has them: `logprobs` (completions: how many alternatives,
+0..MAX_LOGPROBS), `logprobs` and `top_logprobs` (chat). Extensions shared with vLLM: top_k, repetition_penalty,
+ignore_eos, return_token_ids. max_tokens: null means as many as the context has room for.
 """
 from __future__ import annotations
 
@@ -111,8 +111,9 @@ class _Sampling(_Strict):
     user: str | None = None                        # the caller's id for the operator's logs: unused here
     ignore_eos: bool = False
     return_token_ids: bool = False
-    presence_penalty: Annotated[float, _neutral(0)] = 0.0
-    frequency_penalty: Annotated[float, _neutral(0)] = 0.0
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)    # vLLM's; null: the checkpoint's, else 1
     logit_bias: Annotated[dict[str, float] | None, _neutral(None)] = None
 
     _only_when_streaming = _only_when("stream_options", "stream")
