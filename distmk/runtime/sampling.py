@@ -5,11 +5,11 @@ device's, so a seed draws a different stream on a GPU than on the CPU, as preset
 
 Safe for any finite parameters: temperatures under GREEDY_BELOW are greedy (as vLLM treats them), the
 rest scale the logits in float64 after subtracting their maximum (so nothing overflows to inf or nan),
-and top-p always keeps the most likely token. Penalties first, on the logits of the tokens a sequence has
-seen: transformers' (and vLLM's) repetition_penalty over the prompt and the output, OpenAI's presence and
+and top-p always keeps the most likely token. Penalties come first, on the logits of the tokens a sequence
+has seen: transformers' (and vLLM's) repetition_penalty over the prompt and the output, OpenAI's presence and
 frequency penalties over the output; a greedy sequence with a penalty takes the penalised logits' argmax here,
-not the device's. A token's log-probability (token_logprobs) is the model's, of the
-logits before temperature, top-k and top-p, as OpenAI and vLLM report it."""
+not the device's. A token's log-probability (token_logprobs) is the model's: of the logits before penalties,
+temperature, top-k and top-p, as OpenAI and vLLM report it."""
 from __future__ import annotations
 
 import math
