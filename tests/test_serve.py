@@ -228,6 +228,20 @@ def test_penalties(server):
     assert r.status_code == 400 and "'frequency_penalty': Input should be less than or equal to 2" in r.text
 
 
+def test_stop_token_ids_end_a_reply(server):
+    """vLLM's stop_token_ids: the first of them to be generated ends the reply (it is the last token, finish_reason
+    "stop"), ignore_eos or not; ids outside the vocabulary are refused."""
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    _, tokens, _ = complete(server, prompt, 16, ignore_eos=True)
+    stop = next(t for i, t in enumerate(tokens) if i >= 3 and t not in tokens[:i])
+    never = min(set(range(256)) - set(tokens))
+    for stream in (False, True):
+        _, got, finish = complete(server, prompt, 16, stream=stream, ignore_eos=True, stop_token_ids=[never, stop])
+        assert got == tokens[:tokens.index(stop) + 1] and finish == "stop"
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [5, 9999]})
+    assert r.status_code == 400 and "stop token ids [9999] are outside the vocabulary" in r.text
+
+
 def test_json_bodies_need_a_json_content_type(server):
     body = json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": 2}).encode()
     for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):

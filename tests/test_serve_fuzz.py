@@ -82,7 +82,7 @@ WRONG = {
     "stream_options": ["x", {"foo": True}, {"include_usage": True}],
     "logprobs": [21, -1, "2", True], "echo": [True],
     "presence_penalty": [3, "1", -2.5], "frequency_penalty": [2.5, "0"],
-    "repetition_penalty": [0, -1, "1"],
+    "repetition_penalty": [0, -1, "1"], "stop_token_ids": [[-1], [1.5], "1", [10 ** 6], list(range(65))],
     "logit_bias": [{"5": 1}], "best_of": [2], "suffix": ["end"],
     "tools": [[]], "response_format": [{"type": "json_object"}], "frobnicate": [1],
 }

@@ -42,6 +42,7 @@ class Sequence:
     keep_logits: bool = False         # record the [vocab] logits each new token was chosen from
     logits: list[torch.Tensor] = field(default_factory=list)
     logprobs: int | None = None       # record each new token's log-probability and its k most likely alternatives
+    stop_tokens: frozenset[int] = frozenset()   # token ids that end it as an end of sequence does (even past eos)
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
@@ -124,9 +125,10 @@ class Batcher:
         if len(seq.prompt) + seq.max_tokens > self.engine.max_context:
             raise DistmkError(f"prompt ({len(seq.prompt)} tokens) + max_tokens ({seq.max_tokens}) exceeds the "
                               f"context of {self.engine.max_context} tokens")
-        bad = [t for t in seq.prompt if not 0 <= t < spec.vocab_size]
-        if bad:
-            raise DistmkError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{spec.vocab_size - 1}")
+        for what, ids in (("prompt token ids", seq.prompt), ("stop token ids", sorted(seq.stop_tokens))):
+            bad = [t for t in ids if not 0 <= t < spec.vocab_size]
+            if bad:
+                raise DistmkError(f"{what} {bad[:5]} are outside the vocabulary 0..{spec.vocab_size - 1}")
 
     def submit(self, seq: Sequence) -> Sequence:
         self.check(seq)
@@ -260,7 +262,7 @@ class Batcher:
     def _produce(self, seq: Sequence, token: int, produced: list) -> None:
         seq.output.append(token)
         produced.append((seq, token))
-        if seq.stop_on_eos and token in self.engine.spec.eos_token_id:
+        if (seq.stop_on_eos and token in self.engine.spec.eos_token_id) or token in seq.stop_tokens:
             self._finish(seq, "stop")
         elif len(seq.output) >= seq.max_tokens:
             self._finish(seq, "length")

@@ -342,7 +342,7 @@ def create_app(served: Served) -> FastAPI:
         # choice i draws from seed + i: choice 0 is what the same request with n = 1 gets
         seqs = [Sequence(prompt, max_tokens or room, params if params.seed is None or i == 0 else
                          dataclasses.replace(params, seed=(params.seed + i) % 2 ** 64),
-                         stop_on_eos=not req.ignore_eos,
+                         stop_on_eos=not req.ignore_eos, stop_tokens=frozenset(req.stop_token_ids or ()),
                          logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs)
                 for i in range(req.n)]
         try:

@@ -5,7 +5,7 @@ parameter the server does not implement is refused by name instead of silently i
 clients send with neutral values by habit (echo: false, logit_bias: null, ...) are accepted with exactly
 those values. Log-probabilities as OpenAI has them: `logprobs` (completions: how many alternatives,
 0..MAX_LOGPROBS), `logprobs` and `top_logprobs` (chat). Extensions shared with vLLM: top_k, repetition_penalty,
-ignore_eos, return_token_ids. max_tokens: null means as many as the context has room for.
+stop_token_ids, ignore_eos, return_token_ids. max_tokens: null means as many as the context has room for.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 128              # n, at most (also at most what the server runs or queues at once)
 MAX_LOGPROBS = 20              # alternatives a token's log-probabilities may list (OpenAI's chat limit, vLLM's default)
 MAX_STOP_CHARS = 1024          # per stop string: a longer one is refused rather than matched
@@ -110,6 +111,7 @@ class _Sampling(_Strict):
     n: int = Field(1, ge=1, le=MAX_CHOICES)         # choices, each a sequence of its own
     user: str | None = None                        # the caller's id for the operator's logs: unused here
     ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     return_token_ids: bool = False
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
