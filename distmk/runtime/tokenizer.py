@@ -53,6 +53,9 @@ class HFTokenizer:
         from transformers.convert_slow_tokenizer import bytes_to_unicode
         self.tok = AutoTokenizer.from_pretrained(path)
         self._byte_of = {char: byte for byte, char in bytes_to_unicode().items()}     # byte-level BPE's alphabet
+        decoder = getattr(getattr(self.tok, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = type(decoder).__name__ == "ByteLevel"
+        self._added = set(self.tok.added_tokens_decoder)     # special tokens: their text, not byte-mapped
         self._bytes: dict[int, bytes] = {}
 
     def encode(self, text: str) -> list[int]:
@@ -67,10 +70,9 @@ class HFTokenizer:
         word-start space ("▁world": b" world") or its byte-fallback byte ("<0xE2>"), a special token's text."""
         if token not in self._bytes:
             piece = self.tok.convert_ids_to_tokens(token)
-            decoder = getattr(getattr(self.tok, "backend_tokenizer", None), "decoder", None)
-            if token in self.tok.added_tokens_decoder or piece is None:
+            if token in self._added or piece is None:
                 raw = self.tok.decode([token]).encode()
-            elif type(decoder).__name__ == "ByteLevel":
+            elif self._byte_level:
                 raw = bytes(self._byte_of[c] for c in piece)
             elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
                 raw = bytes([int(piece[3:5], 16)])
