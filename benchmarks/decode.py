@@ -4,11 +4,16 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/decode.py --model llama-3-8b --batch 1 --context 1024
     python benchmarks/decode.py --model tiny-llama --backend reference --device cpu --context 64 --iters 20
     python benchmarks/decode.py --model qwen3-30b-a3b --batch 8 --context 512 --skip-hf --compile-baseline
+    python benchmarks/decode.py --model llama-3-8b --batch 1 --context 512 --virtual-tp 2 --skip-hf --compile-baseline
 
 Measured in one process: the GPU's streaming-read bandwidth, distmk's step (harness.py), the
 per-op PyTorch decoder replayed as a CUDA graph (and torch.compile'd with --compile-baseline), and
 transformers' eager generate. Under torchrun every rank runs tensor parallel over NCCL (transformers alone
 runs on rank 0, on one GPU) and rank 0 prints. Progress goes to stderr, the JSON to stdout.
+With --virtual-tp N (one GPU, no torchrun) distmk's step runs at tp=1 and then as N virtual ranks sharing the GPU
+(threads, SMs // N workers each, exchanging through peer pointers as ranks of one node do): step_ms is the
+virtual ranks' step, tp1_step_ms the tp=1 one of the same process, and the roofline and baselines are the tp=1
+ones (the same GPU reads every shard). A measurement of what the exchanges cost, not of a multi-GPU speed-up.
 On the CPU (--device cpu, the reference backend, float32, gloo between ranks) the HBM roofline and the
 CUDA-graph baselines do not apply and are recorded as null; distmk and transformers are timed by wall clock.
 
@@ -60,6 +65,9 @@ def parse_args(argv=None):
                    help="how --compile-baseline compiles (baselines.COMPILE_MODES): max-autotune, the yardstick, "
                         "or coordinate-descent (no matmul templates to tune: less compile time; a gathered expert's "
                         "products still read its weights in place) or default")
+    p.add_argument("--virtual-tp", type=COUNT, default=1, metavar="N",
+                   help="also time distmk's step as N tensor-parallel ranks sharing this one GPU (a measurement "
+                        "mode: see above)")
     p.add_argument("--no-breakdown", action="store_true",
                    help="triton: skip the traced step (where the time went), which compiles the megakernel again")
     add_graph_args(p, "one per SM")
@@ -70,6 +78,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.backend == "triton" and args.device == "cpu":
         p.error("--backend triton needs --device cuda")
+    if args.virtual_tp > 1 and args.backend != "triton":
+        p.error("--virtual-tp needs --backend triton")
     return args
 
 
@@ -89,17 +99,28 @@ def git_commit() -> str | None:
     return commit + ("+" if dirty else "")
 
 
-def time_distmk(args, device, log, keep: dict) -> dict:
-    """distmk's own step timing; if it cannot be imported or fails, the error instead, so that the
-    baselines still come out. `keep` receives the engine (harness.distmk_step_ms)."""
+def time_distmk(args, device, log, keep: dict | None, virtual_tp: int = 1) -> dict:
+    """distmk's own step timing (of `virtual_tp` virtual ranks where > 1); if it cannot be imported or fails, the
+    error instead, so that the baselines still come out. `keep` receives the engine (harness.distmk_step_ms)."""
     try:
-        from harness import distmk_step_ms
-        return distmk_step_ms(args.model, args.batch, args.context, args.iters, backend=args.backend, device=device,
-                              breakdown=args.backend == "triton" and not args.no_breakdown, keep=keep,
-                              graph=tiling_of(args), workers=args.workers, **kernel_options_of(args))
+        from harness import distmk_step_ms, virtual_tp_step_ms
+        options = dict(backend=args.backend, device=device, breakdown=args.backend == "triton" and not args.no_breakdown,
+                       graph=tiling_of(args), workers=args.workers, **kernel_options_of(args))
+        if virtual_tp > 1:
+            return virtual_tp_step_ms(args.model, args.batch, args.context, virtual_tp, args.iters, **options)
+        return distmk_step_ms(args.model, args.batch, args.context, args.iters, keep=keep, **options)
     except Exception as e:
         log(traceback.format_exc())
         return {"step_ms": None, "distmk_error": f"{type(e).__name__}: {e}"}
+
+
+def breakdown_lines(distmk: dict, log) -> None:
+    """Log the traced step's breakdown and keep it in the JSON as lines: the trace is what says what limits it."""
+    breakdown = distmk.pop("breakdown", "")
+    log(breakdown)
+    log(f"distmk: {distmk}")
+    if breakdown:
+        distmk["breakdown"] = breakdown.splitlines()
 
 
 def run(args, launcher: str, log) -> dict:
@@ -158,11 +179,7 @@ def run(args, launcher: str, log) -> dict:
     keep = {}
     distmk = time_distmk(args, device, log, keep)
     step_ms = distmk["step_ms"]
-    breakdown = distmk.pop("breakdown", "")
-    log(breakdown)
-    log(f"distmk: {distmk}")
-    if breakdown:       # in the JSON too: the step's trace is what says what limits it
-        distmk["breakdown"] = breakdown.splitlines()
+    breakdown_lines(distmk, log)
     phase_s["distmk"] = round(time.perf_counter() - t1, 1)
     release()
     peaks = {}
@@ -226,6 +243,17 @@ def run(args, launcher: str, log) -> dict:
     keep.clear()
     gc.collect()
     release()
+
+    virtual = None
+    if args.virtual_tp > 1:         # the tp=1 engine is gone: the GPU is the virtual ranks' alone
+        t1 = time.perf_counter()
+        virtual = time_distmk(args, device, log, None, args.virtual_tp)
+        breakdown_lines(virtual, log)
+        phase_s["virtual_tp"] = round(time.perf_counter() - t1, 1)
+        release()
+        result.update(virtual_tp=args.virtual_tp, tp1_step_ms=step_ms, tp1_distmk=distmk,
+                      step_vs_tp1=virtual["step_ms"] / step_ms if virtual["step_ms"] and step_ms else None)
+        distmk, step_ms = virtual, virtual["step_ms"]
 
     hf_ms = None
     if not args.skip_hf:

@@ -23,7 +23,8 @@ def decode_step(model: str, batch: int, context: int, *, comm=None, backend: str
     block tables."""
     from distmk.runtime.engine import Engine, device_fields
     device = torch.device(device) if device else torch.device("cuda", torch.cuda.current_device())
-    config = GraphConfig(batch=batch, context=context, **device_fields(backend, device, workers), **(graph or {}))
+    config = GraphConfig(batch=batch, context=context, **(graph or {}),
+                         **device_fields(backend, device, workers, getattr(comm, "ranks_on_device", 1)))
     max_context = -(-context // block_size) * block_size
     engine = Engine(model, tp=comm.world if comm else 1, rank=comm.rank if comm else 0, comm=comm,
                     backend=backend, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
@@ -86,15 +87,16 @@ def bench_comm(backend: str):
 
 
 def distmk_step_ms(model: str, batch: int, context: int, iters: int = 200, backend: str = "triton", device=None,
-                   breakdown: bool = False, keep: dict | None = None, **options) -> dict:
+                   breakdown: bool = False, keep: dict | None = None, comm=None, **options) -> dict:
     """Median step time of this rank; each rank's step includes the waits on its peers. With `breakdown`
     (triton), also where the time of one traced step went (text), the fraction of worker time spent
     waiting on peers and the exposed all-reduce time. `keep`, a dict, receives the engine and its step's
     rows as soon as it is built ("engine", "step": a function that runs the step again and returns its
     workspace, "tokens", "positions", "blocks"), so that the caller can run baselines on the same weights
-    and KV cache rather than load a second copy."""
+    and KV cache rather than load a second copy. `comm`: this rank's communicator (virtual_tp_step_ms's),
+    else the launch's (bench_comm)."""
     from distmk.kernels import trace
-    comm = bench_comm(backend)
+    comm = comm or bench_comm(backend)
     try:
         t0 = time.perf_counter()
         engine, step = decode_step(model, batch, context, comm=comm, backend=backend, device=device, **options)
@@ -102,6 +104,8 @@ def distmk_step_ms(model: str, batch: int, context: int, iters: int = 200, backe
         if keep is not None:
             keep.update(engine=engine, step=step, **step.rows)
         ex = engine.executor
+        if comm is not None and engine.device.type == "cuda":
+            comm.barrier()          # every rank built and captured: the timed steps start together
         if backend == "triton":
             times, mode = launch_times(ex, iters, warmup=10), "cudagraph" if ex.use_graph else "launch"
         else:
@@ -124,3 +128,13 @@ def distmk_step_ms(model: str, batch: int, context: int, iters: int = 200, backe
     finally:
         if comm is not None and hasattr(comm, "close"):
             comm.close()
+
+
+def virtual_tp_step_ms(model: str, batch: int, context: int, tp: int, iters: int = 200, **options) -> dict:
+    """distmk_step_ms of `tp` virtual ranks: threads of this process on this one GPU, each with its share of the
+    SMs (comm/cpu.py ThreadRanks), stepping together through the exchanges. Rank 0's figures, with every rank's
+    median step time beside them."""
+    from distmk.comm.cpu import run_simulated_ranks
+    per_rank = run_simulated_ranks(tp, lambda rank, comm: distmk_step_ms(model, batch, context, iters, comm=comm,
+                                                                         **options), timeout=1800)
+    return {**per_rank[0], "rank_step_ms": [r["step_ms"] for r in per_rank]}

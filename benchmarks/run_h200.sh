@@ -24,17 +24,20 @@ fi
 if [[ $STAGES == *" decode "* ]]; then
   # against the torch.compile'd CUDA graph (max-autotune), the yardstick; the log leaves out warnings and
   # inductor's autotuning tables (the JSON keeps the traced step's breakdown)
+  # MODEL:BATCH, or MODEL:BATCH:vN for N virtual ranks on this GPU beside the tp=1 step (decode.py --virtual-tp)
   for one in ${@:-llama-3-8b:1 llama-3-8b:8 qwen3-8b:1 qwen3-8b:8 llama-3.2-1b:1}; do
-    model=${one%:*} batch=${one#*:} left=$((DEADLINE - SECONDS))
-    [ $left -lt 100 ] && { stamp "decode $model batch $batch skipped: ${left} s left"; continue; }
-    stamp "decode $model batch $batch"
-    name=decode_${model}_b${batch}_tp1
+    IFS=: read -r model batch virtual <<< "$one"
+    tp=${virtual#v} left=$((DEADLINE - SECONDS))
+    [ $left -lt 100 ] && { stamp "decode $one skipped: ${left} s left"; continue; }
+    stamp "decode $one"
+    name=decode_${model}_b${batch}_${virtual:+v}tp${tp:-1}
     timeout $((left < 300 ? left : 300)) python3 benchmarks/decode.py --model "$model" --batch "$batch" \
-        --context 512 --iters 100 --skip-hf --compile-baseline --json --out "$OUT/$name.json" 2>&1 \
+        --virtual-tp "${tp:-1}" --context 512 --iters 100 --skip-hf --compile-baseline --json --out "$OUT/$name.json" 2>&1 \
         | grep -v "Warn\|warn(\|AUTOTUNE\|^  [a-z_]*mm[_ ]\|^  decompose_k\|^strides:\|^dtypes:\|Autotune Choices\|num_choices" \
         > "$OUT/$name.log"
     python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('step_ms', \
-'cudagraph_compiled_ms', 'speedup_vs_compiled', 'efficiency')})" "$OUT/$name.json" 2>/dev/null || tail -n 3 "$OUT/$name.log"
+'tp1_step_ms', 'step_vs_tp1', 'cudagraph_compiled_ms', 'speedup_vs_compiled', 'efficiency')})" "$OUT/$name.json" \
+        2>/dev/null || tail -n 3 "$OUT/$name.log"
   done
 fi
 

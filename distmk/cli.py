@@ -7,10 +7,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 
 import torch
 
 from distmk.comm import backend_comm
+from distmk.comm.cpu import MAX_CONNECTIONS
 from distmk.dist import LaunchEnv, init_process_group
 from distmk.errors import DistmkError
 from distmk.graph.lowering import GraphConfig
@@ -104,6 +106,12 @@ def kernel_options_of(args) -> dict:
             if "help" in f.metadata and getattr(args, f.name, None) is not None}
 
 
+VIRTUAL_TP_HELP = ("run N tensor-parallel ranks as threads of this one process on one device, each rank with its "
+                   "share of the GPU's SMs and every rank's buffers in its memory, exchanging through the peer-pointer "
+                   "code that ranks of one node use: a test and measurement mode for tp > 1 where one GPU is at hand, "
+                   "not a deployment (it is no faster than tp=1)")
+
+
 def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str,
                     step_batches_default: str = "auto") -> None:
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or preset name")
@@ -128,6 +136,20 @@ def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str
     add_kernel_args(p)
     p.add_argument("--no-autotune", action="store_true",
                    help="triton backend: use the cached or default kernel options, measure nothing")
+    p.add_argument("--virtual-tp", type=COUNT, default=1, metavar="N", help=VIRTUAL_TP_HELP)
+
+
+def run_virtual_ranks(args, launch: LaunchEnv, fn, lead_here: bool = False) -> list:
+    """fn(launch, comm) on each of --virtual-tp's ranks (threads, comm/cpu.py ThreadRanks; rank 0 on this one with
+    `lead_here`), whose LaunchEnv says `virtual`; their results in rank order. Refused under a launcher of several
+    ranks."""
+    from distmk.comm.cpu import run_simulated_ranks
+    if launch.world > 1:
+        raise DistmkError(f"--virtual-tp runs its ranks in one process; {launch.launcher} started {launch.world}")
+    n = args.virtual_tp
+    # a rank may wait at a gather while its peers load and compile: an 8B model's ranks take minutes
+    return run_simulated_ranks(n, lambda rank, comm: fn(LaunchEnv("virtual", rank, n, 0, 1, 1), comm), timeout=1800,
+                               lead_here=lead_here)
 
 
 def open_comm(args, launch: LaunchEnv):
@@ -142,6 +164,8 @@ def select_device(args, launch: LaunchEnv) -> str:
     """This rank's device; on a GPU it becomes the current one (before NCCL or NVSHMEM start)."""
     if args.device == "cpu":
         return "cpu"
+    if getattr(args, "virtual_tp", 1) > 1:
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", str(MAX_CONNECTIONS))
     if not torch.cuda.is_available():
         raise DistmkError("--device cuda: no CUDA device is visible")
     torch.cuda.set_device(launch.local_rank)
@@ -153,7 +177,8 @@ def build_engine(args, launch: LaunchEnv, comm, device: str, *, progress: bool, 
     """The Engine the flags describe, with KV-cache room for max_seqs sequences of the full context.
     kernel_options: extra options of the triton backend's executor."""
     dtype = DTYPES[args.dtype or ("float32" if args.device == "cpu" else "bfloat16")]
-    config = graph_config(args, batch=args.batch, **device_fields(args.backend, device, args.workers))
+    config = graph_config(args, batch=args.batch, **device_fields(args.backend, device, args.workers,
+                                                                  getattr(comm, "ranks_on_device", 1)))
     kernel_options = {**kernel_options_of(args), **(kernel_options or {})} if args.backend == "triton" else None
     return Engine(args.model, tp=launch.world, rank=launch.rank, comm=comm, dtype=dtype, device=device,
                   backend=args.backend, config=config, max_context=args.max_context, seed=args.seed,

@@ -10,7 +10,7 @@ import sys
 import time
 
 from distmk.cli import (COUNT, NON_NEGATIVE, PROBABILITY, SEED, add_engine_args, build_engine, float_in, open_comm,
-                        select_device)
+                        run_virtual_ranks, select_device)
 from distmk.dist import detect_launch
 from distmk.errors import DistmkError
 from distmk.runtime.sampling import resolve_sampling
@@ -43,6 +43,8 @@ def parse_args(argv=None):
 def run(args) -> dict:
     launch = detect_launch()
     device = select_device(args, launch)
+    if args.virtual_tp > 1:
+        return run_virtual_ranks(args, launch, lambda rank_launch, comm: run_with(args, rank_launch, comm, device))[0]
     comm = open_comm(args, launch)
     try:
         return run_with(args, launch, comm, device)

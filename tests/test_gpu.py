@@ -308,6 +308,140 @@ def test_autotune_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     assert first.generate(PROMPT, 8) == second.generate(PROMPT, 8)
 
 
+# ---- virtual ranks: tp ranks on this one GPU (comm/cpu.py ThreadRanks), the ring megakernel's exchanges ----
+
+def tp_ready(name: str):
+    """A tiny preset's family widened so that tp 2, 4 and 8 shard it onto the ring's 64-column slots: 8 query heads
+    of 64, an MLP and experts 512 wide (the tiny presets' heads are 16-32 wide, under a slot at tp 4 and 8)."""
+    import dataclasses
+    from distmk.models.presets import preset
+    spec = preset(name)
+    return dataclasses.replace(spec, num_heads=8, head_dim=64, intermediate_size=512,
+                               moe_intermediate_size=512 if spec.moe_layers else 0)
+
+
+@pytest.fixture(scope="module")
+def tp_ready_checkpoints(tmp_path_factory):
+    """Each family's tp_ready model as a checkpoint directory (config.json, and distmk's seeded random weights
+    under their checkpoint names)."""
+    from safetensors.torch import save_file
+    from distmk.models.weights import RandomWeights
+    paths = {}
+    for name in TINY + TINY_MOE:
+        spec, path = tp_ready(name), tmp_path_factory.mktemp(name)
+        save_file({k: v.contiguous() for k, v in RandomWeights(spec).state_dict().items()},
+                  str(path / "model.safetensors"))
+        (path / "config.json").write_text(json.dumps(spec.to_hf_config()))
+        paths[name] = str(path)
+    return paths
+
+
+def virtual_ranks(tp: int, fn):
+    """fn(rank, comm) on tp virtual ranks (threads of this process on this GPU); their results in rank order."""
+    from distmk.comm.cpu import run_simulated_ranks
+    return run_simulated_ranks(tp, fn, timeout=600)
+
+
+VIRTUAL_TP = [(name, tp, 8) for name in TINY + TINY_MOE for tp in (2, 4, 8)] + \
+             [(name, 2, 1) for name in TINY + TINY_MOE] + [("tiny-llama", 8, 1), ("tiny-qwen3-moe", 4, 1)]
+
+
+@pytest.mark.skipif(not hopper(), reason="the ring megakernel needs a Hopper GPU")
+@pytest.mark.parametrize("name, tp, batch", VIRTUAL_TP)
+def test_ring_at_virtual_tp_equals_the_float32_reference(name, tp, batch, tp_ready_checkpoints):
+    """tp ranks of the ring megakernel on this GPU (SMs // tp workers each, exchanges through peer pointers) step
+    through a 24-token sequence `batch` rows a step (teacher forcing): every rank's residual stream and greedy tokens
+    bit-identical, and each position's logits against the float32 model of the same bf16 weights
+    (float32_reference.py, routed as distmk routed): within 2e-2, and the same greedy token unless the reference's
+    top two are a tie within that rounding."""
+    from float32_reference import float32_logits
+    from distmk.models.shard import load_shard, plan_shard
+    from distmk.models.weights import open_model
+    path = tp_ready_checkpoints[name]
+    seq = [(7 * i + 3) % 500 for i in range(24)]
+
+    def rank(r, comm):
+        engine = Engine(path, tp=tp, rank=r, comm=comm, backend="triton", device="cuda", dtype=torch.bfloat16,
+                        max_context=64, autotune=False, kernel_options={"kernel": "ring"},
+                        config=GraphConfig(batch=batch, workers=sms() // tp))
+        blocks = engine.kv.allocate([], len(seq))
+        tokens, logits, routes, same = [], [], [], True
+        for start in range(0, len(seq), batch):
+            chunk = seq[start:start + batch]
+            buf = engine.step(chunk, range(start, start + len(chunk)), [blocks] * len(chunk))
+            n = len(chunk)
+            tokens += buf["next_token"][:n].tolist()
+            logits.append(engine.full_logits(buf, n).float())
+            routes.append(buf["route_history"][:, :n].clone())
+            same &= all(torch.equal(x, buf["x"][:n]) for x in comm.gather(buf["x"][:n]))
+            same &= all(torch.equal(t, buf["next_token"][:n]) for t in comm.gather(buf["next_token"][:n]))
+        return engine.executor.kernel_name, tokens, torch.cat(logits), torch.cat(routes, dim=1), same
+
+    results = virtual_ranks(tp, rank)
+    kernel, tokens, logits, routes, _ = results[0]
+    assert kernel == "ring" and all(r[4] for r in results)
+    spec, source, _ = open_model(path)
+    weights = load_shard(spec, source, plan_shard(spec, 1, 0), dtype=torch.bfloat16, device="cuda")
+    ref = float32_logits(spec, weights, seq, routes=routes if spec.moe_layers else None)
+    rounding = (logits - ref).abs().max(dim=-1).values
+    rel = ((logits - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    assert rel < 2e-2, rel
+    chosen = ref.gather(1, torch.tensor(tokens, device=ref.device)[:, None])[:, 0]
+    gap = ref.max(dim=-1).values - chosen
+    assert (gap <= 2 * rounding).all(), (tokens, ref.argmax(dim=-1).tolist())
+
+
+VIRTUAL_WATCHDOG_SCRIPT = """
+import time, torch
+from distmk.comm.cpu import run_simulated_ranks
+from distmk.graph import GraphConfig
+from distmk.kernels.executor import WatchdogTimeout
+from distmk.runtime.engine import Engine
+
+def rank(r, comm):
+    engine = Engine("tiny-llama", tp=2, rank=r, comm=comm, backend="triton", device="cuda", dtype=torch.bfloat16,
+                    config=GraphConfig(batch=2, workers=WORKERS), autotune=False,
+                    kernel_options={"timeout_s": 0.5, "cuda_graph": False, "kernel": "ring"})
+    assert engine.executor.kernel_name == "ring"
+    engine.generate([1, 2, 3], 2)
+    if r == 0:                   # rank 0's attention can never start: both ranks' steps stall
+        engine.executor.dev_table.event_need[engine.table.event_names.index("L0.qkv")] += 1
+    t0 = time.time()
+    try:
+        engine.generate([1, 2, 3], 2)
+    except WatchdogTimeout as e:
+        return round(time.time() - t0, 2), str(e)
+    return None
+
+for r, report in enumerate(run_simulated_ranks(2, rank)):
+    print("RANK", r, report)
+"""
+
+
+@pytest.mark.skipif(not hopper(), reason="the ring megakernel needs a Hopper GPU")
+def test_ring_watchdog_at_virtual_tp2_names_the_rank_and_task():
+    """Virtual tp=2 on the ring: one rank's event that never completes stalls both ranks' steps (the other waits for
+    its pushes); each rank's watchdog reports within its bound, naming its rank and task, and nothing hangs."""
+    script = VIRTUAL_WATCHDOG_SCRIPT.replace("WORKERS", str(sms() // 2))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RANK")]
+    assert len(lines) == 2 and all("waited on event" in line for line in lines), proc.stdout
+    assert "rank 0 worker" in lines[0] and "'L0.qkv' at" in lines[0].split("stalled at")[1]
+    assert "rank 1 worker" in lines[1]
+
+
+def test_virtual_ranks_that_do_not_fit_the_gpu_are_refused():
+    """Every rank's workers must be resident at once: more than the SMs is an error naming the count."""
+    from distmk.errors import DistmkError
+
+    def rank(r, comm):
+        with pytest.raises(DistmkError, match=f"2 ranks x {sms()} workers cannot run on {sms()} SMs"):
+            Engine("tiny-llama", tp=2, rank=r, comm=comm, backend="triton", device="cuda", autotune=False,
+                   config=GraphConfig(batch=2, workers=sms()))
+    virtual_ranks(2, rank)
+
+
 TP2_SCRIPT = """
 import json, sys, time, torch
 import torch.distributed as dist

@@ -47,6 +47,27 @@ def test_ring_megakernel_compiles_for_sm90(name, batch, fused_route):
     assert "wgmma" in compiled.asm["ptx"] and "cp.async.bulk.tensor" in compiled.asm["ptx"]
 
 
+@pytest.mark.parametrize("name, tp, batch", [("llama-3-8b", 2, 1), ("qwen3-30b-a3b", 4, 8)])
+def test_tensor_parallel_ring_megakernel_compiles_for_sm90(name, tp, batch):
+    """The ring megakernel's exchanges (ar_push, allreduce, argmax_push over peer pointers) at tp > 1, as virtual
+    ranks run them (GPU-scope events) and ranks of one node (system scope)."""
+    from distmk.comm.cpu import run_simulated_ranks
+
+    def compile_rank(rank, comm):
+        comm.peers_on_device = rank == 0        # rank 0 compiles the virtual ranks' kernel, rank 1 a node's
+        engine = Engine(name, tp=tp, rank=rank, comm=comm, backend="triton", device="meta", dtype=torch.bfloat16,
+                        max_context=1024, config=GraphConfig(batch=batch, workers=DEFAULT_WORKERS // tp),
+                        kernel_options={"kernel": "ring"})
+        if rank > 1:
+            return None
+        compiled = engine.executor.compile_ahead(arch=90)
+        return compiled.metadata.shared, compiled.asm["ptx"], comm.peers_on_device
+
+    for shared, ptx, on_device in filter(None, run_simulated_ranks(tp, compile_rank, timeout=600)):
+        assert shared <= HOPPER_SHARED_BYTES and "wgmma" in ptx
+        assert ("ld.global.acquire.sys" in ptx) == (not on_device)
+
+
 def test_tensor_parallel_megakernel_compiles_for_sm90():
     """tp=2: exchange pushes into peers' symmetric buffers and events signalled on every rank."""
     from distmk.comm.cpu import run_simulated_ranks

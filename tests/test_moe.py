@@ -339,17 +339,20 @@ def test_autotuned_options_are_cached_per_expert_shape():
     assert len(keys) == 2
 
 
-def test_ring_megakernel_runs_moe_steps_of_one_rank():
-    """Every MoE task type has its ring device functions (router tiles included): the ring megakernel takes a MoE
-    step at tp=1, and still refuses tp > 1 (the exchanges are the tl megakernel's)."""
+def test_ring_megakernel_runs_moe_steps_at_any_tp_over_peer_pointers():
+    """Every MoE task type has its ring device functions (router tiles and the exchanges included): the ring
+    megakernel takes a MoE step at tp=1 and at tp=2 over peer pointers; NVSHMEM's put-with-signal stays on the tl
+    megakernel."""
     from distmk.kernels.ring_megakernel import ring_unsupported
     spec = preset("tiny-mixtral")
-    plan = plan_shard(spec, 1, 0)
-    table = compile_step(spec, plan, dataclasses.replace(SMALL, router_partials=2))
-    kinds = {TASK_KINDS[t] for t in table.tasks[:, 0].tolist()}
-    assert {"router", "route", "expert_gate_up", "expert_down", "moe_combine"} <= {k.name for k in kinds}
-    assert ring_unsupported(spec, plan, table.config, torch.bfloat16, 1, kinds) is None
-    assert "one rank only" in ring_unsupported(spec, plan, table.config, torch.bfloat16, 2, kinds)
+    for tp in (1, 2):
+        plan = plan_shard(spec, tp, 0)
+        table = compile_step(spec, plan, dataclasses.replace(SMALL, router_partials=2))
+        kinds = {TASK_KINDS[t] for t in table.tasks[:, 0].tolist()}
+        assert {"router", "route", "expert_gate_up", "expert_down", "moe_combine"} <= {k.name for k in kinds}
+        assert ring_unsupported(spec, plan, table.config, torch.bfloat16, "pointer", kinds) is None
+    assert {"ar_push", "allreduce", "argmax_push"} <= {k.name for k in kinds}
+    assert "tl megakernel" in ring_unsupported(spec, plan, table.config, torch.bfloat16, "nvshmem", kinds)
 
 
 def test_router_cut_over_the_experts_matches_transformers(tmp_path):

@@ -500,6 +500,23 @@ def test_single_process_server(tmp_path):
         srv.kill()
 
 
+def test_virtual_ranks_server_gives_transformers_tokens(tmp_path):
+    """--virtual-tp 2: both ranks in one process (threads), the plans sent to rank 1 over the communicator rather
+    than gloo; a long prompt (prefill chunks on both ranks) and decode steps give transformers' tokens, and SIGINT
+    stops it cleanly."""
+    srv = serve_alone(tmp_path, "virtual", "--virtual-tp", "2", "--max-batch", "4", "--prefill-chunk", "16")
+    try:
+        srv.wait_ready()
+        prompt = [(7 * i + 3) % 50 for i in range(40)]
+        _, tokens, finish = complete(srv, prompt, 16, ignore_eos=True)
+        assert tokens == hf_greedy(MODEL, tuple(prompt), 16)[0] and finish == "length"
+        assert "tp 2" in srv.output()
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.wait_exit(timeout=30) == 0, srv.output()
+    finally:
+        srv.kill()
+
+
 def test_step_trace_splits_each_streams_gaps_into_launches_prefill_and_host(tmp_path):
     """--trace-steps: a stream decoding while a 40-token prompt is prefilled in chunks of 16 gets tokens between
     the chunks, and has gaps with a chunk in them; benchmarks/step_trace.py counts every token gap of both

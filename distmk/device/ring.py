@@ -245,6 +245,22 @@ def _acquire64(ptr):
 
 
 @gluon.jit
+def _acquire64_sys(ptr):
+    return gl.inline_asm_elementwise("ld.global.acquire.sys.b64 $0, [$1];", "=l,l", [ptr], dtype=gl.int64,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _acquire_at(ptr, SYSTEM: gl.constexpr):
+    """Acquire load of an event counter: system scope where peers on other GPUs signal it."""
+    if SYSTEM:
+        value = _acquire64_sys(ptr)
+    else:
+        value = _acquire64(ptr)
+    return value
+
+
+@gluon.jit
 def _relaxed64(ptr):
     return gl.inline_asm_elementwise("ld.global.relaxed.gpu.b64 $0, [$1];", "=l,l", [ptr], dtype=gl.int64,
                                      is_pure=False, pack=1)
@@ -295,20 +311,21 @@ def fence_async_global():
 
 
 @gluon.jit
-def wait_event(counter_ptr, target, abort_ptr, timeout_ns):
+def wait_event(counter_ptr, target, abort_ptr, timeout_ns, SYSTEM: gl.constexpr):
     """primitives.wait_event in Gluon: spin until *counter_ptr reaches target, at most timeout_ns or until a
     worker aborted the step; returns the last value seen minus target (negative: gave up). The abort flag is read
     relaxed and first: an acquire load waits for its own return before any later load is issued (CCTL.IVALL),
-    so two acquires made every look two round trips to L2, even at an event long complete."""
+    so two acquires made every look two round trips to L2, even at an event long complete. SYSTEM: peers on
+    other GPUs signal events (acquire at system scope)."""
     aborted = _relaxed64(abort_ptr)
-    value = _acquire64(counter_ptr)
+    value = _acquire_at(counter_ptr, SYSTEM)
     deadline = now_ns() + timeout_ns
     while (value - target < 0) & (aborted == 0) & (now_ns() < deadline):
         aborted = _relaxed64(abort_ptr)
-        value = _acquire64(counter_ptr)
+        value = _acquire_at(counter_ptr, SYSTEM)
     cta_barrier()
     if value - target < 0:          # one CTA, one verdict (see primitives.wait_event)
-        value = _acquire64(counter_ptr)
+        value = _acquire_at(counter_ptr, SYSTEM)
     fence_async_global()
     return value - target
 
@@ -318,6 +335,26 @@ def signal_event(counter_ptr):
     fence_async_global()
     cta_barrier()           # every thread's stores of this task precede the release
     gl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def signal_all_ranks(counter_peers, event, WORLD: gl.constexpr, SYSTEM: gl.constexpr):
+    """primitives.signal_all_ranks in Gluon: bump `event` on every rank through the peer pointers of the symmetric
+    counters, a release at system scope where peers are other GPUs (SYSTEM), else at GPU scope (ranks that share
+    one device: virtual ranks)."""
+    cta_barrier()
+    for p in gl.static_range(WORLD):
+        peer = gl.load(counter_peers + p).to(gl.pointer_type(gl.int64))
+        if SYSTEM:
+            gl.atomic_add(peer + event, 1, sem="release", scope="sys")
+        else:
+            gl.atomic_add(peer + event, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def peer_pointer(peers, p, dtype: gl.constexpr):
+    """Rank p's copy of a symmetric buffer, from the int64 addresses `peers` (comm's symmetric())."""
+    return gl.load(peers + p).to(gl.pointer_type(dtype))
 
 
 @gluon.constexpr_function
@@ -363,21 +400,26 @@ def store_residual_ring(x, xs, offs, mask, values, next_norm_w):
 
 
 @gluon.jit
-def add_residual_rows(x_desc, x_row, K: gl.constexpr, row0, rows, n, x, xs, next_norm_w, H: gl.constexpr, ring, ready,
-                      empty, xring, xready, c, cx, num_warps: gl.constexpr):
-    """x[:n, row0:row0 + rows] += x_in @ W[row0:row0 + rows]^T over the slots load_rows filled, and the scaled
-    stream's columns with it (next_norm_w: the next RMSNorm's weight; tasks/base.py store_residual): the
-    row-parallel o_proj and down tiles at tp=1. The residual and the norm's weight are loaded before the products,
-    so their round trip overlaps them."""
+def row_parallel_rows(x_desc, x_row, K: gl.constexpr, row0, rows, n, x, xs, next_norm_w, partial, H: gl.constexpr,
+                      PARTIAL: gl.constexpr, ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr):
+    """Rows [row0, row0 + rows) of x_in @ W^T over the slots load_rows filled: the row-parallel o_proj and down
+    tiles. At tp=1 added to the residual stream x[:n] and the scaled stream's columns with it (next_norm_w: the next
+    RMSNorm's weight; tasks/base.py store_residual), the residual and the norm's weight loaded before the products
+    so that their round trip overlaps them; at tp > 1 (PARTIAL: the lowering's WRITE_PARTIAL, graph/lowering.py)
+    stored as this rank's partial sum for the all-reduce tiles."""
     BN: gl.constexpr = ring.type.shape[1]
     rn, rb = block_index(ring, xring, num_warps)
     for j in range(0, rows, BN):
         cols = row0 + j + rn
         offs = rb[None, :] * H + cols[:, None]
         mask = (rn < rows - j)[:, None] & (rb < n)[None, :]
-        residual = gl.load(x + offs, mask=mask, other=0.0).to(gl.float32)
-        g = gl.load(next_norm_w + cols, mask=rn < rows - j, other=0.0).to(gl.float32)
+        if not PARTIAL:
+            residual = gl.load(x + offs, mask=mask, other=0.0).to(gl.float32)
+            g = gl.load(next_norm_w + cols, mask=rn < rows - j, other=0.0).to(gl.float32)
         acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, j > 0, j + BN < rows,
                                num_warps)
-        store_residual_ring(x, xs, offs, mask, residual + acc, g[:, None])
+        if PARTIAL:
+            gl.store(partial + offs, acc, mask=mask)
+        else:
+            store_residual_ring(x, xs, offs, mask, residual + acc, g[:, None])
     return c, cx

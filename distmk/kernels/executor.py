@@ -23,10 +23,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
 
 import numpy as np
 import torch
 
+from distmk.comm.cpu import MAX_CONNECTIONS
 from distmk.errors import DistmkError
 from distmk.graph.lowering import num_lm_tiles
 from distmk.graph.table import SIGNAL, TYPE, WAIT
@@ -44,14 +46,16 @@ class WatchdogTimeout(DistmkError):
     """A task of the megakernel waited longer than the timeout for its event."""
 
 
-def stalled_event(table, incomplete: torch.Tensor) -> int:
+def stalled_event(table, incomplete: torch.Tensor) -> int | None:
     """Where a step stalled: an incomplete event none of whose signalling tasks waits on an incomplete event
-    (everything upstream arrived, yet it did not), as opposed to the events merely downstream of it."""
+    (everything upstream arrived, yet it did not), as opposed to the events merely downstream of it; None where
+    every event completed in the end (what was waited for came, later than the bound)."""
     wait, signal = table.tasks[:, WAIT].long(), table.tasks[:, SIGNAL].long()
     blocked = (wait >= 0) & incomplete[wait.clamp(min=0)]
     has_blocked_signaller = torch.zeros_like(incomplete)
     has_blocked_signaller[signal[(signal >= 0) & blocked]] = True
-    return int((incomplete & ~has_blocked_signaller).nonzero()[0])
+    roots = (incomplete & ~has_blocked_signaller).nonzero()
+    return int(roots[0]) if len(roots) else None
 
 
 TRANSPORTS = ("pointer", "nvshmem")     # the megakernel's TRANSPORT constant is the index
@@ -74,6 +78,7 @@ def choose_transport(requested: str, comm) -> str:
 
 
 KERNELS = ("auto", "ring", "tl")
+STARTUP_TIMEOUT_S = 300     # the bound of a tensor-parallel executor's first launch (see TritonExecutor.first_launch)
 
 
 def choose_kernel(requested: str, device, interpret: bool, unsupported: str | None) -> str:
@@ -151,9 +156,18 @@ class TritonExecutor:
             raise DistmkError("under TRITON_INTERPRET programs run one after another, so a table for "
                               f"{table.num_workers} workers would wait forever: compile it for workers=1")
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
-        if sms and table.num_workers > sms:
-            raise DistmkError(f"a table for {table.num_workers} workers cannot run on {sms} SMs: every worker "
-                              f"of the persistent kernel must be resident at once (set GraphConfig.workers)")
+        sharing = getattr(comm, "ranks_on_device", 1)      # virtual ranks: every rank's kernel on this GPU at once
+        connections = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", 8))
+        if sms and sharing > 1 and connections < MAX_CONNECTIONS:
+            raise DistmkError(f"{sharing} virtual ranks on one GPU need CUDA_DEVICE_MAX_CONNECTIONS={MAX_CONNECTIONS} "
+                              f"(it is {connections}) set before CUDA starts: the ranks' streams share that many "
+                              f"hardware queues, and a persistent kernel queued behind another rank's would wait "
+                              f"for it for ever")
+        if sms and table.num_workers * sharing > sms:
+            ranks = f"{sharing} ranks x " if sharing > 1 else ""
+            raise DistmkError(f"a table for {ranks}{table.num_workers} workers cannot run on {sms} SMs: every "
+                              f"worker of the persistent kernel{'s' if sharing > 1 else ''} must be resident at "
+                              f"once (set GraphConfig.workers to at most {sms // sharing})")
         if spec.head_dim & (spec.head_dim - 1):
             raise DistmkError(f"the triton backend needs a power-of-two head_dim, the model has {spec.head_dim}")
         config, plan = table.config, weights.plan
@@ -189,6 +203,7 @@ class TritonExecutor:
         launch = Launch(spec=spec, plan=plan, config=config, options=o, dtype=dtype, kv=kv_cache, world=comm.world,
                         rank=comm.rank, interpret=self.interpret, transport=TRANSPORTS.index(self.transport),
                         signal_add=signal_add, exchange_slots=EXCHANGE_SLOTS, lm_tiles=num_lm_tiles(plan, config),
+                        peers_on_device=getattr(comm, "peers_on_device", False),
                         # polls when interpreted: simulated ranks (threads) may have to wait for each other a while
                         timeout=(1000 if comm.world == 1 else 10 ** 6) if self.interpret else int(o.timeout_s * 1e9))
         control = dict(tasks=self.dev_table.tasks, queue=self.dev_table.queue, queue_ptr=self.dev_table.queue_ptr,
@@ -201,7 +216,7 @@ class TritonExecutor:
                        **self.symmetric.arguments())
         self.args = launch_arguments(launch, control, tensors)
         self.kernel_name = choose_kernel(o.kernel, device, self.interpret,
-                                         ring_unsupported(spec, plan, config, dtype, comm.world,
+                                         ring_unsupported(spec, plan, config, dtype, self.transport,
                                                           set(kinds.values())))
         if self.kernel_name == "ring":
             self.args = ring_arguments(self.args, config.batch, o.ring_block_k, o.ring_slots, o.ring_inputs)
@@ -213,6 +228,9 @@ class TritonExecutor:
             self._start_together(comm)
         self.use_graph = o.cuda_graph and device.type == "cuda"
         self.graphs = {}                        # by launch()'s `follow`
+        # tp > 1: the first launch may meet a peer that is still compiling its own (ranks whose tensors align
+        # differently specialise the kernel apart), so its waits get STARTUP_TIMEOUT_S, the later ones the option's
+        self.first_launch = comm.world > 1 and device.type == "cuda"
         self.comm_world, self.failed = comm.world, False
 
     def _start_together(self, comm) -> None:
@@ -221,7 +239,7 @@ class TritonExecutor:
         # also keeps every rank from pushing into a peer's buffers before the peer zeroed them.
         device, table = self.device, self.table
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(device).synchronize()
         on = device if device.type == "cuda" else "cpu"       # NCCL gathers CUDA tensors; meta has no values
         digests = [int(d) for d in comm.gather(torch.tensor([table.digest()], dtype=torch.int64, device=on))]
         if len(set(digests)) > 1:
@@ -236,6 +254,7 @@ class TritonExecutor:
                 compile_for_nvshmem(self.kernel, grid, **self.args, **self.launch_options)
             else:
                 self.kernel.warmup(grid=grid, **self.args, **self.launch_options)
+            torch.cuda.current_stream(device).synchronize()
             comm.barrier()
 
     def _launch(self, follow: bool = False) -> None:
@@ -245,7 +264,14 @@ class TritonExecutor:
             self.tokens.copy_(self.buf["next_token"])
             self.positions.add_(1)
         self.epoch += 1
-        self.kernel[(self.table.num_workers,)](**self.args, **self.launch_options)
+        timeout = self.args["timeout"]
+        if self.first_launch:
+            self.first_launch = False
+            self.args["timeout"] = max(timeout, int(STARTUP_TIMEOUT_S * 1e9))
+        try:
+            self.kernel[(self.table.num_workers,)](**self.args, **self.launch_options)
+        finally:
+            self.args["timeout"] = timeout
 
     def launch(self, follow: bool = False) -> None:
         """One step over the inputs set last (set_inputs), or with `follow` the next decode step of the rows the
@@ -257,13 +283,27 @@ class TritonExecutor:
         if follow not in self.graphs:
             if not follow:
                 self._launch()              # compile and warm up outside the capture
-                torch.cuda.synchronize(self.device)
                 self.check()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._launch(follow)        # recorded, not run
-            self.graphs[follow] = graph
+            self.graphs[follow] = self._capture(follow)
         self.graphs[follow].replay()
+
+    _capturing = threading.Lock()
+
+    def _capture(self, follow: bool):
+        """The graph of one launch, recorded (not run) on a side stream of this rank's. Virtual ranks are threads
+        that each capture while the others' kernels run: so no device-wide sync (torch.cuda.graph's), errors of
+        this thread's capture alone, one capture at a time."""
+        graph, current = torch.cuda.CUDAGraph(), torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with self._capturing, torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self._launch(follow)
+            finally:
+                graph.capture_end()
+        current.wait_stream(side)
+        return graph
 
     def set_inputs(self, rows: np.ndarray) -> None:
         """The next launch's rows: int64 [rows, 2 + blocks] as runtime.engine.pack_rows lays them out (token,
@@ -327,11 +367,13 @@ class TritonExecutor:
         targets = self.dev_table.event_need.long().cpu() * err["epoch"]
         root = stalled_event(self.table, counters.cpu() < targets)
         kind = TASK_KINDS[int(self.table.tasks[err["task"], TYPE])].name
+        where = (f"the step stalled at event {root} '{self.table.event_names[root]}' at {int(counters[root])}/"
+                 f"{int(targets[root])}" if root is not None else
+                 "every event completed in the end: what it waited for came later than the bound")
         raise WatchdogTimeout(
             f"rank {err['rank']} worker {err['worker']}: task {err['task']} ({kind}) waited on event {err['event']} "
             f"'{self.table.event_names[err['event']]}' and gave up at counter {err['seen']} < {err['target']} "
-            f"(step {err['epoch']}); the step stalled at event {root} '{self.table.event_names[root]}' at "
-            f"{int(counters[root])}/{int(targets[root])}")
+            f"(step {err['epoch']}); {where}")
 
     def compile_ahead(self, arch: int = 90):
         """Compile the megakernel for CUDA compute capability `arch` without launching it (no GPU needed)."""

@@ -46,6 +46,7 @@ class Launch:
     timeout: int            # ns (polls when interpreted)
     lm_tiles: int
     exchange_slots: int
+    peers_on_device: bool = False   # every rank runs on this GPU (virtual ranks: comm/cpu.py ThreadRanks)
 
     @property
     def b_pad(self) -> int:
@@ -152,6 +153,9 @@ CONSTANTS = (
     # exchanges: 0 = stores through peer pointers, 1 = NVSHMEM put-with-signal (tasks/ar_push.py)
     Arg("TRANSPORT", lambda l: l.transport),
     Arg("SIGNAL_ADD", lambda l: l.signal_add),
+    Arg("SYSTEM_SCOPE", lambda l: l.world > 1 and not l.peers_on_device,
+        "peers on other GPUs signal events: acquire and release at system scope (the ring kernel; GPU scope where "
+        "every rank shares this GPU)"),
     Arg("EXCHANGE_SLOTS", lambda l: l.exchange_slots, "row-parallel outputs whose exchanges may be in flight"),
     # matmul tiles per task family: (rows, K) of one pipelined load step; gate+up and the two halves of a head
     # load two tiles a step, so their K is halved

@@ -22,8 +22,11 @@ program per worker queue, in two warp-specialized partitions.
   not depend on its event (attention's cached keys and values) before it waits.
 
 Like megakernel.py, the source is generated from the task registry, so a task type brings its own `ring` and
-`ring_weights` and never touches this file. It runs where Gluon and wgmma do: a Hopper GPU, bf16, one rank
-(the exchanges of tp > 1 and Triton's interpreter stay on the tl megakernel; see executor.choose_kernel).
+`ring_weights` and never touches this file. It runs where Gluon and wgmma do: a Hopper GPU, bf16, any tp whose
+exchanges store through peer pointers (ranks of one node, or virtual ranks sharing one GPU); NVSHMEM's
+put-with-signal (other nodes) and Triton's interpreter stay on the tl megakernel (executor.choose_kernel). At
+tp > 1 the exchange tasks (ar_push, allreduce, argmax_push) run in the tasks partition like any task without
+weights: the producer streams the next tiles' weights while they push and wait for their peers.
 
 A worker whose wait gives up (timeout, or another worker aborted the step) records the error as the tl kernel
 does and then runs the rest of its queue without waiting, so the producer's slots are all consumed and the
@@ -61,11 +64,11 @@ from distmk.device.ring import (make_count_handoff, make_handoff, make_rings, no
 
 
 @gluon.jit
-def _wait(counters, event_need, error, wait, epoch, ok, timeout, rank, worker, t):
+def _wait(counters, event_need, error, wait, epoch, ok, timeout, rank, worker, t, SYSTEM_SCOPE: gl.constexpr):
     """Task t's wait (bounded), unless an earlier one of this worker gave up; returns ok (0: given up)."""
     if (wait >= 0) & (ok == 1):
         target = epoch.to(gl.int64) * gl.load(event_need + wait)
-        short = wait_event(counters + wait, target, error, timeout)
+        short = wait_event(counters + wait, target, error, timeout, SYSTEM_SCOPE)
         if short < 0:
             ok = 0
             if gl.atomic_add(error, 1) == 0:   # the first worker to give up reports
@@ -116,7 +119,7 @@ def _tasks({tasks_params}):
         if TRACE:
             gl.store(trace + t * 4 + 2, now_ns())
             gl.store(trace + t * 4 + 3, sm_id().to(gl.int64))
-        if signal >= 0:
+        if (signal >= 0) & ~({broadcast}):   # exchanges signal every rank themselves
             signal_event(counters + signal)
         if {reads_weights}:
             if {next_reads_weights}:
@@ -141,7 +144,7 @@ def _results(params) -> str:
     return "c, cx = " if "cx" in params else "c = " if "c" in params else ""
 
 
-_WAIT = ("ok = _wait(counters, event_need, error, wait, epoch, ok, timeout, rank, worker, t)",
+_WAIT = ("ok = _wait(counters, event_need, error, wait, epoch, ok, timeout, rank, worker, t, SYSTEM_SCOPE)",
          "if TRACE:", "    gl.store(trace + t * 4 + 1, now_ns())",
          "if pending == 1:", "    mbarrier.arrive(released.index(0), count=1)", "    pending = 0")
 
@@ -173,7 +176,7 @@ def generate_source(kinds) -> str:
             return ""
         imports.append("from distmk.tasks.route import routed_experts")
         lines = (f"ok = _wait(counters, event_need, error, {routed_arg(kind)}, epoch, gl.to_tensor(1), timeout, "
-                 f"rank, worker, gl.load(queue + i))",
+                 f"rank, worker, gl.load(queue + i), SYSTEM_SCOPE)",
                  "routed_count = routed_experts(ok, route_count, TOP_K, BATCH)",
                  "publish_count(counted, counted_bar, routed_count)")
         return "".join(f"{indent}{line}\n" for line in lines)
@@ -186,6 +189,7 @@ def generate_source(kinds) -> str:
         """The test that task type `kind` (a kernel variable) reads weights from the ring."""
         return " | ".join(f"({kind} == {i})" for i, k in kinds.items() if k.ring_weights is not None) or f"{kind} < 0"
 
+    broadcast = " | ".join(f"(kind == {i})" for i, k in kinds.items() if k.signals_all_ranks) or "(kind < 0)"
     waits_here = " & ".join(f"(kind != {i})" for i, k in kinds.items() if k.ring_prepare is not None) or "kind >= 0"
     control, scalars = ("queued", *CONTROL[1:]), [a.name for a in SCALARS]
     constants = [f"{c}: gl.constexpr" for c in CONSTANT_NAMES]
@@ -205,7 +209,7 @@ def generate_source(kinds) -> str:
                             dispatch=dispatch, weights=weights,
                             row_names=", ".join(ROW_VARIABLES),
                             row_width=len(COLUMNS),
-                            waits_here=waits_here, reads_weights=reads_weights_test("kind"),
+                            waits_here=waits_here, broadcast=broadcast, reads_weights=reads_weights_test("kind"),
                             next_reads_weights=reads_weights_test("kind_next"), wait=wait(" " * 12),
                             error_report=error_report("gl", " " * 16), registers=PRODUCER_REGISTERS)
 
@@ -229,15 +233,16 @@ def ring_block_k(*widths: int) -> int:
     return next((bk for bk in (256, 128, 64) if all(k % bk == 0 for k in widths)), 0)
 
 
-def ring_unsupported(spec, plan, config, dtype, world: int, kinds) -> str | None:
+def ring_unsupported(spec, plan, config, dtype, transport: str, kinds) -> str | None:
     """Why the ring megakernel cannot run this step's task `kinds` (None: it can), for an error or the tl
-    kernel instead."""
+    kernel instead; `transport`: how exchanges reach peers at tp > 1 (executor.TRANSPORTS)."""
     import torch
     missing = sorted({kind.name for kind in kinds if kind.ring is None})
     if missing:
         return f"task types {missing} have no ring device function"
-    if world > 1:
-        return "it runs one rank only (the exchanges of tp > 1 are the tl megakernel's)"
+    if plan.tp > 1 and transport != "pointer":
+        return (f"its exchanges store through peer pointers (one node); the {transport} transport's "
+                f"put-with-signal runs on the tl megakernel")
     if dtype != torch.bfloat16:
         return f"it runs bf16 only (wgmma), not {dtype}"
     if config.batch > RING_B_PAD:

@@ -29,12 +29,13 @@ from distmk.runtime.sampling import SamplingParams
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def device_fields(backend: str, device, workers: int | None = None) -> dict:
+def device_fields(backend: str, device, workers: int | None = None, ranks_on_device: int = 1) -> dict:
     """The GraphConfig fields the device decides: the worker count (`workers` if given, else one per SM on
-    a GPU, one under Triton's sequential interpreter, else graph.hardware's default) and the HBM bandwidth
-    of the cost model."""
+    a GPU, shared out among the `ranks_on_device` ranks that run on it at once (virtual ranks), one under Triton's
+    sequential interpreter, else graph.hardware's default) and the HBM bandwidth of the cost model."""
+    on_gpu = torch.device(device).type == "cuda"
     if workers is None:
-        workers = 1 if backend == "triton" and torch.device(device).type != "cuda" else sm_workers(device)
+        workers = 1 if backend == "triton" and not on_gpu else sm_workers(device) // (ranks_on_device if on_gpu else 1)
     return {"workers": workers, "hbm_bytes_per_s": hbm_bytes_per_s(device)}
 
 
@@ -103,12 +104,15 @@ class Engine:
         # length and key buckets where it can be (prefill_graphs, runtime/prefill.ChunkGraphs)
         self.prefill_chunk = prefill_chunk
         self.compile_prefill = torch.device(device).type == "cuda" if compile_prefill is None else compile_prefill
-        config = config or GraphConfig(**device_fields(backend, device))
+        config = config or GraphConfig(**device_fields(backend, device,
+                                                       ranks_on_device=getattr(self.comm, "ranks_on_device", 1)))
         bad = [b for b in step_batches if not 1 <= b <= config.batch]
         if bad:
             raise DistmkError(f"step_batches {bad} must lie in 1..{config.batch} (the rows of a step)")
         self.plan = plan_shard(self.spec, tp, rank)
         self.dtype, self.device, self.max_context = dtype, torch.device(device), max_context
+        # the stream its steps run on (serve/lockstep.py on_engine_device): virtual ranks each have their own
+        self.stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         self.weights = load_shard(self.spec, source, self.plan, dtype=dtype, device=device, progress=progress)
         self.table = compile_step(self.spec, self.plan, config)
         self.config = self.table.config

@@ -21,7 +21,8 @@ import threading
 
 from tqdm import tqdm
 
-from distmk.cli import COUNT, NON_NEGATIVE, add_engine_args, build_engine, int_in, open_comm, select_device
+from distmk.cli import (COUNT, NON_NEGATIVE, add_engine_args, build_engine, int_in, open_comm, run_virtual_ranks,
+                        select_device)
 from distmk.dist import detect_launch
 from distmk.errors import DistmkError
 from distmk.runtime.batcher import PrefillInputs, StepInputs
@@ -79,13 +80,12 @@ def main(argv=None) -> int:
     try:
         sock = listen(args.host, args.port) if launch.rank == 0 else None   # a busy port fails before loading
         device = select_device(args, launch)
-        comm = open_comm(args, launch)
-        engine = build_engine(args, launch, comm, device, progress=launch.rank == 0, max_seqs=args.max_seqs)
-        group = control_group() if launch.world > 1 else None
-        if launch.rank == 0:
-            code = serve(args, launch, engine, Leader(engine, group), sock)
+        if args.virtual_tp > 1:             # rank 0 serves from this, the main thread (signals)
+            code = run_virtual_ranks(args, launch, lambda rank_launch, rank_comm: serve_rank(
+                args, rank_launch, rank_comm, device, sock), lead_here=True)[0]
         else:
-            code = follow_rank_0(engine, group, launch.rank)
+            comm = open_comm(args, launch)
+            code = serve_rank(args, launch, comm, device, sock)
     except DistmkError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
@@ -100,6 +100,18 @@ def main(argv=None) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def serve_rank(args, launch, comm, device: str, sock) -> int:
+    """This rank's engine, then rank 0 serves and the others follow it (virtual ranks on their own threads)."""
+    engine = build_engine(args, launch, comm, device, progress=launch.rank == 0, max_seqs=args.max_seqs)
+    group = control_group(comm) if launch.world > 1 else None
+    if launch.rank == 0:
+        return serve(args, launch, engine, Leader(engine, group), sock)
+    if launch.launcher == "virtual":
+        follow(engine, group)
+        return 0
+    return follow_rank_0(engine, group, launch.rank)
 
 
 def warm_up(leader: Leader, engine) -> None:

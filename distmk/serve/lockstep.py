@@ -30,20 +30,31 @@ class RankLost(DistmkError):
 
 
 def on_engine_device(engine) -> None:
-    """Make the engine's GPU current on the calling thread (a thread starts on GPU 0 whatever the main
-    thread chose), so that steps run from a thread launch their kernels on the right device."""
+    """Make the engine's GPU and stream current on the calling thread (a thread starts on GPU 0 and its default
+    stream whatever the main thread chose), so that steps run from a thread launch their kernels on the right
+    device, and virtual ranks' on their own streams (comm/cpu.py run_simulated_ranks)."""
     if engine.device.type == "cuda":
         torch.cuda.set_device(engine.device)
+        torch.cuda.set_stream(engine.stream)
 
 
-def control_group():
-    """The gloo group the plans travel on (every rank must create it, in the same order)."""
+def control_group(comm):
+    """The group the plans travel on: a gloo group of its own (every rank must create it, in the same order), or
+    virtual ranks' communicator itself (threads of one process: comm/cpu.py ThreadRanks)."""
     import torch.distributed as dist
+    if hasattr(comm, "broadcast"):
+        return comm
     return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
 def _broadcast(t: torch.Tensor, group) -> None:
     import torch.distributed as dist
+    from distmk.comm.cpu import PeerFailed
+    if hasattr(group, "broadcast"):
+        try:
+            return group.broadcast(t)
+        except PeerFailed as e:
+            raise RankLost(str(e)) from e
     try:
         dist.broadcast(t, src=0, group=group)
     except RuntimeError as e:            # gloo reports a closed or reset peer connection as RuntimeError

@@ -6,9 +6,12 @@ norm that reads the stream next is norm `slot + 1` in the stacked order (the pos
 layer's input norm)."""
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from distmk.comm import sum_in_rank_order
-from distmk.tasks.ar_push import exchange_region
+from distmk.device import ring as rg
+from distmk.tasks.ar_push import exchange_layout, exchange_region, exchange_region_ring
 from distmk.tasks.base import TaskKind, store_residual, store_residual_gpu
 
 
@@ -39,11 +42,35 @@ def reduce_rows(row0, nrows, slot, n, x, xs, next_norm_w, exchange, H: tl.conste
         store_residual_gpu(x, xs, offs, mask, residual + total, g[None, :])
 
 
+@gluon.jit
+def allreduce_ring(row0, nrows, slot, n, x, xs, norms, exchange, H: gl.constexpr, B_PAD: gl.constexpr,
+                   WORLD: gl.constexpr, EXCHANGE_SLOTS: gl.constexpr, O_PROJ_ROWS: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """reduce_rows in Gluon: the same sum, in the same rank order."""
+    CP: gl.constexpr = rg.next_power_of_2(O_PROJ_ROWS)
+    layout: gl.constexpr = exchange_layout(num_warps)
+    rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(1, layout))
+    rc = gl.arange(0, CP, layout=gl.SliceLayout(0, layout))
+    next_norm_w = norms + (slot + 1) * H
+    for j in range(0, nrows, CP):
+        cols = j + rc
+        mask = (rb < n)[:, None] & (cols < nrows)[None, :]
+        offs = rb[:, None] * H + (row0 + cols)[None, :]
+        residual = gl.load(x + offs, mask=mask, other=0.0).to(gl.float32)
+        g = gl.load(next_norm_w + row0 + cols, mask=cols < nrows, other=0.0).to(gl.float32)
+        total = gl.zeros([B_PAD, CP], gl.float32, layout)
+        for src in gl.static_range(WORLD):
+            region = exchange_region_ring(row0, slot, src, H, B_PAD, WORLD, EXCHANGE_SLOTS)
+            total += gl.load(exchange + region + rb[:, None] * nrows + cols[None, :], mask=mask, other=0.0)
+        rg.store_residual_ring(x, xs, offs, mask, residual + total, g[None, :])
+
+
 class AllReduce(TaskKind):
     name = "allreduce"
     args = ("row0", "nrows", "slot")
     communicates = True
     gpu = allreduce_gpu
+    ring = allreduce_ring
 
     def cost(self, shape, layer, a):
         return shape.batch * a[1] * (4 * shape.plan.tp + 8)

@@ -12,7 +12,10 @@ then NVSHMEM put-with-signal copies it to each peer and adds 1 to the peer's cou
 """
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
+from distmk.device import ring as rg
 from distmk.device.nvshmem import putmem_signal_block
 from distmk.device.primitives import signal_all_ranks
 from distmk.tasks.base import TaskKind
@@ -55,12 +58,47 @@ def ar_push_gpu(row0, nrows, slot, n, rank, signal, partial, exchange, exchange_
         tl.atomic_add(counters + signal, 1, sem="release", scope="sys")
 
 
+@gluon.jit
+def exchange_region_ring(row0, slot, src, H: gl.constexpr, B_PAD: gl.constexpr, WORLD: gl.constexpr,
+                         EXCHANGE_SLOTS: gl.constexpr):
+    """exchange_region in Gluon."""
+    return ((slot % EXCHANGE_SLOTS) * WORLD + src).to(gl.int64) * B_PAD * H + row0 * B_PAD
+
+
+@gluon.constexpr_function
+def exchange_layout(num_warps):
+    """A tile's rows of the exchange: the batch down the warps, a warp across the columns."""
+    return gl.BlockedLayout([1, 4], [8, 4], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def ar_push_ring(row0, nrows, slot, n, rank, signal, partial, exchange_peers, counter_peers, H: gl.constexpr,
+                 B_PAD: gl.constexpr, WORLD: gl.constexpr, EXCHANGE_SLOTS: gl.constexpr, O_PROJ_ROWS: gl.constexpr,
+                 SYSTEM_SCOPE: gl.constexpr, num_warps: gl.constexpr):
+    """The pointer transport (TRANSPORT 0) on the ring: the tile's partial rows stored straight into every rank's
+    exchange, then the event bumped on every rank (NVSHMEM's put-with-signal stays on the tl megakernel)."""
+    CP: gl.constexpr = rg.next_power_of_2(O_PROJ_ROWS)
+    layout: gl.constexpr = exchange_layout(num_warps)
+    rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(1, layout))
+    rc = gl.arange(0, CP, layout=gl.SliceLayout(0, layout))
+    region = exchange_region_ring(row0, slot, rank, H, B_PAD, WORLD, EXCHANGE_SLOTS)
+    for j in range(0, nrows, CP):
+        cols = j + rc
+        mask = (rb < n)[:, None] & (cols < nrows)[None, :]
+        rows = gl.load(partial + rb[:, None] * H + (row0 + cols)[None, :], mask=mask, other=0.0)
+        packed = region + rb[:, None] * nrows + cols[None, :]
+        for p in gl.static_range(WORLD):
+            gl.store(rg.peer_pointer(exchange_peers, p, gl.float32) + packed, rows, mask=mask)
+    rg.signal_all_ranks(counter_peers, signal, WORLD, SYSTEM_SCOPE)
+
+
 class ArPush(TaskKind):
     name = "ar_push"
     args = ("row0", "nrows", "slot")  # slot: which row-parallel output (2*layer for o_proj, 2*layer+1 for down)
     communicates = True
     signals_all_ranks = True
     gpu = ar_push_gpu
+    ring = ar_push_ring
 
     def cost(self, shape, layer, a):
         return shape.batch * a[1] * 4 * (1 + shape.plan.tp)

@@ -8,7 +8,7 @@ from triton.experimental.gluon import language as gl
 
 from distmk.device.nvshmem import fence, putmem_block, putmem_signal_block
 from distmk.device.primitives import signal_all_ranks
-from distmk.device.ring import rows_layout
+from distmk.device import ring as rg
 from distmk.tasks.base import TaskKind
 
 
@@ -47,10 +47,12 @@ def argmax_push_gpu(n, rank, signal, tile_max, tile_arg, best, best_id, best_pee
 
 
 @gluon.jit
-def argmax_push_ring(n, rank, tile_max, tile_arg, best, best_id, B_PAD: gl.constexpr, LM_TILES: gl.constexpr,
-                     LM_TILES_PAD: gl.constexpr, num_warps: gl.constexpr):
-    """The tp=1 case (the ring megakernel runs only there): this rank's best, kept where argmax reads it."""
-    layout: gl.constexpr = rows_layout(num_warps)
+def argmax_push_ring(n, rank, signal, tile_max, tile_arg, best_peers, best_id_peers, counter_peers,
+                     B_PAD: gl.constexpr, LM_TILES: gl.constexpr, LM_TILES_PAD: gl.constexpr, WORLD: gl.constexpr,
+                     SYSTEM_SCOPE: gl.constexpr, num_warps: gl.constexpr):
+    """The pointer transport (TRANSPORT 0) on the ring: this rank's best stored into every rank's best/best_id
+    (at tp=1 its own), then the event bumped on every rank."""
+    layout: gl.constexpr = rg.rows_layout(num_warps)
     rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(1, layout))
     rt = gl.arange(0, LM_TILES_PAD, layout=gl.SliceLayout(0, layout))
     mask = (rb < n)[:, None] & (rt < LM_TILES)[None, :]
@@ -59,8 +61,10 @@ def argmax_push_ring(n, rank, tile_max, tile_arg, best, best_id, B_PAD: gl.const
     # tiles in vocabulary order: the lowest tile that reaches the maximum holds the lowest id
     best_tile = gl.min(gl.where(maxes == top[:, None], rt[None, :], LM_TILES_PAD), axis=1)
     token = gl.load(tile_arg + rb * LM_TILES + best_tile, mask=(rb < n) & (best_tile < LM_TILES), other=0)
-    gl.store(best + rank * B_PAD + rb, top, mask=rb < n)
-    gl.store(best_id + rank * B_PAD + rb, token, mask=rb < n)
+    for p in gl.static_range(WORLD):
+        gl.store(rg.peer_pointer(best_peers, p, gl.float32) + rank * B_PAD + rb, top, mask=rb < n)
+        gl.store(rg.peer_pointer(best_id_peers, p, gl.int64) + rank * B_PAD + rb, token, mask=rb < n)
+    rg.signal_all_ranks(counter_peers, signal, WORLD, SYSTEM_SCOPE)
 
 
 class ArgmaxPush(TaskKind):

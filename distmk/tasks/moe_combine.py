@@ -36,9 +36,11 @@ def moe_combine_gpu(layer, row0, nrows, mode, n, route_weight, expert_out, x, xs
 
 
 @gluon.jit
-def moe_combine_ring(layer, row0, nrows, n, route_weight, expert_out, x, xs, norms, H: gl.constexpr,
-                     TOP_K: gl.constexpr, B_PAD: gl.constexpr, O_PROJ_ROWS: gl.constexpr, num_warps: gl.constexpr):
-    """The tp=1 tile (ADD_RESIDUAL), a block of the tile's columns at a time."""
+def moe_combine_ring(layer, row0, nrows, n, route_weight, expert_out, x, xs, norms, partial, H: gl.constexpr,
+                     TOP_K: gl.constexpr, B_PAD: gl.constexpr, O_PROJ_ROWS: gl.constexpr, WORLD: gl.constexpr,
+                     num_warps: gl.constexpr):
+    """A block of the tile's columns at a time: added to the residual stream at tp=1, this rank's partial sum at
+    tp > 1 (the lowering's mode)."""
     CP: gl.constexpr = rg.next_power_of_2(O_PROJ_ROWS)
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [num_warps, 1], [1, 0])
     rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(1, layout))
@@ -47,14 +49,18 @@ def moe_combine_ring(layer, row0, nrows, n, route_weight, expert_out, x, xs, nor
         cols = row0 + j + rc
         mask = (rb < n)[:, None] & (rc < nrows - j)[None, :]
         offs = rb[:, None] * H + cols[None, :]
-        residual = gl.load(x + offs, mask=mask, other=0.0).to(gl.float32)
-        g = gl.load(norms + (2 * layer + 2) * H + cols, mask=rc < nrows - j, other=0.0).to(gl.float32)
+        if WORLD == 1:
+            residual = gl.load(x + offs, mask=mask, other=0.0).to(gl.float32)
+            g = gl.load(norms + (2 * layer + 2) * H + cols, mask=rc < nrows - j, other=0.0).to(gl.float32)
         total = gl.zeros([B_PAD, CP], gl.float32, layout)
         for k in gl.static_range(TOP_K):
             weight = gl.load(route_weight + rb * TOP_K + k, mask=rb < n, other=0.0)
             out = gl.load(expert_out + (rb * TOP_K + k)[:, None] * H + cols[None, :], mask=mask, other=0.0)
             total += weight[:, None] * out
-        rg.store_residual_ring(x, xs, offs, mask, residual + total, g[None, :])
+        if WORLD == 1:
+            rg.store_residual_ring(x, xs, offs, mask, residual + total, g[None, :])
+        else:
+            gl.store(partial + offs, total, mask=mask)
 
 
 class MoeCombine(TaskKind):
