@@ -271,6 +271,7 @@ def run(args, launcher: str, log) -> dict:
         "distmk_mode": distmk.get("mode"),
         "distmk_error": distmk.get("distmk_error"),
         "allreduce_us": distmk.get("allreduce_us"),
+        "push_to_consume_us": distmk.get("push_to_consume_us"),
         "peer_wait_fraction": distmk.get("peer_wait_fraction"),
         "roofline_ms": roofline_ms,
         "efficiency": roofline_ms / step_ms if step_ms and roofline_ms else None,

@@ -120,8 +120,11 @@ def distmk_step_ms(model: str, batch: int, context: int, iters: int = 200, backe
                 timings = traced_step(engine)
                 waits = trace.wait_summary(engine.table, timings)
                 exposed = trace.exposed_allreduce_ns(engine.table, timings)
+                latency = trace.push_to_consume_ns(engine.table, timings)
                 result.update(traced_span_ms=waits["span_ns"] / 1e6, peer_wait_fraction=waits["peer_wait_fraction"],
                               allreduce_us=exposed / 1e3 if exposed is not None else None,
+                              push_to_consume_us={k: v / 1e3 if k != "tiles" else v for k, v in latency.items()}
+                              if latency else None,
                               breakdown=trace.breakdown(engine.table, timings) + "\n"
                               + trace.phase_timeline(engine.table, timings))
         return result

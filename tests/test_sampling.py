@@ -54,6 +54,21 @@ def test_any_finite_parameters_sample_safely():
     assert SamplingParams(temperature=-0.0).greedy and SamplingParams(temperature=1e-50).greedy
 
 
+def test_extreme_repetition_penalties_sample_safely():
+    """A repetition_penalty of 5e-324 divides a seen token's positive logit to inf (the fuzzer's 500: "probability
+    tensor contains either inf, nan or element < 0"), one of 1e308 multiplies a negative one to -inf: the penalised
+    logits stay finite. At 5e-324 the seen tokens with positive logits are the only ones left to draw."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(300, generator=gen) * 30
+    seen = [int(i) for i in logits.argsort()[-5:]] + [int(logits.argmin())]      # five positive, one negative
+    for penalty in (5e-324, 1e-320, 1e-50, 1e308, 1.7976931348623157e308):
+        for temperature in (0.0, 1.0, 1e308):
+            token = sample(logits, SamplingParams(temperature, repetition_penalty=penalty), gen, prompt=seen)
+            assert 0 <= token < 300
+            if penalty < 1e-300 and temperature <= 1:
+                assert token in seen[:5], (penalty, temperature, token)
+
+
 def test_a_sequence_whose_sampling_fails_fails_alone():
     """Logits the sampler refuses (nan, as a broken checkpoint may give) end that sequence with an error;
     the sequence beside it gets the tokens it gets alone."""

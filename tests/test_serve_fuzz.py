@@ -55,7 +55,8 @@ EXTREME = [0, -0.0, 1, -1, 2, 0.5, 1e-50, -1e-50, 5e-324, 1e-320, 0.999999999999
            -1e308, 1.7976931348623157e308, 10 ** 30, -10 ** 30, 2 ** 53 + 1, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1, 2 ** 64,
            -2 ** 63, -2 ** 63 - 1, 10 ** 400, None, Literal("NaN"), Literal("Infinity"), Literal("-Infinity"),
            Literal("1e400"), Literal("-1e400"), Literal("1E-400"), Literal("-0"), Literal("0e0"), Literal("2.0e0")]
-NUMERIC_FIELDS = ["temperature", "top_p", "top_k", "seed", "max_tokens", "n", "presence_penalty", "frequency_penalty"]
+NUMERIC_FIELDS = ["temperature", "top_p", "top_k", "seed", "max_tokens", "n", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty"]
 # field: extreme values that are legal for it
 LEGAL_EXTREMES = {
     "temperature": [0, -0.0, 5e-324, 1e-320, 1e-50, 1e-38, 1e-6, 1e-5, 1.9999999999999998, 2, None],
@@ -64,6 +65,7 @@ LEGAL_EXTREMES = {
     "seed": [-2 ** 63, -1, 0, 2 ** 63, 2 ** 64 - 1, None],
     "max_tokens": [1, 1, 2, None],                    # null: to the end of the (small) context
     "presence_penalty": [0, -0.0, Literal("0e0")], "frequency_penalty": [0, Literal("-0")], "n": [1, Literal("1")],
+    "repetition_penalty": [5e-324, 1e-320, 1e-50, 1e308, 1.7976931348623157e308, 1, None],  # 5e-324 was a 500
 }
 
 # field: values that are wrong for it (type, range, unsupported), so the request must be refused

@@ -33,3 +33,26 @@ def test_phase_timeline_times_each_phase_from_the_previous_phases_last_end():
         assert (first, last, end_last, run_task, late_wait) == (1.0, 1.2, 1.2 + run, run, 0.8)
         assert late == sum(1 for i in range(int(tasks)) if i % 3 == 2)
     assert text.splitlines()[-1].split()[2] == f"{sum(run_us.values()) + 1.2 * len(run_us):.2f}"
+
+
+def test_push_to_consume_pairs_each_tiles_push_with_its_reduction():
+    """At tp=2 every row-parallel tile's ar_push and allreduce pair up by (output, row0): a reduction that starts
+    3 µs after its push, 5 µs for the last layer's MLP, gives a median of 3 and a largest of 5."""
+    from distmk.graph.table import A0, A2
+    from distmk.kernels.trace import push_to_consume_ns
+    spec = PRESETS["tiny-llama"]
+    table = compile_step(spec, plan_shard(spec, 2, 0), GraphConfig(batch=1, workers=8))
+    kinds = [TASK_KINDS[int(t)].name for t in table.tasks[:, TYPE].tolist()]
+    timings = torch.zeros(table.num_tasks, 4, dtype=torch.int64)
+    last_mlp = 2 * spec.num_layers - 1
+    for t, kind in enumerate(kinds):
+        tile = int(table.tasks[t, A2]) * 10_000 + int(table.tasks[t, A0])
+        if kind == "ar_push":
+            timings[t, 2] = tile * 100
+        elif kind == "allreduce":
+            timings[t, 1] = tile * 100 + (5000 if int(table.tasks[t, A2]) == last_mlp else 3000)
+    latency = push_to_consume_ns(table, timings)
+    assert latency["tiles"] == kinds.count("allreduce") == kinds.count("ar_push")
+    assert latency["median"] == 3000 and latency["max"] == 5000
+    assert push_to_consume_ns(compile_step(spec, plan_shard(spec, 1, 0), GraphConfig(batch=1, workers=8)),
+                              timings) is None

@@ -338,17 +338,18 @@ def signal_event(counter_ptr):
 
 
 @gluon.jit
-def signal_all_ranks(counter_peers, event, WORLD: gl.constexpr, SYSTEM: gl.constexpr):
+def signal_all_ranks(counter_peers, event, WORLD: gl.constexpr, SYSTEM: gl.constexpr, num_warps: gl.constexpr):
     """primitives.signal_all_ranks in Gluon: bump `event` on every rank through the peer pointers of the symmetric
     counters, a release at system scope where peers are other GPUs (SYSTEM), else at GPU scope (ranks that share
-    one device: virtual ranks)."""
+    one device: virtual ranks). One lane a rank, so the ranks' releases are in flight together."""
     cta_barrier()
-    for p in gl.static_range(WORLD):
-        peer = gl.load(counter_peers + p).to(gl.pointer_type(gl.int64))
-        if SYSTEM:
-            gl.atomic_add(peer + event, 1, sem="release", scope="sys")
-        else:
-            gl.atomic_add(peer + event, 1, sem="release", scope="gpu")
+    P: gl.constexpr = next_power_of_2(WORLD)
+    p = gl.arange(0, P, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+    peers = gl.load(counter_peers + p, mask=p < WORLD, other=0).to(gl.pointer_type(gl.int64))
+    if SYSTEM:
+        gl.atomic_add(peers + event, 1, mask=p < WORLD, sem="release", scope="sys")
+    else:
+        gl.atomic_add(peers + event, 1, mask=p < WORLD, sem="release", scope="gpu")
 
 
 @gluon.jit

@@ -7,7 +7,7 @@ import statistics
 
 import torch
 
-from distmk.graph.table import A2, LAYER, TYPE
+from distmk.graph.table import A0, A2, LAYER, TYPE
 from distmk.tasks import TASK_KINDS
 
 
@@ -52,6 +52,22 @@ def exposed_allreduce_ns(table, timings: torch.Tensor) -> float | None:
             reduced[slot] = max(reduced[slot], int(timings[task, 2]))
     gaps = [reduced[s] - pushed[s] for s in pushed]
     return sum(gaps) / len(gaps) if gaps else None
+
+
+def push_to_consume_ns(table, timings: torch.Tensor) -> dict | None:
+    """Each all-reduce tile's latency on this rank: from the end of its push of its partial (ar_push) to the start
+    of the reduction (allreduce, which starts once every rank's partial arrived); median and largest over the
+    step's tiles, in ns. None without exchanges (tp=1)."""
+    kinds = [TASK_KINDS[int(t)].name for t in table.tasks[:, TYPE].tolist()]
+    pushed, started = {}, {}
+    for task, kind in enumerate(kinds):
+        tile = (int(table.tasks[task, A2]), int(table.tasks[task, A0]))      # (row-parallel output, row0)
+        if kind == "ar_push":
+            pushed[tile] = int(timings[task, 2])
+        elif kind == "allreduce":
+            started[tile] = int(timings[task, 1])
+    gaps = [started[tile] - end for tile, end in pushed.items() if tile in started]
+    return {"median": statistics.median(gaps), "max": max(gaps), "tiles": len(gaps)} if gaps else None
 
 
 def breakdown(table, timings: torch.Tensor) -> str:

@@ -82,7 +82,9 @@ def penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int], ou
     if output and (params.presence_penalty or params.frequency_penalty):
         counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=logits.numel()).double()
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).double()
-    return logits
+    # a legal but extreme repetition_penalty (5e-324, 1e308) divides or multiplies past float64's range: the
+    # penalised logits stay finite, the largest (or smallest) there is, so sampling's softmax stays a distribution
+    return logits.nan_to_num(posinf=torch.finfo(torch.float64).max, neginf=torch.finfo(torch.float64).min)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,

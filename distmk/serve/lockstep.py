@@ -17,6 +17,7 @@ import datetime
 
 import torch
 
+from distmk.comm.cpu import PeerFailed, ThreadRanks
 from distmk.errors import DistmkError
 from distmk.runtime.batcher import PrefillInputs, StepInputs, run_prefill, run_step
 from distmk.runtime.engine import pack_rows
@@ -42,15 +43,14 @@ def control_group(comm):
     """The group the plans travel on: a gloo group of its own (every rank must create it, in the same order), or
     virtual ranks' communicator itself (threads of one process: comm/cpu.py ThreadRanks)."""
     import torch.distributed as dist
-    if hasattr(comm, "broadcast"):
+    if isinstance(comm, ThreadRanks):
         return comm
     return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
 def _broadcast(t: torch.Tensor, group) -> None:
     import torch.distributed as dist
-    from distmk.comm.cpu import PeerFailed
-    if hasattr(group, "broadcast"):
+    if isinstance(group, ThreadRanks):
         try:
             return group.broadcast(t)
         except PeerFailed as e:

@@ -89,7 +89,7 @@ def ar_push_ring(row0, nrows, slot, n, rank, signal, partial, exchange_peers, co
         packed = region + rb[:, None] * nrows + cols[None, :]
         for p in gl.static_range(WORLD):
             gl.store(rg.peer_pointer(exchange_peers, p, gl.float32) + packed, rows, mask=mask)
-    rg.signal_all_ranks(counter_peers, signal, WORLD, SYSTEM_SCOPE)
+    rg.signal_all_ranks(counter_peers, signal, WORLD, SYSTEM_SCOPE, num_warps)
 
 
 class ArPush(TaskKind):

@@ -64,7 +64,7 @@ def argmax_push_ring(n, rank, signal, tile_max, tile_arg, best_peers, best_id_pe
     for p in gl.static_range(WORLD):
         gl.store(rg.peer_pointer(best_peers, p, gl.float32) + rank * B_PAD + rb, top, mask=rb < n)
         gl.store(rg.peer_pointer(best_id_peers, p, gl.int64) + rank * B_PAD + rb, token, mask=rb < n)
-    rg.signal_all_ranks(counter_peers, signal, WORLD, SYSTEM_SCOPE)
+    rg.signal_all_ranks(counter_peers, signal, WORLD, SYSTEM_SCOPE, num_warps)
 
 
 class ArgmaxPush(TaskKind):
