@@ -324,6 +324,51 @@ def test_32_concurrent_clients_get_what_they_would_get_alone(server):
     assert metric(server, "distmk_kv_cache_used_blocks") == 0
 
 
+def test_openapi_models_tokenize_and_detokenize(server):
+    """FastAPI's /openapi.json (with the request bodies) and /docs; a model by id, as the openai SDK's
+    models.retrieve asks for it; vLLM's /tokenize and /detokenize; a 405 says which methods are allowed."""
+    from openai import NotFoundError, OpenAI
+    schema = httpx.get(server.url + "/openapi.json").json()
+    body = schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/CompletionRequest"}
+    assert {"prompt", "max_tokens", "stream_options"} <= set(schema["components"]["schemas"]["CompletionRequest"]
+                                                             ["properties"])
+    assert "/tokenize" in schema["paths"] and httpx.get(server.url + "/docs").status_code == 200
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(NotFoundError):
+        client.models.retrieve("gpt-4")
+    tokens = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "Hello"}).json()
+    assert tokens == {"count": 5, "max_model_len": CONTEXT, "tokens": list(b"Hello")}
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert bytes(chat["tokens"]).decode().startswith("<|im_start|>user\nHi")
+    assert httpx.post(server.url + "/detokenize", json={"tokens": list(b"Hello")}).json() == {"prompt": "Hello"}
+    r = httpx.post(server.url + "/detokenize", json={"tokens": [1, 9999]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    r = httpx.post(server.url + "/tokenize", json={})
+    assert r.status_code == 400 and "either prompt or messages" in r.json()["error"]["message"]
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server):
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it with every request): each chunk carries the
+    usage so far, and include_usage still ends the stream with the whole."""
+    from openai import OpenAI
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    chunks = list(client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"stream_options": {"include_usage": True,
+                                                                           "continuous_usage_stats": True}}))
+    assert [c.usage.completion_tokens for c in chunks] == [1, 2, 3, 4, 5, 6, 6]
+    assert all(c.usage.prompt_tokens == 3 for c in chunks) and chunks[-1].choices == []
+
+
+def test_stop_token_ids_outside_the_vocabulary_name_their_parameter(server):
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "stop_token_ids": [9999]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
+
+
 @pytest.mark.parametrize("body, status, says", [
     (b"{not json", 400, "not valid JSON"),
     ({"prompt": "hi"}, 400, "missing required parameter 'model'"),

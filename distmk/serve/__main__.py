@@ -178,7 +178,8 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
     name = args.served_model_name or args.model
     served = Served(name, load_tokenizer(engine.tokenizer_dir, engine.spec.vocab_size), scheduler,
                     scheduler.metrics, engine.max_context, capacity=args.max_seqs + args.max_queue,
-                    sampling_defaults=engine.spec.generation_defaults, api_key=args.api_key,
+                    sampling_defaults=engine.spec.generation_defaults, vocab_size=engine.spec.vocab_size,
+                    api_key=args.api_key,
                     metrics_public=args.metrics_public)
     loop = None           # the event loop, once running
 

@@ -16,10 +16,12 @@ import secrets
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from importlib.metadata import version
 from dataclasses import dataclass, field
 
 import h11
 from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
@@ -30,10 +32,13 @@ from distmk.errors import DistmkError
 from distmk.runtime.batcher import Sequence
 from distmk.runtime.sampling import TokenLogprob, resolve_sampling
 from distmk.runtime.tokenizer import IncrementalDecoder
-from distmk.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_body
+from distmk.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                   parse_body)
 
 MAX_BODY_BYTES = 8 << 20
 BEARER_CHALLENGE = {"WWW-Authenticate": "Bearer"}
+REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest, "/tokenize": TokenizeRequest,
+                  "/detokenize": DetokenizeRequest}
 
 
 @dataclass
@@ -45,6 +50,7 @@ class Served:
     metrics: object
     max_context: int
     capacity: int                        # requests running or queued at once; beyond: 429
+    vocab_size: int                      # token ids at or past it are refused where a request names ids
     api_key: str | None = None           # when set, clients send it as "Authorization: Bearer <key>"
     metrics_public: bool = False         # /metrics without the key
     sampling_defaults: dict = field(default_factory=dict)     # the checkpoint's (ModelSpec.generation_defaults)
@@ -245,9 +251,24 @@ def create_app(served: Served) -> FastAPI:
         if not secrets.compare_digest(given.strip().encode(), served.api_key.encode()):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key", headers=BEARER_CHALLENGE)
 
-    app = FastAPI(title="distmk", docs_url=None, redoc_url=None, openapi_url=None,
-                  dependencies=[Depends(authorize)])
+    app = FastAPI(title="distmk", version=version("distmk"), redoc_url=None, dependencies=[Depends(authorize)])
     metrics = served.metrics
+
+    def openapi() -> dict:
+        """FastAPI's schema (/openapi.json, /docs), with the request bodies the routes parse themselves (strictly:
+        protocol.py) as components."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in REQUEST_BODIES.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}), **{model.__name__: body})
+                schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     def count(request: Request, status: int) -> None:
         route = request.scope.get("route")
@@ -260,8 +281,9 @@ def create_app(served: Served) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
+        """Starlette's 404 and 405 in OpenAI's shape, with their headers (a 405's Allow)."""
         return await api_error(request, APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
-                                                 code=str(e.status_code)))
+                                                 code=str(e.status_code), headers=e.headers))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
@@ -279,10 +301,53 @@ def create_app(served: Served) -> FastAPI:
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict:
+        return {"id": served.model_name, "object": "model", "created": served.created, "owned_by": "distmk",
+                "max_model_len": served.max_context}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served.model_name, "object": "model", "created": served.created,
-                                            "owned_by": "distmk", "max_model_len": served.max_context}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(model_id, param=None)
+        return model_card()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's: a prompt's token ids, or a conversation's as the chat template renders it for a reply."""
+        check_json_content(request)
+        req = parse_body(TokenizeRequest, await read_body(request))
+        if req.model is not None:
+            check_model(req.model)
+        try:
+            if req.prompt is not None:
+                tokens = await served.tokenize(served.tokenizer.encode, req.prompt)
+            else:
+                tokens, _ = await served.tokenize(served.tokenizer.render_chat,
+                                                  [m.for_template() for m in req.messages])
+        except DistmkError as e:                     # this model takes token ids only
+            raise APIError(400, str(e), param="prompt" if req.prompt is not None else "messages") from None
+        count(request, 200)
+        return {"count": len(tokens), "max_model_len": served.max_context, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's: the text of token ids."""
+        check_json_content(request)
+        req = parse_body(DetokenizeRequest, await read_body(request))
+        if req.model is not None:
+            check_model(req.model)
+        check_vocabulary(req.tokens, "tokens")
+        count(request, 200)
+        return {"prompt": await served.tokenize(served.tokenizer.decode, req.tokens)}
+
+    def check_vocabulary(tokens: list[int], param: str) -> None:
+        bad = [t for t in tokens if t >= served.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary 0..{served.vocab_size - 1}",
+                           param=param)
 
     async def accept(request: Request, schema):
         """The parsed request and when it arrived, once its model is known and there is room for it."""
@@ -317,10 +382,10 @@ def create_app(served: Served) -> FastAPI:
         max_tokens = req.max_completion_tokens or req.max_tokens
         return await respond(request, req, prompt, "messages", max_tokens, list(format_stops), arrived, chat=True)
 
-    def check_model(name: str) -> None:
+    def check_model(name: str, param: str | None = "model") -> None:
         if name != served.model_name:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{served.model_name}'",
-                           param="model", code="model_not_found")
+                           param=param, code="model_not_found")
 
     async def respond(request, req, prompt, prompt_param, max_tokens, format_stops, arrived, chat):
         room = served.max_context - len(prompt)
@@ -345,6 +410,7 @@ def create_app(served: Served) -> FastAPI:
                          stop_on_eos=not req.ignore_eos, stop_tokens=frozenset(req.stop_token_ids or ()),
                          logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs)
                 for i in range(req.n)]
+        check_vocabulary(req.stop_token_ids or [], "stop_token_ids")
         try:
             served.scheduler.check(seqs[0])
         except DistmkError as e:
@@ -494,10 +560,12 @@ class Reply:
 
     async def events(self, generations: list[Generation]):
         """One chunk per generated token of each choice, as they come (its text may be empty while a
-        character or a possible stop string is incomplete), then the usage if asked, then [DONE]. A choice
-        that fails ends the stream with the error."""
+        character or a possible stop string is incomplete), each with the usage so far where
+        continuous_usage_stats asks (vLLM's), then the usage if asked, then [DONE]. A choice that fails ends the
+        stream with the error."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         first, offsets = [True] * len(generations), [0] * len(generations)
+        continuous_usage = self.req.stream_options is not None and self.req.stream_options.continuous_usage_stats
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, generation: Generation):
@@ -535,7 +603,10 @@ class Reply:
                     if first[index]:
                         choice["prompt_token_ids"] = self.prompt
                 first[index] = False
-                yield _event({**self.head, "object": obj, "choices": [choice]})
+                chunk = {**self.head, "object": obj, "choices": [choice]}
+                if continuous_usage:
+                    chunk["usage"] = self.usage(generations)
+                yield _event(chunk)
         finally:
             for task in pumps:
                 task.cancel()

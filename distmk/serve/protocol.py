@@ -5,14 +5,15 @@ parameter the server does not implement is refused by name instead of silently i
 clients send with neutral values by habit (echo: false, logit_bias: null, ...) are accepted with exactly
 those values. Log-probabilities as OpenAI has them: `logprobs` (completions: how many alternatives,
 0..MAX_LOGPROBS), `logprobs` and `top_logprobs` (chat). Extensions shared with vLLM: top_k, repetition_penalty,
-stop_token_ids, ignore_eos, return_token_ids. max_tokens: null means as many as the context has room for.
+stop_token_ids, ignore_eos, return_token_ids, stream_options.continuous_usage_stats; its /tokenize and /detokenize. max_tokens: null means as many as the context has room for.
 """
 from __future__ import annotations
 
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator,
+                      model_validator)
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 64
@@ -96,6 +97,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False    # vLLM's: every chunk carries the usage so far (guidellm sends it)
 
 
 class _Sampling(_Strict):
@@ -152,6 +154,25 @@ class ChatRequest(_Sampling):
     _only_with_logprobs = _only_when("top_logprobs", "logprobs")
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt's token ids, or a conversation's as the chat template renders it."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's /detokenize: the text of token ids."""
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 def parse_body(model: type[_Strict], body: bytes) -> _Strict:
     try:
         return model.model_validate_json(body)
@@ -173,4 +194,4 @@ def _as_api_error(e: ValidationError) -> APIError:
         return APIError(400, f"missing required parameter '{param}'", param=param)
     message = first["msg"].removeprefix("Value error, ")
     more = f" (and {e.error_count() - 1} more problem(s))" if e.error_count() > 1 else ""
-    return APIError(400, f"'{param}': {message}{more}", param=param)
+    return APIError(400, f"{f'{param!r}: ' if param else ''}{message}{more}", param=param)
