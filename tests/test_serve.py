@@ -364,6 +364,28 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server):
     assert all(c.usage.prompt_tokens == 3 for c in chunks) and chunks[-1].choices == []
 
 
+def test_batched_prompts_give_each_prompts_own_choices(server):
+    """A list of prompts in one completions request (OpenAI's, what lm-eval sends with batch_size > 1): each a
+    sequence with n choices of its own, indexed prompt-major, equal to the prompt sent alone; usage over all of
+    them; streamed and whole."""
+    from openai import OpenAI
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    prompts = ["Hello", [1, 2, 3, 4], "World!"]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0).choices[0].text
+             for p in prompts]
+    whole = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in whole.choices] == list(range(6))
+    assert [c.text for c in whole.choices] == [text for text in alone for _ in range(2)]
+    assert whole.usage.prompt_tokens == 5 + 4 + 6 and whole.usage.completion_tokens == 36
+    streamed = [""] * 3
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == alone
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": ["hi", [1, 9999]]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]"
+
+
 def test_stop_token_ids_outside_the_vocabulary_name_their_parameter(server):
     r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "stop_token_ids": [9999]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"

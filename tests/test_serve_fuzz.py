@@ -71,7 +71,7 @@ LEGAL_EXTREMES = {
 # field: values that are wrong for it (type, range, unsupported), so the request must be refused
 WRONG = {
     "model": [1, None, [], "no-such-model"],
-    "prompt": [5, {"a": 1}, [1.5], [[1], [2]], ["a", "b"], True, [], "", [1, 512], [-1], list(range(1, 100)),
+    "prompt": [5, {"a": 1}, [1.5], [[1], "a", 2], [["a"]], True, [], "", [1, 512], [-1], list(range(1, 100)),
                "x" * 100],
     "max_tokens": ["10", 1.5, True, -1, 0, 10 ** 9, CONTEXT],
     "temperature": ["hot", -0.1, 3, [0]],

@@ -361,13 +361,14 @@ def create_app(served: Served) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req, arrived = await accept(request, CompletionRequest)
-        prompt = req.prompt
-        if isinstance(prompt, str):
+        prompts = []
+        for prompt in req.prompt:
             try:
-                prompt = await served.tokenize(served.tokenizer.encode, prompt)
+                prompts.append(await served.tokenize(served.tokenizer.encode, prompt) if isinstance(prompt, str)
+                               else prompt)
             except DistmkError as e:                 # this model takes token ids only
                 raise APIError(400, str(e), param="prompt") from None
-        return await respond(request, req, prompt, "prompt", req.max_tokens, [], arrived, chat=False)
+        return await respond(request, req, prompts, "prompt", req.max_tokens, [], arrived, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -380,41 +381,50 @@ def create_app(served: Served) -> FastAPI:
         except Exception as e:  # noqa: BLE001 - a chat template refuses a conversation by raising
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        return await respond(request, req, prompt, "messages", max_tokens, list(format_stops), arrived, chat=True)
+        return await respond(request, req, [prompt], "messages", max_tokens, list(format_stops), arrived, chat=True)
 
     def check_model(name: str, param: str | None = "model") -> None:
         if name != served.model_name:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{served.model_name}'",
                            param=param, code="model_not_found")
 
-    async def respond(request, req, prompt, prompt_param, max_tokens, format_stops, arrived, chat):
-        room = served.max_context - len(prompt)
-        if room < 1:
-            raise APIError(400, f"the prompt has {len(prompt)} tokens, but the context holds {served.max_context} "
-                                "including at least one generated token", param=prompt_param,
-                           code="context_length_exceeded")
-        if max_tokens is not None and max_tokens > room:
-            raise APIError(400, f"max_tokens {max_tokens} is more than the context has room for: {room} tokens "
-                                f"after the prompt's {len(prompt)} (context {served.max_context})",
-                           param="max_tokens", code="context_length_exceeded")
+    async def respond(request, req, prompts, prompt_param, max_tokens, format_stops, arrived, chat):
+        """The reply to `prompts` (token ids; a completions request may batch several), n choices each, indexed
+        prompt-major (prompt * n + choice) as OpenAI has them."""
+        for i, prompt in enumerate(prompts):
+            at = f"{prompt_param}[{i}]" if len(prompts) > 1 else prompt_param
+            room = served.max_context - len(prompt)
+            if room < 1:
+                raise APIError(400, f"the prompt has {len(prompt)} tokens, but the context holds "
+                                    f"{served.max_context} including at least one generated token", param=at,
+                               code="context_length_exceeded")
+            if max_tokens is not None and max_tokens > room:
+                raise APIError(400, f"max_tokens {max_tokens} is more than the context has room for: {room} "
+                                    f"tokens after the prompt's {len(prompt)} (context {served.max_context})",
+                               param="max_tokens", code="context_length_exceeded")
         top_k = None if req.top_k is None else max(req.top_k, 0)          # -1, as vLLM has it: no limit
         params = resolve_sampling(req.temperature, req.top_p, top_k, req.seed, defaults=served.sampling_defaults,
                                   greedy_default=False, presence_penalty=req.presence_penalty,
                                   frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty)
-        if req.n > served.capacity:
-            raise APIError(400, f"n {req.n} is more choices than the server runs or queues at once "
-                                f"({served.capacity})", param="n")
+        choices = req.n * len(prompts)
+        if choices > served.capacity:
+            what = f"n {req.n}" + (f" of {len(prompts)} prompts ({choices} sequences)" if len(prompts) > 1 else "")
+            raise APIError(400, f"{what} is more choices than the server runs or queues at once ({served.capacity})",
+                           param="n")
         # choice i draws from seed + i: choice 0 is what the same request with n = 1 gets
-        seqs = [Sequence(prompt, max_tokens or room, params if params.seed is None or i == 0 else
+        seqs = [Sequence(prompt, max_tokens or served.max_context - len(prompt),
+                         params if params.seed is None or i == 0 else
                          dataclasses.replace(params, seed=(params.seed + i) % 2 ** 64),
                          stop_on_eos=not req.ignore_eos, stop_tokens=frozenset(req.stop_token_ids or ()),
                          logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs)
-                for i in range(req.n)]
+                for prompt in prompts for i in range(req.n)]
         check_vocabulary(req.stop_token_ids or [], "stop_token_ids")
-        try:
-            served.scheduler.check(seqs[0])
-        except DistmkError as e:
-            raise APIError(400, str(e), param=prompt_param) from None
+        for i, prompt in enumerate(prompts):
+            try:
+                served.scheduler.check(seqs[i * req.n])
+            except DistmkError as e:
+                raise APIError(400, str(e), param=f"{prompt_param}[{i}]" if len(prompts) > 1 else prompt_param) \
+                    from None
         served.check_admission(len(seqs))
         generations = [Generation(served, seq, req.stop + format_stops, arrived) for seq in seqs]
         try:
@@ -424,7 +434,7 @@ def create_app(served: Served) -> FastAPI:
             for generation in generations:
                 generation.close()
             raise
-        reply = Reply(served, req, chat, prompt)
+        reply = Reply(served, req, chat, prompts)
         if req.stream:
             count(request, 200)
             return GenerationStream(generations, reply.events(generations))
@@ -487,8 +497,8 @@ async def _client_gone(request: Request) -> None:
 class Reply:
     """OpenAI's response shapes for one request: a whole completion, or its chunks as server-sent events."""
 
-    def __init__(self, served: Served, req, chat: bool, prompt: list[int]):
-        self.req, self.chat, self.prompt, self.tokenizer = req, chat, prompt, served.tokenizer
+    def __init__(self, served: Served, req, chat: bool, prompts: list[list[int]]):
+        self.req, self.chat, self.prompts, self.tokenizer = req, chat, prompts, served.tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.head = {"id": self.id, "created": int(time.time()), "model": served.model_name}
 
@@ -519,7 +529,12 @@ class Reply:
 
     def usage(self, generations: list[Generation]) -> dict:
         n = sum(len(generation.tokens) for generation in generations)
-        return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n}
+        prompt = sum(map(len, self.prompts))
+        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+
+    def prompt(self, index: int) -> list[int]:
+        """Choice `index`'s prompt (choices are prompt-major)."""
+        return self.prompts[index // self.req.n]
 
     async def whole(self, generations: list[Generation], request: Request):
         """Every choice, once all are complete; a choice that fails fails the request, and a client that goes
@@ -549,7 +564,7 @@ class Reply:
             choice = {"index": index, "logprobs": self.logprobs(pieces), "finish_reason": generation.finish_reason}
             choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
             if self.req.return_token_ids:
-                choice.update(prompt_token_ids=self.prompt, token_ids=generation.tokens)
+                choice.update(prompt_token_ids=self.prompt(index), token_ids=generation.tokens)
             choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self.head, "object": obj, "choices": choices, "usage": self.usage(generations)}
@@ -601,7 +616,7 @@ class Reply:
                 if self.req.return_token_ids:
                     choice["token_ids"] = [piece.token]
                     if first[index]:
-                        choice["prompt_token_ids"] = self.prompt
+                        choice["prompt_token_ids"] = self.prompt(index)
                 first[index] = False
                 chunk = {**self.head, "object": obj, "choices": [choice]}
                 if continuous_usage:

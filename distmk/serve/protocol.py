@@ -44,14 +44,14 @@ def _neutral(value):
     return AfterValidator(check)
 
 
-def _one_prompt(v: Any) -> str | list[int]:
+def _prompts(v: Any) -> list[str | list[int]]:
+    """A completions prompt as the list of prompts it holds: a string or a list of token ids is one, a list of
+    either (OpenAI's batched prompts) each of them."""
     if isinstance(v, str) or _is_token_ids(v):
-        return v
+        return [v]
     if isinstance(v, list) and v and all(isinstance(p, str) or _is_token_ids(p) for p in v):
-        if len(v) > 1:
-            raise ValueError(f"holds {len(v)} prompts; send one prompt per request")
-        return v[0]
-    raise ValueError("must be a string, a list of token ids, or a list holding one of either")
+        return v
+    raise ValueError("must be a string, a list of token ids, or a non-empty list of either")
 
 
 def _is_token_ids(v: Any) -> bool:
@@ -124,7 +124,7 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Annotated[str | list[int], PlainValidator(_one_prompt)]
+    prompt: Annotated[list[str | list[int]], PlainValidator(_prompts)]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Annotated[bool, _neutral(False)] = False
