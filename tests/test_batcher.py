@@ -150,6 +150,33 @@ def test_log_probabilities_are_recorded_a_token_at_a_time(engine):
         assert got.top == () and got.logprob == pytest.approx(torch.log_softmax(row.double(), -1)[token].item())
 
 
+def test_prompt_log_probabilities_are_transformers_log_softmax():
+    """A sequence that asks for its prompt's log-probabilities (what completions' echo with logprobs and vLLM's
+    prompt_logprobs return) gets each prompt token's given the ones before it, with the k most likely: transformers'
+    float32 log-softmax over the prompt, to 1e-4. Its 20-token prompt goes through the steps' rows, not the
+    prefill chunks a prompt that long would take, beside a stream that decodes; the tokens are those of
+    generating alone."""
+    import torch
+    from conftest import hf_model
+    engine = Engine("tiny-qwen2", config=GraphConfig(batch=6, kv_splits=2, tile_rows=32, workers=3), max_context=64,
+                    block_size=4, max_seqs=4, prefill_chunk=4)
+    prompt = [(5 * i + 2) % 300 for i in range(20)]
+    batcher = Batcher(engine)
+    batcher.prefill = lambda chunk: pytest.fail("a prompt whose log-probabilities are asked for was prefilled")
+    seqs = [batcher.submit(Sequence([1, 2, 3], 8)), batcher.submit(Sequence(prompt, 3, prompt_logprobs=2))]
+    while batcher.busy:
+        batcher.step()
+    assert seqs[1].output == engine.generate(prompt, 3) and seqs[0].output == engine.generate([1, 2, 3], 8)
+    with torch.no_grad():
+        want = torch.log_softmax(hf_model("tiny-qwen2")(torch.tensor([prompt])).logits[0].double(), dim=-1)
+    got = seqs[1].prompt_token_logprobs
+    assert len(got) == len(prompt) - 1
+    for j, entry in enumerate(got):
+        assert entry.logprob == pytest.approx(want[j, prompt[j + 1]].item(), abs=1e-4)
+        assert [t for t, _ in entry.top] == want[j].topk(2).indices.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(want[j].topk(2).values.tolist(), abs=1e-4)
+
+
 def test_admission_is_bounded_by_rows_and_by_free_blocks(engine):
     batcher = Batcher(engine)
     seqs = [batcher.submit(Sequence([1, 2, 3], 4)) for _ in range(9)]

@@ -187,6 +187,59 @@ def test_logprobs_are_transformers_log_softmax(server):
     assert r.status_code == 400 and "'logprobs': Input should be less than or equal to 20" in r.text
 
 
+def test_echo_logprobs_are_the_prompts_transformers_log_softmax(server):
+    """Completions' echo with logprobs and max_tokens 0 or 1 (what lm-eval's loglikelihood and multiple-choice
+    tasks send, batched as lists of token ids): the prompt's tokens with their log-probabilities, the first's
+    null, each transformers' float32 log-softmax, through both ranks of the server; a 30-token prompt, which would
+    otherwise be prefilled by chunks. With max_tokens 0 nothing else is shown; after it, the generated tokens as
+    without echo. vLLM's prompt_logprobs give the same values; streamed, the prompt comes first."""
+    import torch
+    from conftest import hf_model
+    from openai import OpenAI
+    prompts = [[(7 * i + 3) % 50 for i in range(30)], [5, 9, 11, 2]]
+    with torch.no_grad():
+        want = [torch.log_softmax(hf_model(MODEL)(torch.tensor([p])).logits[0].double(), dim=-1) for p in prompts]
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    scored = client.completions.create(model=MODEL, prompt=prompts, max_tokens=0, echo=True, logprobs=2,
+                                       temperature=0)
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == 34
+    for prompt, ref, choice in zip(prompts, want, scored.choices, strict=True):
+        lp = choice.logprobs
+        assert choice.finish_reason == "length" and choice.text == bytes(prompt).decode()
+        assert len(lp.tokens) == len(prompt) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for j in range(1, len(prompt)):
+            assert lp.token_logprobs[j] == pytest.approx(ref[j - 1, prompt[j]].item(), abs=1e-4)
+            # keyed by text (the byte-level tokenizer's ids past 255 all read ""): the values are the top two's
+            # or the chosen token's
+            listed = [*ref[j - 1].topk(2).values.tolist(), ref[j - 1, prompt[j]].item()]
+            assert all(min(abs(v - t) for t in listed) < 1e-4 for v in lp.top_logprobs[j].values())
+    # lm-eval's own request: one token after the prompt, whose logprobs and text follow the prompt's
+    after = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=3, echo=True, logprobs=1,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    alone = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=3, logprobs=1, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    choice = after.choices[0]
+    assert choice.text == bytes(prompts[0]).decode() + alone.text
+    assert choice.logprobs.token_logprobs[:30] == scored.choices[0].logprobs.token_logprobs
+    assert choice.logprobs.token_logprobs[30:] == pytest.approx(alone.logprobs.token_logprobs, abs=1e-4)
+    assert choice.logprobs.text_offset == [sum(map(len, choice.logprobs.tokens[:i])) for i in range(33)]
+    chunks = sse_chunks(server, "/v1/completions", {"model": MODEL, "prompt": prompts[1], "max_tokens": 2,
+                                                    "echo": True, "temperature": 0, "stream": True})
+    assert chunks[0]["choices"][0]["text"] == bytes(prompts[1]).decode()
+    whole = post(server, "/v1/completions", {"model": MODEL, "prompt": prompts[1], "max_tokens": 2, "echo": True,
+                                             "temperature": 0}).json()["choices"][0]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    vllm = post(server, "/v1/completions", {"model": MODEL, "prompt": prompts[1], "max_tokens": 1,
+                                            "prompt_logprobs": 1}).json()["choices"][0]["prompt_logprobs"]
+    assert vllm[0] is None and len(vllm) == 4
+    for j in range(1, 4):
+        entry = vllm[j][str(prompts[1][j])]
+        assert entry["logprob"] == pytest.approx(want[1][j - 1, prompts[1][j]].item(), abs=1e-4)
+        assert entry["rank"] == 1 + int((want[1][j - 1] > want[1][j - 1, prompts[1][j]] + 1e-6).sum())
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
 def test_n_choices_are_the_requests_of_seeds_one_apart(server):
     """n choices of a seeded request: choice i is what the request alone gets with seed + i (choice 0 the same
     request's with n = 1), streamed (chunks of the choices interleaved, each its own index) and whole alike, chat

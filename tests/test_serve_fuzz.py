@@ -82,7 +82,7 @@ WRONG = {
     "stream": ["yes", 1],
     "n": [0, "1", 1.5, 10 ** 6],
     "stream_options": ["x", {"foo": True}, {"include_usage": True}],
-    "logprobs": [21, -1, "2", True], "echo": [True],
+    "logprobs": [21, -1, "2", True], "echo": ["yes", 1],
     "presence_penalty": [3, "1", -2.5], "frequency_penalty": [2.5, "0"],
     "repetition_penalty": [0, -1, "1"], "stop_token_ids": [[-1], [1.5], "1", [10 ** 6], list(range(65))],
     "logit_bias": [{"5": 1}], "best_of": [2], "suffix": ["end"],

@@ -44,6 +44,10 @@ class Sequence:
     logprobs: int | None = None       # record each new token's log-probability and its k most likely alternatives
     stop_tokens: frozenset[int] = frozenset()   # token ids that end it as an end of sequence does (even past eos)
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # record each prompt token's log-probability (given the tokens before it) and its k most likely alternatives:
+    # the prompt then goes through the steps, whose rows give its logits, never through prefill chunks
+    prompt_logprobs: int | None = None
+    prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)     # of prompt[1:]
 
     @property
     def tokens(self) -> list[int]:
@@ -167,7 +171,8 @@ class Batcher:
     def _prefills(self, seq: Sequence) -> bool:
         """Whether the sequence's unread prompt, its last token aside, still goes to a prefill chunk: it is
         more than a step's rows (and the engine prefills by chunks)."""
-        return bool(self.engine.prefill_chunk) and len(seq.prompt) - 1 - seq.fed > self.engine.config.batch
+        return (bool(self.engine.prefill_chunk) and seq.prompt_logprobs is None
+                and len(seq.prompt) - 1 - seq.fed > self.engine.config.batch)
 
     def plan_prefill(self) -> PrefillInputs | None:
         """The next prefill chunk: of the oldest running sequence whose unread prompt still goes to one; None
@@ -202,7 +207,7 @@ class Batcher:
         if not batch:
             return None
         needs_logits = any(seq.keep_logits or seq.logprobs is not None or seq.params.needs_logits
-                           for seq, _ in batch)
+                           or (seq.prompt_logprobs is not None and i < len(seq.prompt) - 1) for seq, i in batch)
         steps = 1
         if self.steps_per_launch > 1 and not needs_logits and not self.waiting and all(s.output for s, _ in batch):
             # every row decodes: a sequence's reserved blocks hold its max_tokens, so none steps past them
@@ -226,6 +231,8 @@ class Batcher:
         produced, asked = [], []           # asked: (row, sequence) of the new tokens whose logprobs are recorded
         for row, (seq, i) in enumerate(batch):
             if i != len(seq.prompt) + len(seq.output) - 1:     # a prompt row that is not the prompt's last
+                if seq.prompt_logprobs is not None:
+                    asked.append((row, seq))
                 continue
             try:
                 token = (sample(logits[row], seq.params, seq.generator, seq.prompt, seq.output)
@@ -241,17 +248,23 @@ class Batcher:
                 asked.append((row, seq))
             self._produce(seq, token, produced)
         if asked:               # every row's at once: one copy to the host, not a few per row
-            rows, seqs = [row for row, _ in asked], [seq for _, seq in asked]
+            # a prompt row's logits give the next prompt token's log-probability, the last row's the new token's
+            in_prompt = [batch[row][1] < len(seq.prompt) - 1 for row, seq in asked]
+            rows = [row for row, _ in asked]
+            chosen = [seq.prompt[batch[row][1] + 1] if prompt else seq.output[-1]
+                      for (row, seq), prompt in zip(asked, in_prompt)]
+            ks = [seq.prompt_logprobs if prompt else seq.logprobs for (_, seq), prompt in zip(asked, in_prompt)]
             try:
-                found = token_logprobs(logits[rows], [seq.output[-1] for seq in seqs], [seq.logprobs for seq in seqs])
+                found = token_logprobs(logits[rows], chosen, ks)
             except Exception as e:  # noqa: BLE001 - these sequences fail, the others go on
-                for seq in seqs:
-                    seq.logprobs, seq.error = None, f"log-probabilities failed: {e}"
+                for seq in dict.fromkeys(seq for _, seq in asked):
+                    seq.logprobs = seq.prompt_logprobs = None
+                    seq.error = f"log-probabilities failed: {e}"
                     self._finish(seq, "error")
                     produced.append((seq, None))
             else:
-                for seq, logprob in zip(seqs, found):
-                    seq.token_logprobs.append(logprob)
+                for (_, seq), prompt, logprob in zip(asked, in_prompt, found):
+                    (seq.prompt_token_logprobs if prompt else seq.token_logprobs).append(logprob)
         for later in greedy[1:]:                # back-to-back steps: every row a greedy decoding sequence
             for row, (seq, _) in enumerate(batch):
                 if seq.finish_reason is None:

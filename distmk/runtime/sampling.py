@@ -114,13 +114,15 @@ class TokenLogprob:
     that is not a number."""
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int = 1           # 1 + how many tokens are more likely (vLLM's prompt_logprobs report it)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
     """TokenLogprob of each row of `logits` [rows, vocab]: row r chose tokens[r] and lists its ks[r] most likely;
     computed where the logits are, in one copy to the host for all rows."""
     logprobs = torch.log_softmax(logits.double(), dim=-1).nan_to_num(nan=-9999.0).clamp(min=-9999.0)
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])
+    rank = (logprobs > chosen).sum(dim=-1) + 1
     top = torch.topk(logprobs, min(max(ks), logprobs.shape[-1]), dim=-1, sorted=True)
-    chosen, ids, values = chosen.tolist(), top.indices.tolist(), top.values.tolist()
-    return [TokenLogprob(chosen[r], tuple(zip(ids[r][:k], values[r][:k]))) for r, k in enumerate(ks)]
+    chosen, rank, ids, values = chosen[:, 0].tolist(), rank.tolist(), top.indices.tolist(), top.values.tolist()
+    return [TokenLogprob(chosen[r], tuple(zip(ids[r][:k], values[r][:k])), rank[r]) for r, k in enumerate(ks)]

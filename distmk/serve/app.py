@@ -160,6 +160,7 @@ class Generation:
         self.last_token_at: float | None = None
         self.started = self.closed = False
         self.engine_done = False           # the engine finished the sequence (length or EOS)
+        self.prompt_logprobs: list[TokenLogprob] | None = None     # of prompt[1:], with the first token
 
     def start(self) -> None:
         served = self.served
@@ -169,10 +170,11 @@ class Generation:
         served.metrics.prompt_tokens.inc(len(self.seq.prompt))
         served.scheduler.submit(self.seq, self)
 
-    def on_token(self, token: int, finish_reason: str | None, logprob: TokenLogprob | None = None) -> None:
+    def on_token(self, token: int, finish_reason: str | None, logprob: TokenLogprob | None = None,
+                 prompt_logprobs: list[TokenLogprob] | None = None) -> None:
         self.engine_done = finish_reason is not None
         if not self.closed:
-            self.queue.put_nowait((token, finish_reason, logprob))
+            self.queue.put_nowait((token, finish_reason, logprob, prompt_logprobs))
 
     def on_failure(self, message: str, status: int = 503) -> None:
         if not self.closed:
@@ -185,7 +187,8 @@ class Generation:
             if isinstance(item, Aborted):
                 self.finish_reason = "error"
                 raise item
-            token, finish_reason, logprob = item
+            token, finish_reason, logprob, prompt_logprobs = item
+            self.prompt_logprobs = self.prompt_logprobs or prompt_logprobs
             now = time.monotonic()
             if self.last_token_at is None:
                 metrics.ttft.observe(now - self.arrived)
@@ -361,6 +364,9 @@ def create_app(served: Served) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req, arrived = await accept(request, CompletionRequest)
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens 0 needs echo: true (the reply is then the prompt alone)",
+                           param="max_tokens")
         prompts = []
         for prompt in req.prompt:
             try:
@@ -368,7 +374,9 @@ def create_app(served: Served) -> FastAPI:
                                else prompt)
             except DistmkError as e:                 # this model takes token ids only
                 raise APIError(400, str(e), param="prompt") from None
-        return await respond(request, req, prompts, "prompt", req.max_tokens, [], arrived, chat=False)
+        texts = [p if isinstance(p, str) else None for p in req.prompt]     # what echo repeats of a text prompt
+        return await respond(request, req, prompts, "prompt", req.max_tokens, [], arrived, chat=False,
+                             prompt_texts=texts)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -388,9 +396,11 @@ def create_app(served: Served) -> FastAPI:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{served.model_name}'",
                            param=param, code="model_not_found")
 
-    async def respond(request, req, prompts, prompt_param, max_tokens, format_stops, arrived, chat):
+    async def respond(request, req, prompts, prompt_param, max_tokens, format_stops, arrived, chat,
+                      prompt_texts=None):
         """The reply to `prompts` (token ids; a completions request may batch several), n choices each, indexed
-        prompt-major (prompt * n + choice) as OpenAI has them."""
+        prompt-major (prompt * n + choice) as OpenAI has them. max_tokens 0 (with echo): one token is generated
+        and not shown."""
         for i, prompt in enumerate(prompts):
             at = f"{prompt_param}[{i}]" if len(prompts) > 1 else prompt_param
             room = served.max_context - len(prompt)
@@ -411,12 +421,15 @@ def create_app(served: Served) -> FastAPI:
             what = f"n {req.n}" + (f" of {len(prompts)} prompts ({choices} sequences)" if len(prompts) > 1 else "")
             raise APIError(400, f"{what} is more choices than the server runs or queues at once ({served.capacity})",
                            param="n")
+        # the prompt's log-probabilities: completions' echo with logprobs, vLLM's prompt_logprobs
+        asked = [k for k in (req.prompt_logprobs, None if chat or not req.echo else req.logprobs) if k is not None]
         # choice i draws from seed + i: choice 0 is what the same request with n = 1 gets
-        seqs = [Sequence(prompt, max_tokens or served.max_context - len(prompt),
+        seqs = [Sequence(prompt, 1 if max_tokens == 0 else max_tokens or served.max_context - len(prompt),
                          params if params.seed is None or i == 0 else
                          dataclasses.replace(params, seed=(params.seed + i) % 2 ** 64),
                          stop_on_eos=not req.ignore_eos, stop_tokens=frozenset(req.stop_token_ids or ()),
-                         logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs)
+                         logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs,
+                         prompt_logprobs=max(asked) if asked else None)
                 for prompt in prompts for i in range(req.n)]
         check_vocabulary(req.stop_token_ids or [], "stop_token_ids")
         for i, prompt in enumerate(prompts):
@@ -434,7 +447,7 @@ def create_app(served: Served) -> FastAPI:
             for generation in generations:
                 generation.close()
             raise
-        reply = Reply(served, req, chat, prompts)
+        reply = Reply(served, req, chat, prompts, prompt_texts)
         if req.stream:
             count(request, 200)
             return GenerationStream(generations, reply.events(generations))
@@ -495,40 +508,79 @@ async def _client_gone(request: Request) -> None:
 
 
 class Reply:
-    """OpenAI's response shapes for one request: a whole completion, or its chunks as server-sent events."""
+    """OpenAI's response shapes for one request: a whole completion, or its chunks as server-sent events. A
+    completion with echo repeats its prompt before the output (and, with logprobs, the prompt's log-probabilities,
+    the first token's null as OpenAI and vLLM give it); max_tokens 0 shows the prompt alone."""
 
-    def __init__(self, served: Served, req, chat: bool, prompts: list[list[int]]):
+    def __init__(self, served: Served, req, chat: bool, prompts: list[list[int]],
+                 prompt_texts: list[str | None] | None = None):
         self.req, self.chat, self.prompts, self.tokenizer = req, chat, prompts, served.tokenizer
+        self.prompt_texts = prompt_texts or [None] * len(prompts)
+        self.echo, self.hidden = not chat and req.echo, not chat and req.max_tokens == 0
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.head = {"id": self.id, "created": int(time.time()), "model": served.model_name}
 
+    def text(self, token: int) -> str:
+        """A token's text for log-probabilities: its bytes (tokenizer.token_bytes) as UTF-8, U+FFFD for a piece of
+        a character."""
+        return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+
     def logprobs(self, pieces: list[Piece], offset: int = 0) -> dict | None:
         """OpenAI's logprobs object of these tokens (None where the request did not ask): chat's list of
-        {token, logprob, bytes, top_logprobs}, or completions' parallel lists, whose top_logprobs hold the
-        chosen token too (as vLLM's do) and whose text_offset counts the token texts before each from
-        `offset`. A token's text is its bytes (tokenizer.token_bytes) as UTF-8, U+FFFD for a piece of a
-        character; `bytes` has them all."""
+        {token, logprob, bytes, top_logprobs}, or completions' parallel lists (completion_logprobs)."""
         if not [p for p in pieces if p.logprob is not None]:
             return None
+        if not self.chat:
+            return self.completion_logprobs([(p.token, p.logprob) for p in pieces], offset)
         raw = self.tokenizer.token_bytes
 
-        def text(token: int) -> str:
-            return raw(token).decode("utf-8", errors="replace")
+        def entry(token, logprob):
+            return {"token": self.text(token), "logprob": logprob, "bytes": list(raw(token))}
+        return {"content": [{**entry(p.token, p.logprob.logprob),
+                             "top_logprobs": [entry(t, v) for t, v in p.logprob.top]} for p in pieces]}
 
-        if self.chat:
-            def entry(token, logprob):
-                return {"token": text(token), "logprob": logprob, "bytes": list(raw(token))}
-            return {"content": [{**entry(p.token, p.logprob.logprob),
-                                 "top_logprobs": [entry(t, v) for t, v in p.logprob.top]} for p in pieces]}
-        tokens = [text(p.token) for p in pieces]
-        return {"tokens": tokens, "token_logprobs": [p.logprob.logprob for p in pieces],
+    def completion_logprobs(self, entries: list[tuple[int, TokenLogprob | None]], offset: int = 0) -> dict:
+        """Completions' parallel lists of (token, its log-probability: None for a prompt's first token), whose
+        top_logprobs hold the chosen token too (as vLLM's do) and whose text_offset counts the token texts before
+        each from `offset`."""
+        tokens = [self.text(token) for token, _ in entries]
+        return {"tokens": tokens, "token_logprobs": [lp.logprob if lp else None for _, lp in entries],
                 # the chosen token last: where another token reads the same, the chosen one's value shows
-                "top_logprobs": [{text(t): v for t, v in (*p.logprob.top, (p.token, p.logprob.logprob))}
-                                 for p in pieces],
+                "top_logprobs": [{self.text(t): v for t, v in (*lp.top, (token, lp.logprob))} if lp else None
+                                 for token, lp in entries],
                 "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=offset))}
 
+    def prompt_entries(self, index: int, generation: Generation) -> list[tuple[int, TokenLogprob | None]]:
+        """Choice `index`'s prompt tokens with their log-probabilities (the first has none)."""
+        prompt = self.prompt(index)
+        return [(prompt[0], None), *zip(prompt[1:], generation.prompt_logprobs or [])]
+
+    def echoed(self, index: int, generation: Generation) -> tuple[str, dict | None]:
+        """What echo puts before choice `index`'s output: the prompt's text (a text prompt as it was sent) and,
+        where logprobs asks, its log-probabilities."""
+        text = self.prompt_texts[index // self.req.n]
+        text = self.tokenizer.decode(self.prompt(index)) if text is None else text
+        asked = self.req.logprobs is not None
+        return text, self.completion_logprobs(self.prompt_entries(index, generation)) if asked else None
+
+    def vllm_prompt_logprobs(self, index: int, generation: Generation) -> list:
+        """vLLM's prompt_logprobs: null for the first token, then per prompt token {id: {logprob, rank,
+        decoded_token}} of the token and the k most likely."""
+        out = [None]
+        for token, lp in self.prompt_entries(index, generation)[1:]:
+            top = {t: (v, rank) for rank, (t, v) in enumerate(lp.top, 1)}
+            top[token] = (lp.logprob, lp.rank)
+            out.append({str(t): {"logprob": v, "rank": rank, "decoded_token": self.text(t)}
+                        for t, (v, rank) in top.items()})
+        return out
+
+    def extras(self, index: int, generation: Generation) -> dict:
+        """A choice's fields beyond OpenAI's: vLLM's prompt_logprobs where asked."""
+        return {"prompt_logprobs": self.vllm_prompt_logprobs(index, generation)} \
+            if self.req.prompt_logprobs is not None else {}
+
     def usage(self, generations: list[Generation]) -> dict:
-        n = sum(len(generation.tokens) for generation in generations)
+        n = 0 if self.hidden else sum(len(generation.tokens) for generation in generations)
         prompt = sum(map(len, self.prompts))
         return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
 
@@ -559,13 +611,20 @@ class Reply:
             return Response(status_code=499)    # nginx's "client closed request", for the metrics only
         choices = []
         for index, (generation, collect) in enumerate(zip(generations, collects)):
-            pieces = collect.result()
-            text = "".join(piece.text for piece in pieces)
-            choice = {"index": index, "logprobs": self.logprobs(pieces), "finish_reason": generation.finish_reason}
+            pieces = [] if self.hidden else collect.result()
+            text, logprobs = "".join(piece.text for piece in pieces), self.logprobs(pieces)
+            if self.echo:
+                echo_text, echo_logprobs = self.echoed(index, generation)
+                text = echo_text + text
+                if echo_logprobs:
+                    logprobs = self.completion_logprobs(
+                        self.prompt_entries(index, generation) + [(p.token, p.logprob) for p in pieces])
+            choice = {"index": index, "logprobs": logprobs,
+                      "finish_reason": "length" if self.hidden else generation.finish_reason}
             choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
             if self.req.return_token_ids:
-                choice.update(prompt_token_ids=self.prompt(index), token_ids=generation.tokens)
-            choices.append(choice)
+                choice.update(prompt_token_ids=self.prompt(index), token_ids=[p.token for p in pieces])
+            choices.append({**choice, **self.extras(index, generation)})
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self.head, "object": obj, "choices": choices, "usage": self.usage(generations)}
 
@@ -605,7 +664,18 @@ class Reply:
                 if isinstance(piece, Aborted):
                     yield _event(piece.as_api_error().body())
                     break
-                logprobs = self.logprobs([piece], offsets[index])
+                generation = generations[index]
+                extras = self.extras(index, generation) if first[index] else {}
+                if first[index] and self.echo:
+                    # the prompt comes first, as a chunk of its own (vLLM's prompt_logprobs with it)
+                    text, logprobs = self.echoed(index, generation)
+                    offsets[index] = len("".join(logprobs["tokens"])) if logprobs else 0
+                    yield _event({**self.head, "object": obj, "choices": [{
+                        "index": index, "text": text, "logprobs": logprobs, "finish_reason": None, **extras}]})
+                    extras = {}
+                if self.hidden:
+                    piece = Piece("", piece.token, "length")
+                logprobs = None if self.hidden else self.logprobs([piece], offsets[index])
                 offsets[index] += len(logprobs["tokens"][0]) if logprobs and not self.chat else 0
                 choice = {"index": index, "logprobs": logprobs, "finish_reason": piece.finish_reason}
                 if self.chat:
@@ -614,11 +684,11 @@ class Reply:
                 else:
                     choice["text"] = piece.text
                 if self.req.return_token_ids:
-                    choice["token_ids"] = [piece.token]
+                    choice["token_ids"] = [] if self.hidden else [piece.token]
                     if first[index]:
                         choice["prompt_token_ids"] = self.prompt(index)
                 first[index] = False
-                chunk = {**self.head, "object": obj, "choices": [choice]}
+                chunk = {**self.head, "object": obj, "choices": [{**choice, **extras}]}
                 if continuous_usage:
                     chunk["usage"] = self.usage(generations)
                 yield _event(chunk)

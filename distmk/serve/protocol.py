@@ -2,10 +2,13 @@
 
 Bodies are validated strictly: a wrong type is an error rather than coerced ("1" is not a number), and a
 parameter the server does not implement is refused by name instead of silently ignored. A few that
-clients send with neutral values by habit (echo: false, logit_bias: null, ...) are accepted with exactly
+clients send with neutral values by habit (logit_bias: null, best_of: 1, ...) are accepted with exactly
 those values. Log-probabilities as OpenAI has them: `logprobs` (completions: how many alternatives,
-0..MAX_LOGPROBS), `logprobs` and `top_logprobs` (chat). Extensions shared with vLLM: top_k, repetition_penalty,
-stop_token_ids, ignore_eos, return_token_ids, stream_options.continuous_usage_stats; its /tokenize and /detokenize. max_tokens: null means as many as the context has room for.
+0..MAX_LOGPROBS; with `echo`, the prompt's too, and max_tokens 0 asks for nothing more: what lm-eval's
+loglikelihood tasks send), `logprobs` and `top_logprobs` (chat). Extensions shared with vLLM: top_k,
+repetition_penalty, stop_token_ids, ignore_eos, return_token_ids, prompt_logprobs,
+stream_options.continuous_usage_stats; its /tokenize and /detokenize. max_tokens: null means as many as the
+context has room for.
 """
 from __future__ import annotations
 
@@ -119,17 +122,20 @@ class _Sampling(_Strict):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)    # vLLM's; null: the checkpoint's, else 1
     logit_bias: Annotated[dict[str, float] | None, _neutral(None)] = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)    # vLLM's: the prompt's log-probabilities
 
     _only_when_streaming = _only_when("stream_options", "stream")
 
 
 class CompletionRequest(_Sampling):
     prompt: Annotated[list[str | list[int]], PlainValidator(_prompts)]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Annotated[bool, _neutral(False)] = False
+    echo: bool = False              # the prompt before the output, and its log-probabilities with logprobs
     best_of: Annotated[int | None, _neutral(1)] = None
     suffix: Annotated[str | None, _neutral(None)] = None
+
+
 
 
 class Message(_Strict):

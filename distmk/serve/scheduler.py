@@ -22,11 +22,12 @@ HEARTBEAT_S = 5.0
 
 
 class Listener(Protocol):
-    """Called on the event loop: each new token of the sequence (with its log-probabilities where the sequence
-    asked for them), or a failure (a message for the client and its HTTP status: 503 when the engine is down,
+    """Called on the event loop: each new token of the sequence (with its log-probabilities, and its prompt's, where
+    the sequence asked for them), or a failure (a message for the client and its HTTP status: 503 when the engine is down,
     500 when only this sequence failed)."""
 
-    def on_token(self, token: int, finish_reason: str | None, logprob: TokenLogprob | None = None) -> None: ...
+    def on_token(self, token: int, finish_reason: str | None, logprob: TokenLogprob | None = None,
+                 prompt_logprobs: list[TokenLogprob] | None = None) -> None: ...
 
     def on_failure(self, message: str, status: int = 503) -> None: ...
 
@@ -131,9 +132,11 @@ class Scheduler:
                     self.trace.tokens([seq.id for seq, _ in produced])
                 last = {seq.id: i for i, (seq, _) in enumerate(produced)}    # a sequence may get several tokens
                 # a sequence that records log-probabilities has its steps one at a time: one token a step
+                # the prompt's log-probabilities, where asked, are complete once its first token comes
                 deliveries = [(self.listeners[seq.id], token, seq.finish_reason if last[seq.id] == i else None,
                                seq.error, seq.token_logprobs[-1] if seq.logprobs is not None and token is not None
-                               else None) for i, (seq, token) in enumerate(produced)]
+                               else None, seq.prompt_token_logprobs if seq.prompt_logprobs is not None else None)
+                              for i, (seq, token) in enumerate(produced)]
                 for i in last.values():
                     if produced[i][0].finish_reason is not None:
                         del self.listeners[produced[i][0].id]
@@ -157,12 +160,13 @@ class Scheduler:
 
 
 def _deliver(deliveries) -> None:
-    """(listener, token, finish_reason, error, logprob) as they were after the step (the next may already run)."""
-    for listener, token, finish_reason, error, logprob in deliveries:
+    """(listener, token, finish_reason, error, logprob, prompt logprobs) as they were after the step (the next may
+    already run)."""
+    for listener, token, finish_reason, error, logprob, prompt_logprobs in deliveries:
         if token is None:                     # this sequence failed (the others go on)
             listener.on_failure(error, status=500)
         else:
-            listener.on_token(token, finish_reason, logprob)
+            listener.on_token(token, finish_reason, logprob, prompt_logprobs)
 
 
 def _fail_all(listeners, message: str) -> None:
