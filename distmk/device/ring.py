@@ -344,12 +344,14 @@ def signal_all_ranks(counter_peers, event, WORLD: gl.constexpr, SYSTEM: gl.const
     one device: virtual ranks). One lane a rank, so the ranks' releases are in flight together."""
     cta_barrier()
     P: gl.constexpr = next_power_of_2(WORLD)
-    p = gl.arange(0, P, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    p = gl.arange(0, P, layout=layout)
     peers = gl.load(counter_peers + p, mask=p < WORLD, other=0).to(gl.pointer_type(gl.int64))
+    one = gl.full([P], 1, gl.int64, layout=layout)       # Triton 3.6's Gluon broadcasts no scalar here
     if SYSTEM:
-        gl.atomic_add(peers + event, 1, mask=p < WORLD, sem="release", scope="sys")
+        gl.atomic_add(peers + event, one, mask=p < WORLD, sem="release", scope="sys")
     else:
-        gl.atomic_add(peers + event, 1, mask=p < WORLD, sem="release", scope="gpu")
+        gl.atomic_add(peers + event, one, mask=p < WORLD, sem="release", scope="gpu")
 
 
 @gluon.jit
