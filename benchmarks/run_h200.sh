@@ -15,16 +15,20 @@ mkdir -p "$OUT"
 stamp() { echo "[$(date +%T)] $*"; }
 
 if [[ $STAGES == *" tests "* ]]; then
-  stamp "GPU tests (tp=1)"
-  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -s tests/test_gpu.py -k "not tp2" 2>&1 | grep -v Warn \
-      > "$OUT/gpu_tests_tp1.log"
-  tail -n 4 "$OUT/gpu_tests_tp1.log"
+  # TESTS picks them (-k; default: all but the two-GPU ones); virtual ranks' first
+  stamp "GPU tests (${TESTS:-not tp2})"
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -s tests/test_gpu.py -k "${TESTS:-not tp2}" 2>&1 | grep -v Warn \
+      > "$OUT/gpu_tests.log"
+  tail -n 4 "$OUT/gpu_tests.log"
 fi
 
 if [[ $STAGES == *" decode "* ]]; then
   # against the torch.compile'd CUDA graph (max-autotune), the yardstick; the log leaves out warnings and
   # inductor's autotuning tables (the JSON keeps the traced step's breakdown)
-  # MODEL:BATCH, or MODEL:BATCH:vN for N virtual ranks on this GPU beside the tp=1 step (decode.py --virtual-tp)
+  # MODEL:BATCH, or MODEL:BATCH:vN for N virtual ranks on this GPU beside the tp=1 step (decode.py --virtual-tp);
+  # NO_COMPILE=1 leaves the torch.compile'd baseline out (its max-autotune takes 60-250 s a run)
+  compiled=--compile-baseline
+  [ -n "${NO_COMPILE:-}" ] && compiled=
   for one in ${@:-llama-3-8b:1 llama-3-8b:8 qwen3-8b:1 qwen3-8b:8 llama-3.2-1b:1}; do
     IFS=: read -r model batch virtual <<< "$one"
     tp=${virtual#v} left=$((DEADLINE - SECONDS))
@@ -32,7 +36,7 @@ if [[ $STAGES == *" decode "* ]]; then
     stamp "decode $one"
     name=decode_${model}_b${batch}_${virtual:+v}tp${tp:-1}
     timeout $((left < 300 ? left : 300)) python3 benchmarks/decode.py --model "$model" --batch "$batch" \
-        --virtual-tp "${tp:-1}" --context 512 --iters 100 --skip-hf --compile-baseline --json --out "$OUT/$name.json" 2>&1 \
+        --virtual-tp "${tp:-1}" --context 512 --iters 100 --skip-hf $compiled --json --out "$OUT/$name.json" 2>&1 \
         | grep -v "Warn\|warn(\|AUTOTUNE\|^  [a-z_]*mm[_ ]\|^  decompose_k\|^strides:\|^dtypes:\|Autotune Choices\|num_choices" \
         > "$OUT/$name.log"
     python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('step_ms', \

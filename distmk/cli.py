@@ -12,7 +12,7 @@ import os
 import torch
 
 from distmk.comm import backend_comm
-from distmk.comm.cpu import MAX_CONNECTIONS
+from distmk.comm.cpu import VIRTUAL_RANKS_ENV
 from distmk.dist import LaunchEnv, init_process_group
 from distmk.errors import DistmkError
 from distmk.graph.lowering import GraphConfig
@@ -165,7 +165,8 @@ def select_device(args, launch: LaunchEnv) -> str:
     if args.device == "cpu":
         return "cpu"
     if getattr(args, "virtual_tp", 1) > 1:
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", str(MAX_CONNECTIONS))
+        for name, value in VIRTUAL_RANKS_ENV.items():
+            os.environ.setdefault(name, value)
     if not torch.cuda.is_available():
         raise DistmkError("--device cuda: no CUDA device is visible")
     torch.cuda.set_device(launch.local_rank)

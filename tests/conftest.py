@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from distmk.comm.cpu import VIRTUAL_RANKS_ENV
 from distmk.graph import GraphConfig
 from distmk.models.presets import preset
 from distmk.models.spec import ModelSpec
@@ -25,9 +26,8 @@ PROMPT = [1, 2, 3, 4, 5, 6, 7]
 # Small tiles so that every row-parallel output and the lm_head are cut into several tiles.
 SMALL = GraphConfig(batch=4, kv_splits=3, tile_rows=32, lm_tile_rows=48, workers=5)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# virtual ranks (tests/test_gpu.py) run a persistent kernel per stream: every stream its own hardware queue, set
-# before CUDA starts (kernels/executor.py MAX_CONNECTIONS)
-os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+# virtual ranks (tests/test_gpu.py) need CUDA set up for them before it starts (comm/cpu.py VIRTUAL_RANKS_ENV)
+os.environ.update(VIRTUAL_RANKS_ENV)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))     # the benchmark harness and probes, as tests import them
 MODEL = "tiny-llama"                         # what the server tests serve
 SERVE_ON_CPU = ["--backend", "reference", "--device", "cpu", "--log-level", "warning"]

@@ -19,9 +19,12 @@ import torch
 from distmk.errors import DistmkError
 
 
-# CUDA_DEVICE_MAX_CONNECTIONS's most: virtual ranks' streams each need a hardware queue of their own, or one rank's
-# persistent kernel can queue behind another's, which waits for it
-MAX_CONNECTIONS = 32
+# What virtual ranks need of CUDA, set before it starts: every rank's persistent kernel waits for the others', so
+# nothing may wait for a running kernel to end. Their streams each take a hardware queue of their own
+# (CUDA_DEVICE_MAX_CONNECTIONS' most), or one rank's kernel can queue behind another's; and kernels load when the
+# process loads them, not at first use (lazy loading waits for the kernels running, which wait for this rank: a
+# thread's first torch.cat, or a rank's first launch, stalled its peers until their watchdogs fired).
+VIRTUAL_RANKS_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "CUDA_MODULE_LOADING": "EAGER"}
 
 
 class PeerFailed(DistmkError):

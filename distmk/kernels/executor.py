@@ -28,7 +28,7 @@ import threading
 import numpy as np
 import torch
 
-from distmk.comm.cpu import MAX_CONNECTIONS
+from distmk.comm.cpu import VIRTUAL_RANKS_ENV
 from distmk.errors import DistmkError
 from distmk.graph.lowering import num_lm_tiles
 from distmk.graph.table import SIGNAL, TYPE, WAIT
@@ -157,12 +157,10 @@ class TritonExecutor:
                               f"{table.num_workers} workers would wait forever: compile it for workers=1")
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
         sharing = getattr(comm, "ranks_on_device", 1)      # virtual ranks: every rank's kernel on this GPU at once
-        connections = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", 8))
-        if sms and sharing > 1 and connections < MAX_CONNECTIONS:
-            raise DistmkError(f"{sharing} virtual ranks on one GPU need CUDA_DEVICE_MAX_CONNECTIONS={MAX_CONNECTIONS} "
-                              f"(it is {connections}) set before CUDA starts: the ranks' streams share that many "
-                              f"hardware queues, and a persistent kernel queued behind another rank's would wait "
-                              f"for it for ever")
+        unset = {k: v for k, v in VIRTUAL_RANKS_ENV.items() if os.environ.get(k) != v}
+        if sms and sharing > 1 and unset:
+            raise DistmkError(f"{sharing} virtual ranks on one GPU need {' '.join(f'{k}={v}' for k, v in unset.items())} "
+                              f"set before CUDA starts (comm/cpu.py VIRTUAL_RANKS_ENV says why)")
         if sms and table.num_workers * sharing > sms:
             ranks = f"{sharing} ranks x " if sharing > 1 else ""
             raise DistmkError(f"a table for {ranks}{table.num_workers} workers cannot run on {sms} SMs: every "
@@ -228,8 +226,8 @@ class TritonExecutor:
             self._start_together(comm)
         self.use_graph = o.cuda_graph and device.type == "cuda"
         self.graphs = {}                        # by launch()'s `follow`
-        # tp > 1: the first launch may meet a peer that is still compiling its own (ranks whose tensors align
-        # differently specialise the kernel apart), so its waits get STARTUP_TIMEOUT_S, the later ones the option's
+        # tp > 1: the first launch may wait for a peer that is still compiling or loading a kernel (a launch whose
+        # arguments specialise otherwise than the warm-up's compiles then), so its waits get STARTUP_TIMEOUT_S
         self.first_launch = comm.world > 1 and device.type == "cuda"
         self.comm_world, self.failed = comm.world, False
 
@@ -252,8 +250,8 @@ class TritonExecutor:
             if self.transport == "nvshmem":
                 from distmk.device.nvshmem import compile_for_nvshmem
                 compile_for_nvshmem(self.kernel, grid, **self.args, **self.launch_options)
-            else:
-                self.kernel.warmup(grid=grid, **self.args, **self.launch_options)
+            else:       # loaded now, not at its first launch, which may find the peers' kernels running
+                self.kernel.warmup(grid=grid, **self.args, **self.launch_options)._init_handles()
             torch.cuda.current_stream(device).synchronize()
             comm.barrier()
 

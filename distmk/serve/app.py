@@ -555,13 +555,10 @@ class Reply:
         prompt = self.prompt(index)
         return [(prompt[0], None), *zip(prompt[1:], generation.prompt_logprobs or [])]
 
-    def echoed(self, index: int, generation: Generation) -> tuple[str, dict | None]:
-        """What echo puts before choice `index`'s output: the prompt's text (a text prompt as it was sent) and,
-        where logprobs asks, its log-probabilities."""
+    def echo_text(self, index: int) -> str:
+        """What echo puts before choice `index`'s output: the prompt's text (a text prompt as it was sent)."""
         text = self.prompt_texts[index // self.req.n]
-        text = self.tokenizer.decode(self.prompt(index)) if text is None else text
-        asked = self.req.logprobs is not None
-        return text, self.completion_logprobs(self.prompt_entries(index, generation)) if asked else None
+        return self.tokenizer.decode(self.prompt(index)) if text is None else text
 
     def vllm_prompt_logprobs(self, index: int, generation: Generation) -> list:
         """vLLM's prompt_logprobs: null for the first token, then per prompt token {id: {logprob, rank,
@@ -614,9 +611,8 @@ class Reply:
             pieces = [] if self.hidden else collect.result()
             text, logprobs = "".join(piece.text for piece in pieces), self.logprobs(pieces)
             if self.echo:
-                echo_text, echo_logprobs = self.echoed(index, generation)
-                text = echo_text + text
-                if echo_logprobs:
+                text = self.echo_text(index) + text
+                if self.req.logprobs is not None:
                     logprobs = self.completion_logprobs(
                         self.prompt_entries(index, generation) + [(p.token, p.logprob) for p in pieces])
             choice = {"index": index, "logprobs": logprobs,
@@ -668,7 +664,9 @@ class Reply:
                 extras = self.extras(index, generation) if first[index] else {}
                 if first[index] and self.echo:
                     # the prompt comes first, as a chunk of its own (vLLM's prompt_logprobs with it)
-                    text, logprobs = self.echoed(index, generation)
+                    text = self.echo_text(index)
+                    logprobs = (self.completion_logprobs(self.prompt_entries(index, generation))
+                                if self.req.logprobs is not None else None)
                     offsets[index] = len("".join(logprobs["tokens"])) if logprobs else 0
                     yield _event({**self.head, "object": obj, "choices": [{
                         "index": index, "text": text, "logprobs": logprobs, "finish_reason": None, **extras}]})
