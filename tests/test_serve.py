@@ -391,8 +391,11 @@ def test_openapi_models_tokenize_and_detokenize(server):
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(NotFoundError):
         client.models.retrieve("gpt-4")
-    tokens = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "Hello"}).json()
+    tokens = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "Hello",
+                                                         "add_special_tokens": False}).json()
     assert tokens == {"count": 5, "max_model_len": CONTEXT, "tokens": list(b"Hello")}
+    info = httpx.get(server.url + "/tokenizer_info").json()        # what lm-eval's remote tokenizer reads
+    assert info["model_max_length"] == CONTEXT and info["eos_token"] is None
     chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
     assert bytes(chat["tokens"]).decode().startswith("<|im_start|>user\nHi")
     assert httpx.post(server.url + "/detokenize", json={"tokens": list(b"Hello")}).json() == {"prompt": "Hello"}
@@ -437,6 +440,15 @@ def test_batched_prompts_give_each_prompts_own_choices(server):
     assert streamed == alone
     r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": ["hi", [1, 9999]]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]"
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-320, 1e308, 1.7976931348623157e308])
+@pytest.mark.parametrize("temperature", [0, 1])
+def test_extreme_repetition_penalties_get_an_answer(server, penalty, temperature):
+    """Legal but extreme repetition penalties (the schema fuzzer's 500 was 5e-324): a reply, not a server error."""
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": [5, 6, 5, 6], "max_tokens": 4, "seed": 1,
+                                         "temperature": temperature, "repetition_penalty": penalty})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
 
 
 def test_stop_token_ids_outside_the_vocabulary_name_their_parameter(server):

@@ -27,7 +27,8 @@ class ByteTokenizer:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's UTF-8 bytes (there are no special tokens to add)."""
         if self.vocab_size < 256:
             raise DistmkError(f"text needs a tokenizer: the byte-level one needs a vocabulary of >= 256 ids and "
                               f"this model has {self.vocab_size}, with no tokenizer of its own; give token ids instead "
@@ -36,6 +37,10 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def special_tokens(self) -> dict:
+        """Bytes have no bos, eos or pad token of their own (a preset's eos is an id: ModelSpec.eos_token_id)."""
+        return {"bos_token": None, "eos_token": None, "pad_token": None}
 
     def token_bytes(self, token: int) -> bytes:
         """One token's bytes, as log-probabilities show them (an id past 255: none)."""
@@ -58,8 +63,12 @@ class HFTokenizer:
         self._added = set(self.tok.added_tokens_decoder)     # special tokens: their text, not byte-mapped
         self._bytes: dict[int, bytes] = {}
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def special_tokens(self) -> dict:
+        """The texts of the tokenizer's bos, eos and pad tokens (None where it has none)."""
+        return {name: getattr(self.tok, name) for name in ("bos_token", "eos_token", "pad_token")}
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)

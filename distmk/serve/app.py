@@ -326,7 +326,7 @@ def create_app(served: Served) -> FastAPI:
             check_model(req.model)
         try:
             if req.prompt is not None:
-                tokens = await served.tokenize(served.tokenizer.encode, req.prompt)
+                tokens = await served.tokenize(served.tokenizer.encode, req.prompt, req.add_special_tokens)
             else:
                 tokens, _ = await served.tokenize(served.tokenizer.render_chat,
                                                   [m.for_template() for m in req.messages])
@@ -334,6 +334,12 @@ def create_app(served: Served) -> FastAPI:
             raise APIError(400, str(e), param="prompt" if req.prompt is not None else "messages") from None
         count(request, 200)
         return {"count": len(tokens), "max_model_len": served.max_context, "tokens": tokens}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's: what a client needs to tokenize as the server does (lm-eval's remote tokenizer reads it)."""
+        return {**served.tokenizer.special_tokens(), "model_max_length": served.max_context,
+                "tokenizer_class": type(served.tokenizer).__name__}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -346,10 +352,10 @@ def create_app(served: Served) -> FastAPI:
         count(request, 200)
         return {"prompt": await served.tokenize(served.tokenizer.decode, req.tokens)}
 
-    def check_vocabulary(tokens: list[int], param: str) -> None:
+    def check_vocabulary(tokens: list[int], param: str, what: str = "token ids") -> None:
         bad = [t for t in tokens if t >= served.vocab_size]
         if bad:
-            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary 0..{served.vocab_size - 1}",
+            raise APIError(400, f"{what} {bad[:5]} are outside the vocabulary 0..{served.vocab_size - 1}",
                            param=param)
 
     async def accept(request: Request, schema):
@@ -431,7 +437,7 @@ def create_app(served: Served) -> FastAPI:
                          logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs,
                          prompt_logprobs=max(asked) if asked else None)
                 for prompt in prompts for i in range(req.n)]
-        check_vocabulary(req.stop_token_ids or [], "stop_token_ids")
+        check_vocabulary(req.stop_token_ids or [], "stop_token_ids", "stop token ids")
         for i, prompt in enumerate(prompts):
             try:
                 served.scheduler.check(seqs[i * req.n])

@@ -165,6 +165,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True        # a prompt's: the tokenizer's own (a BOS); lm-eval asks for none
 
     @model_validator(mode="after")
     def _one_of(self):
