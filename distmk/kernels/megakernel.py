@@ -126,11 +126,16 @@ def generate_source(kinds, prefetched=None) -> str:
     imports = []
     dispatch = _dispatch(kinds, "gpu", " " * 12, imports)
     prefetch = _dispatch(kinds if prefetched is None else prefetched, "gpu_prefetch", " " * 12, imports)
-    broadcast = " | ".join(f"(kind == {i})" for i, k in kinds.items() if k.signals_all_ranks) or "(kind < 0)"
     return _TEMPLATE.format(imports="\n".join(imports), scalars=[a.name for a in SCALARS],
                             parameters=signature(), row_width=len(COLUMNS), row_loads=row_loads(" " * 8),
-                            dispatch=dispatch, prefetch=prefetch, broadcast=broadcast,
+                            dispatch=dispatch, prefetch=prefetch, broadcast=signals_every_rank(kinds),
                             error_report=error_report("tl", " " * 20))
+
+
+def signals_every_rank(kinds) -> str:
+    """The test that task type `kind` (a kernel variable) signals its event on every rank itself (an exchange),
+    so the kernel must not signal it too."""
+    return " | ".join(f"(kind == {i})" for i, k in kinds.items() if k.signals_all_ranks) or "(kind < 0)"
 
 
 def signature() -> str:

@@ -38,7 +38,7 @@ from distmk.errors import DistmkError
 from distmk.graph.table import COLUMNS
 from distmk.kernels.interface import CONTROL, ROW_VARIABLES, SCALARS
 from distmk.kernels.megakernel import (BUFFERS, CONSTANT_NAMES, ROW_ARGS, RUNTIME, _dispatch, device_call,
-                                       error_report, load_generated, parameter_list)
+                                       error_report, load_generated, parameter_list, signals_every_rank)
 
 # TMA descriptors (`<buffer>_desc`) of the weights the ring streams and of the tiles' inputs (xs: the scaled
 # residual stream, tasks/base.py normed_stream)
@@ -189,7 +189,6 @@ def generate_source(kinds) -> str:
         """The test that task type `kind` (a kernel variable) reads weights from the ring."""
         return " | ".join(f"({kind} == {i})" for i, k in kinds.items() if k.ring_weights is not None) or f"{kind} < 0"
 
-    broadcast = " | ".join(f"(kind == {i})" for i, k in kinds.items() if k.signals_all_ranks) or "(kind < 0)"
     waits_here = " & ".join(f"(kind != {i})" for i, k in kinds.items() if k.ring_prepare is not None) or "kind >= 0"
     control, scalars = ("queued", *CONTROL[1:]), [a.name for a in SCALARS]
     constants = [f"{c}: gl.constexpr" for c in CONSTANT_NAMES]
@@ -209,7 +208,7 @@ def generate_source(kinds) -> str:
                             dispatch=dispatch, weights=weights,
                             row_names=", ".join(ROW_VARIABLES),
                             row_width=len(COLUMNS),
-                            waits_here=waits_here, broadcast=broadcast, reads_weights=reads_weights_test("kind"),
+                            waits_here=waits_here, broadcast=signals_every_rank(kinds), reads_weights=reads_weights_test("kind"),
                             next_reads_weights=reads_weights_test("kind_next"), wait=wait(" " * 12),
                             error_report=error_report("gl", " " * 16), registers=PRODUCER_REGISTERS)
 

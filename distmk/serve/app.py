@@ -320,10 +320,7 @@ def create_app(served: Served) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         """vLLM's: a prompt's token ids, or a conversation's as the chat template renders it for a reply."""
-        check_json_content(request)
-        req = parse_body(TokenizeRequest, await read_body(request))
-        if req.model is not None:
-            check_model(req.model)
+        req = await parse(request, TokenizeRequest)
         try:
             if req.prompt is not None:
                 tokens = await served.tokenize(served.tokenizer.encode, req.prompt, req.add_special_tokens)
@@ -344,10 +341,7 @@ def create_app(served: Served) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request):
         """vLLM's: the text of token ids."""
-        check_json_content(request)
-        req = parse_body(DetokenizeRequest, await read_body(request))
-        if req.model is not None:
-            check_model(req.model)
+        req = await parse(request, DetokenizeRequest)
         check_vocabulary(req.tokens, "tokens")
         count(request, 200)
         return {"prompt": await served.tokenize(served.tokenizer.decode, req.tokens)}
@@ -358,12 +352,18 @@ def create_app(served: Served) -> FastAPI:
             raise APIError(400, f"{what} {bad[:5]} are outside the vocabulary 0..{served.vocab_size - 1}",
                            param=param)
 
+    async def parse(request: Request, schema):
+        """The request's JSON body as `schema` has it, the model it names (where it names one) this one."""
+        check_json_content(request)
+        req = parse_body(schema, await read_body(request))
+        if req.model is not None:
+            check_model(req.model)
+        return req
+
     async def accept(request: Request, schema):
         """The parsed request and when it arrived, once its model is known and there is room for it."""
         arrived = time.monotonic()
-        check_json_content(request)
-        req = parse_body(schema, await read_body(request))
-        check_model(req.model)
+        req = await parse(request, schema)
         served.check_admission()
         return req, arrived
 
