@@ -75,8 +75,8 @@ def exchange_layout(num_warps):
 def ar_push_ring(row0, nrows, slot, n, rank, signal, partial, exchange_peers, counter_peers, H: gl.constexpr,
                  B_PAD: gl.constexpr, WORLD: gl.constexpr, EXCHANGE_SLOTS: gl.constexpr, O_PROJ_ROWS: gl.constexpr,
                  SYSTEM_SCOPE: gl.constexpr, num_warps: gl.constexpr):
-    """The pointer transport (TRANSPORT 0) on the ring: the tile's partial rows stored straight into every rank's
-    exchange, then the event bumped on every rank (NVSHMEM's put-with-signal stays on the tl megakernel)."""
+    """ar_push_gpu's pointer transport (TRANSPORT 0) in Gluon, for the ring: the tile's partial rows stored into
+    every rank's exchange, then the event bumped on every rank (NVSHMEM's put-with-signal stays on the tl kernel)."""
     CP: gl.constexpr = rg.next_power_of_2(O_PROJ_ROWS)
     layout: gl.constexpr = exchange_layout(num_warps)
     rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(1, layout))
