@@ -104,7 +104,8 @@ def time_distmk(args, device, log, keep: dict | None, virtual_tp: int = 1) -> di
     error instead, so that the baselines still come out. `keep` receives the engine (harness.distmk_step_ms)."""
     try:
         from harness import distmk_step_ms, virtual_tp_step_ms
-        options = dict(backend=args.backend, device=device, breakdown=args.backend == "triton" and not args.no_breakdown,
+        options = dict(backend=args.backend, device=device,
+                       breakdown=args.backend == "triton" and not args.no_breakdown,
                        graph=tiling_of(args), workers=args.workers, **kernel_options_of(args))
         if virtual_tp > 1:
             return virtual_tp_step_ms(args.model, args.batch, args.context, virtual_tp, args.iters, **options)

@@ -159,8 +159,9 @@ class TritonExecutor:
         sharing = getattr(comm, "ranks_on_device", 1)      # virtual ranks: every rank's kernel on this GPU at once
         unset = {k: v for k, v in VIRTUAL_RANKS_ENV.items() if os.environ.get(k) != v}
         if sms and sharing > 1 and unset:
-            raise DistmkError(f"{sharing} virtual ranks on one GPU need {' '.join(f'{k}={v}' for k, v in unset.items())} "
-                              f"set before CUDA starts (comm/cpu.py VIRTUAL_RANKS_ENV says why)")
+            needed = " ".join(f"{k}={v}" for k, v in unset.items())
+            raise DistmkError(f"{sharing} virtual ranks on one GPU need {needed} set before CUDA starts "
+                              f"(comm/cpu.py VIRTUAL_RANKS_ENV says why)")
         if sms and table.num_workers * sharing > sms:
             ranks = f"{sharing} ranks x " if sharing > 1 else ""
             raise DistmkError(f"a table for {ranks}{table.num_workers} workers cannot run on {sms} SMs: every "
@@ -252,7 +253,6 @@ class TritonExecutor:
                 compile_for_nvshmem(self.kernel, grid, **self.args, **self.launch_options)
             else:       # loaded now, not at its first launch, which may find the peers' kernels running
                 self.kernel.warmup(grid=grid, **self.args, **self.launch_options)._init_handles()
-            torch.cuda.current_stream(device).synchronize()
             comm.barrier()
 
     def _launch(self, follow: bool = False) -> None:

@@ -208,7 +208,8 @@ def generate_source(kinds) -> str:
                             dispatch=dispatch, weights=weights,
                             row_names=", ".join(ROW_VARIABLES),
                             row_width=len(COLUMNS),
-                            waits_here=waits_here, broadcast=signals_every_rank(kinds), reads_weights=reads_weights_test("kind"),
+                            waits_here=waits_here, broadcast=signals_every_rank(kinds),
+                            reads_weights=reads_weights_test("kind"),
                             next_reads_weights=reads_weights_test("kind_next"), wait=wait(" " * 12),
                             error_report=error_report("gl", " " * 16), registers=PRODUCER_REGISTERS)
 

@@ -37,8 +37,8 @@ from distmk.serve.protocol import (APIError, ChatRequest, CompletionRequest, Det
 
 MAX_BODY_BYTES = 8 << 20
 BEARER_CHALLENGE = {"WWW-Authenticate": "Bearer"}
-REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest, "/tokenize": TokenizeRequest,
-                  "/detokenize": DetokenizeRequest}
+REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest,
+                  "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
 @dataclass

@@ -23,8 +23,8 @@ HEARTBEAT_S = 5.0
 
 class Listener(Protocol):
     """Called on the event loop: each new token of the sequence (with its log-probabilities, and its prompt's, where
-    the sequence asked for them), or a failure (a message for the client and its HTTP status: 503 when the engine is down,
-    500 when only this sequence failed)."""
+    the sequence asked for them), or a failure (a message for the client and its HTTP status: 503 when the engine is
+    down, 500 when only this sequence failed)."""
 
     def on_token(self, token: int, finish_reason: str | None, logprob: TokenLogprob | None = None,
                  prompt_logprobs: list[TokenLogprob] | None = None) -> None: ...
