@@ -192,6 +192,7 @@ def test_ring_megakernel_refuses_rings_that_would_hang_or_overflow():
 @pytest.mark.parametrize("options, message", [({"num_wraps": 4}, r"unknown kernel options \['num_wraps'\]"),
                                               ({"num_warps": 3}, "num_warps must be a power of two, got 3"),
                                               ({"timeout_s": 0}, "timeout_s must be > 0"),
+                                              ({"timeout_s": 3600}, "at most 2147 s"),
                                               ({"ring_attention_keys": 3}, "ring_attention_keys must be 0 or a power"),
                                               ({"prefetch_tasks": "o_proj,route"}, r"names \['route'\]")])
 def test_kernel_options_name_what_is_wrong(options, message):

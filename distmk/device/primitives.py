@@ -107,7 +107,7 @@ def load_acquire(ptr, INTERPRET: tl.constexpr, SYSTEM: tl.constexpr):
 
 
 @triton.jit
-def wait_event(counter_ptr, target, abort_ptr, timeout_ns, INTERPRET: tl.constexpr, SYSTEM: tl.constexpr):
+def wait_event(counter_ptr, target, abort_ptr, timeout_us, INTERPRET: tl.constexpr, SYSTEM: tl.constexpr):
     """Spin until *counter_ptr reaches target. Returns the last value seen minus target: negative means the
     wait gave up (timeout, or another worker already aborted the step). Differences, not plain comparisons,
     so that a wrap-around of counters and targets on very long runs stays harmless. The abort flag is loaded
@@ -116,13 +116,13 @@ def wait_event(counter_ptr, target, abort_ptr, timeout_ns, INTERPRET: tl.constex
     if INTERPRET:
         value = load_acquire(counter_ptr, INTERPRET, SYSTEM)
         polls = 0
-        while (value - target < 0) & (polls < timeout_ns):
+        while (value - target < 0) & (polls < timeout_us):     # polls when interpreted
             value = load_acquire(counter_ptr, INTERPRET, SYSTEM)
             polls += 1
     else:
         aborted = tl.load(abort_ptr, volatile=True)
         value = load_acquire(counter_ptr, INTERPRET, SYSTEM)
-        deadline = now_ns() + timeout_ns
+        deadline = now_ns() + timeout_us.to(tl.int64) * 1000
         while (value - target < 0) & (aborted == 0) & (now_ns() < deadline):
             aborted = tl.load(abort_ptr, volatile=True)
             value = load_acquire(counter_ptr, INTERPRET, SYSTEM)

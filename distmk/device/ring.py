@@ -311,15 +311,15 @@ def fence_async_global():
 
 
 @gluon.jit
-def wait_event(counter_ptr, target, abort_ptr, timeout_ns, SYSTEM: gl.constexpr):
-    """primitives.wait_event in Gluon: spin until *counter_ptr reaches target, at most timeout_ns or until a
+def wait_event(counter_ptr, target, abort_ptr, timeout_us, SYSTEM: gl.constexpr):
+    """primitives.wait_event in Gluon: spin until *counter_ptr reaches target, at most timeout_us or until a
     worker aborted the step; returns the last value seen minus target (negative: gave up). The abort flag is read
     relaxed and first: an acquire load waits for its own return before any later load is issued (CCTL.IVALL),
     so two acquires made every look two round trips to L2, even at an event long complete. SYSTEM: peers on
     other GPUs signal events (acquire at system scope)."""
     aborted = _relaxed64(abort_ptr)
     value = _acquire_at(counter_ptr, SYSTEM)
-    deadline = now_ns() + timeout_ns
+    deadline = now_ns() + timeout_us.to(gl.int64) * 1000
     while (value - target < 0) & (aborted == 0) & (now_ns() < deadline):
         aborted = _relaxed64(abort_ptr)
         value = _acquire_at(counter_ptr, SYSTEM)

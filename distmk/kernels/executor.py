@@ -204,7 +204,7 @@ class TritonExecutor:
                         signal_add=signal_add, exchange_slots=EXCHANGE_SLOTS, lm_tiles=num_lm_tiles(plan, config),
                         peers_on_device=getattr(comm, "peers_on_device", False),
                         # polls when interpreted: simulated ranks (threads) may have to wait for each other a while
-                        timeout=(1000 if comm.world == 1 else 10 ** 6) if self.interpret else int(o.timeout_s * 1e9))
+                        timeout=(1000 if comm.world == 1 else 10 ** 6) if self.interpret else int(o.timeout_s * 1e6))
         control = dict(tasks=self.dev_table.tasks, queue=self.dev_table.queue, queue_ptr=self.dev_table.queue_ptr,
                        event_need=self.dev_table.event_need, epoch_ptr=self.epoch, rows_ptr=self.rows,
                        error=self.error, trace=self.trace)
@@ -227,8 +227,8 @@ class TritonExecutor:
             self._start_together(comm)
         self.use_graph = o.cuda_graph and device.type == "cuda"
         self.graphs = {}                        # by launch()'s `follow`
-        # tp > 1: the first launch may wait for a peer that is still compiling or loading a kernel (a launch whose
-        # arguments specialise otherwise than the warm-up's compiles then), so its waits get STARTUP_TIMEOUT_S
+        # tp > 1: the first launch may wait for a peer still busy with what comes between the barrier and its own
+        # first launch (its prefill, a graph capture), so its waits get STARTUP_TIMEOUT_S
         self.first_launch = comm.world > 1 and device.type == "cuda"
         self.comm_world, self.failed = comm.world, False
 
@@ -265,7 +265,7 @@ class TritonExecutor:
         timeout = self.args["timeout"]
         if self.first_launch:
             self.first_launch = False
-            self.args["timeout"] = max(timeout, int(STARTUP_TIMEOUT_S * 1e9))
+            self.args["timeout"] = max(timeout, int(STARTUP_TIMEOUT_S * 1e6))
         try:
             self.kernel[(self.table.num_workers,)](**self.args, **self.launch_options)
         finally:

@@ -43,7 +43,7 @@ class Launch:
     interpret: bool
     transport: int          # index into executor.TRANSPORTS
     signal_add: int         # NVSHMEM's signal-add operation (-1: not the NVSHMEM transport)
-    timeout: int            # ns (polls when interpreted)
+    timeout: int            # us (polls when interpreted)
     lm_tiles: int
     exchange_slots: int
     peers_on_device: bool = False   # every rank runs on this GPU (virtual ranks: comm/cpu.py ThreadRanks)
@@ -83,10 +83,12 @@ class Arg:
 # The table and the step's state: the kernel's first parameters, filled by the executor.
 CONTROL = ("tasks", "queue", "queue_ptr", "event_need", "epoch_ptr", "rows_ptr", "error", "trace")
 
-# Launch scalars (not specialised on: one compiled kernel serves every rank and timeout).
+# Launch scalars (not specialised on: one compiled kernel serves every rank and timeout). The timeout is in us so that
+# it stays a 32-bit int: Triton types an int by its value, and a launch typed otherwise than the warm-up compiled
+# loads another kernel, a load that waits for the kernels running (at tp > 1, peers that wait for this rank).
 SCALARS = (
     Arg("rank", lambda l: l.rank, "this rank"),
-    Arg("timeout", lambda l: l.timeout, "ns a task may wait for its event"),
+    Arg("timeout", lambda l: l.timeout, "us a task may wait for its event"),
     Arg("vocab0", lambda l: l.plan.vocab0, "first vocabulary id of this rank's lm_head slice"),
     Arg("vocab_valid", lambda l: l.plan.vocab_valid, "ids of the slice that are real (the rest is padding)"),
 )

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from distmk.errors import DistmkError
 
+MAX_TIMEOUT_S = (2 ** 31 - 1) // 10 ** 6       # kernels take the timeout as a 32-bit count of microseconds
+
 
 def option(default, help: str, flag: str | None = None, choices: tuple | None = None):
     """A KernelOptions field that is also a command-line flag (distmk.cli.add_kernel_args): `--flag` or
@@ -47,8 +49,9 @@ class KernelOptions:
                                    "bytes (0: every free slot)")
 
     def __post_init__(self):
-        if not self.timeout_s > 0:
-            raise DistmkError(f"kernel option timeout_s must be > 0, got {self.timeout_s}")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise DistmkError(f"kernel option timeout_s must be > 0 and at most {MAX_TIMEOUT_S} s (the kernel's "
+                              f"32-bit count of microseconds), got {self.timeout_s}")
         sized = tuple(n for n in ("block_n", "block_k") if getattr(self, n))
         for name in ("num_warps", "mlp_block_n", "expert_block_n", "lm_block_n") + sized:
             value = getattr(self, name)
