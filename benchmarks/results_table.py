@@ -19,7 +19,10 @@ def decode_rows(records):
             error = r.get("error") or r.get("distmk_error")
             yield f"decode {r.get('model')} tp{r.get('tp')} b{r.get('batch')}: {error}"
             continue
-        yield (f"decode {r['model']:<12} tp{r['tp']} b{r['batch']}: step {r['step_ms']:.3f} ms  roofline "
+        virtual = r.get("virtual_tp") or 1
+        ranks = f"vtp{virtual}" if virtual > 1 else f"tp{r['tp']}"
+        versus = f" ({fmt(r.get('step_vs_tp1'), '.3f')}x tp1 {fmt(r.get('tp1_step_ms'), '.3f')})" if virtual > 1 else ""
+        yield (f"decode {r['model']:<12} {ranks} b{r['batch']}: step {r['step_ms']:.3f} ms{versus}  roofline "
                f"{fmt(r['roofline_ms'], '.3f')}  eff {fmt(r['efficiency'])}  compiled graph "
                f"{fmt(r.get('cudagraph_compiled_ms'))} (x{fmt(r.get('speedup_vs_compiled'))})  graph "
                f"{fmt(r['cudagraph_ms'])} (x{fmt(r['speedup_vs_cudagraph'])})  hf {fmt(r['hf_eager_ms'], '.1f')}  "
