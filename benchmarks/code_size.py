@@ -22,7 +22,7 @@ import tempfile
 
 import torch
 
-from distmk.cli import COUNT
+from distmk.flags import COUNT
 from distmk.graph import GraphConfig
 from distmk.runtime.engine import Engine
 

@@ -44,9 +44,11 @@ import triton
 
 from baselines import (COMPILE_MODES, cudagraph_step_ms, decode_step_bytes, distinct_experts, hf_eager_ms_per_token,
                        measure_hbm_read_bandwidth, paged_state, routed_experts, tp_rank)
-from distmk.cli import COUNT, add_graph_args, add_kernel_args, kernel_options_of, select_device, tiling_of
+from distmk.cli import add_kernel_args, kernel_options_of, select_device
 from distmk.dist import detect_launch, init_process_group
 from distmk.errors import DistmkError
+from distmk.flags import COUNT
+from distmk.graph.flags import add_graph_args, tiling_of
 from distmk.models.shard import load_shard, plan_shard
 from distmk.models.weights import open_model
 

@@ -31,7 +31,7 @@ import triton
 
 from baselines import measure_hbm_read_bandwidth
 from decode import emit, git_commit
-from distmk.cli import COUNT, NON_NEGATIVE
+from distmk.flags import COUNT, NON_NEGATIVE
 from distmk.timing import kernel_ms
 
 MATMULS = ("qkv", "o_proj", "gate_up", "down")     # a layer's phases, in step order

@@ -23,7 +23,7 @@ import time
 import torch
 
 from harness import decode_step
-from distmk.cli import COUNT
+from distmk.flags import COUNT
 
 
 def parse_args(argv=None):

@@ -1,12 +1,9 @@
 """What the programs that build an Engine (distmk.generate, distmk.serve) share: the model and engine
-flags, the communicator for the launch, and the Engine built from them, so both read flags alike; and the
-argparse types that check a flag's range, so that every program refuses an out-of-range value in one line
-naming the flag."""
+flags, the communicator for the launch, and the Engine built from them, so both read flags alike."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 
 import torch
@@ -15,45 +12,11 @@ from distmk.comm import backend_comm
 from distmk.comm.cpu import VIRTUAL_RANKS_ENV
 from distmk.dist import LaunchEnv, init_process_group
 from distmk.errors import DistmkError
+from distmk.flags import COUNT, NON_NEGATIVE, SEED, float_in
+from distmk.graph.flags import add_graph_args, graph_config
 from distmk.graph.lowering import GraphConfig
 from distmk.kernels.options import KernelOptions
 from distmk.runtime.engine import DTYPES, Engine, device_fields
-
-
-def int_in(lo: int, hi: int | None = None):
-    """An argparse type: an integer in lo..hi (no upper bound when hi is None)."""
-    wanted = f"an integer in {lo}..{hi}" if hi is not None else f"an integer >= {lo}"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}") from None
-        if value < lo or (hi is not None and value > hi):
-            raise argparse.ArgumentTypeError(f"must be {wanted}, got {value}")
-        return value
-    return parse
-
-
-def float_in(lo: float, hi: float = math.inf, lo_open: bool = False):
-    """An argparse type: a finite number in [lo, hi], or (lo, hi] when lo_open; NaN and inf are refused."""
-    wanted = f"a finite number {'>' if lo_open else '>='} {lo:g}" + (f" and <= {hi:g}" if hi < math.inf else "")
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}") from None
-        if not (math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi):
-            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
-        return value
-    return parse
-
-
-COUNT = int_in(1)                  # how many of something: at least one
-NON_NEGATIVE = int_in(0)
-SEED = int_in(0, 2 ** 32 - 1)
-PROBABILITY = float_in(0, 1, lo_open=True)
 
 
 def step_batches(text: str) -> tuple[int, ...] | None:
@@ -65,27 +28,6 @@ def step_batches(text: str) -> tuple[int, ...] | None:
 
 def powers_of_two_below(rows: int) -> tuple[int, ...]:
     return tuple(2 ** i for i in range(rows.bit_length()) if 2 ** i < rows)
-
-
-def add_graph_args(p: argparse.ArgumentParser, workers_default: str) -> None:
-    """GraphConfig's tiling flags (their help is the fields'), and --workers (`workers_default` says what its
-    default is): one declaration for generate, serve and `python -m distmk.graph`."""
-    for f in dataclasses.fields(GraphConfig):
-        if "help" in f.metadata:
-            p.add_argument("--" + f.name.replace("_", "-"), type=NON_NEGATIVE, default=f.default,
-                           help=f.metadata["help"])
-    p.add_argument("--workers", type=COUNT, default=None,
-                   help=f"worker queues (default: {workers_default})")
-
-
-def tiling_of(args) -> dict:
-    """The GraphConfig fields that add_graph_args' tiling flags set."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(GraphConfig) if "help" in f.metadata}
-
-
-def graph_config(args, **fields) -> GraphConfig:
-    """The GraphConfig of add_graph_args' flags, with `fields` (batch, workers, context) on top."""
-    return GraphConfig(**tiling_of(args), **fields)
 
 
 def add_kernel_args(p: argparse.ArgumentParser) -> None:

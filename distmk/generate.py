@@ -9,10 +9,10 @@ import json
 import sys
 import time
 
-from distmk.cli import (COUNT, NON_NEGATIVE, PROBABILITY, SEED, add_engine_args, build_engine, float_in, open_comm,
-                        run_virtual_ranks, select_device)
+from distmk.cli import add_engine_args, build_engine, open_comm, run_virtual_ranks, select_device
 from distmk.dist import detect_launch
 from distmk.errors import DistmkError
+from distmk.flags import COUNT, NON_NEGATIVE, PROBABILITY, SEED, float_in
 from distmk.runtime.sampling import resolve_sampling
 from distmk.runtime.tokenizer import load_tokenizer
 

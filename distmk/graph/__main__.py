@@ -4,8 +4,9 @@ import collections
 import sys
 import time
 
-from distmk.cli import COUNT, NON_NEGATIVE, add_graph_args, graph_config
 from distmk.errors import DistmkError
+from distmk.flags import COUNT, NON_NEGATIVE
+from distmk.graph.flags import add_graph_args, graph_config
 from distmk.graph.lowering import GraphConfig, compile_step
 from distmk.graph.table import TYPE
 from distmk.models.shard import plan_shard

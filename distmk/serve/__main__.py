@@ -21,10 +21,10 @@ import threading
 
 from tqdm import tqdm
 
-from distmk.cli import (COUNT, NON_NEGATIVE, add_engine_args, build_engine, int_in, open_comm, run_virtual_ranks,
-                        select_device)
+from distmk.cli import add_engine_args, build_engine, open_comm, run_virtual_ranks, select_device
 from distmk.dist import detect_launch
 from distmk.errors import DistmkError
+from distmk.flags import COUNT, NON_NEGATIVE, int_in
 from distmk.runtime.batcher import PrefillInputs, StepInputs
 from distmk.runtime.tokenizer import load_tokenizer
 from distmk.serve.lockstep import Leader, control_group, follow
