@@ -30,7 +30,7 @@ def test_joining_and_leaving_sequences_match_generating_alone(engine):
         steps += 1
     assert [s.output for s in seqs] == alone
     assert all(s.finish_reason == "length" for s in seqs)
-    assert len(engine.kv.free) == engine.kv.num_blocks          # every block came back
+    assert engine.kv.available == engine.kv.num_blocks          # every block came back
 
 
 @pytest.mark.parametrize("prefill_chunk, steps_at_least", [(0, 5), (8, 3)])
@@ -38,7 +38,7 @@ def test_long_prompt_is_chunked_while_a_stream_keeps_decoding(engine, monkeypatc
     """A 30-token prompt is read through the steps' free rows (prefill_chunk 0), or by prefill chunks of 8 tokens,
     one before each step, beside those rows: either way the running stream gets a token every step."""
     monkeypatch.setattr(engine, "prefill_chunk", prefill_chunk)
-    batcher = Batcher(engine)
+    batcher = Batcher(engine, prefix_cache=False)       # every prompt read whole
     stream = batcher.submit(Sequence([5, 6], 20))
     batcher.step()
     batcher.step()
@@ -52,14 +52,14 @@ def test_long_prompt_is_chunked_while_a_stream_keeps_decoding(engine, monkeypatc
     while batcher.busy:
         batcher.step()
     assert stream.finish_reason == "cancelled" and long.finish_reason == "length"
-    assert len(engine.kv.free) == engine.kv.num_blocks
+    assert engine.kv.available == engine.kv.num_blocks
 
 
 def test_a_lone_long_prompt_is_prefilled_without_steps_between_its_chunks(engine, monkeypatch):
     """With no stream decoding, a step of prompt rows alone would only delay the next chunk: the chunks of a
     30-token prompt run back to back, then one step reads its last 6 tokens and gives the first token."""
     monkeypatch.setattr(engine, "prefill_chunk", 8)
-    batcher = Batcher(engine)
+    batcher = Batcher(engine, prefix_cache=False)
     steps, run = [], batcher.run
     batcher.run = lambda step: steps.append(step) or run(step)
     prompt = list(range(200, 230))
@@ -77,7 +77,7 @@ def test_a_prompt_bound_for_prefill_chunks_starts_with_one(engine, monkeypatch):
     a 256-token prompt cut so took 9.3 ms against 8.3 ms for a whole first chunk). Both prompts and the stream get
     the tokens they would get alone."""
     monkeypatch.setattr(engine, "prefill_chunk", 8)
-    batcher = Batcher(engine)
+    batcher = Batcher(engine, prefix_cache=False)
     chunks, prefill = [], batcher.prefill
     batcher.prefill = lambda chunk: chunks.append(chunk) or prefill(chunk)
     stream = batcher.submit(Sequence([5, 6], 12))
@@ -112,7 +112,7 @@ def test_steps_back_to_back_give_the_tokens_of_single_steps(engine, monkeypatch)
         batcher.step()
     assert [s.output for s in seqs] == alone and all(s.finish_reason == "length" for s in seqs)
     assert max(launches) == 4 and sum(launches) < sum(max_tokens)
-    assert len(engine.kv.free) == engine.kv.num_blocks
+    assert engine.kv.available == engine.kv.num_blocks
     eos = alone[0][4]                        # the fifth token ends the first sequence, inside a launch
     monkeypatch.setattr(engine, "spec", dataclasses.replace(engine.spec, eos_token_id=(eos,)))
     batcher = Batcher(engine, steps_per_launch=4)

@@ -91,7 +91,7 @@ def test_a_sequence_whose_sampling_fails_fails_alone():
         batcher.step()
     assert poisoned.finish_reason == "error" and "probability tensor" in poisoned.error and not poisoned.output
     assert healthy.finish_reason == "length" and healthy.output == alone
-    assert len(engine.kv.free) == engine.kv.num_blocks
+    assert engine.kv.available == engine.kv.num_blocks
 
 
 @pytest.mark.parametrize("kw, message", [({"temperature": -0.1}, "temperature"), ({"top_p": 0}, "top_p"),

@@ -442,6 +442,25 @@ def test_batched_prompts_give_each_prompts_own_choices(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]"
 
 
+def test_a_prompt_whose_prefix_is_cached_starts_after_it_and_gets_transformers_tokens(server):
+    """Automatic prefix caching through both ranks: a second prompt that shares a 100-token prefix with the first
+    reads only what follows its 6 cached blocks of 16 (usage's prompt_tokens_details.cached_tokens, as OpenAI's,
+    and /metrics' prefix-cache counters say so); both get transformers' greedy tokens."""
+    from openai import OpenAI
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    shared = [(13 * i + 5) % 200 + 20 for i in range(100)]
+    hits, queries = metric(server, "distmk_prefix_cache_hits_total"), metric(server, "distmk_prefix_cache_queries_total")
+    cached = []
+    for suffix in ([1, 2, 3], [4, 5, 6, 7]):
+        out = client.completions.create(model=MODEL, prompt=shared + suffix, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert out.choices[0].token_ids == hf_greedy(MODEL, tuple(shared + suffix), 8)[0]
+        cached.append(out.usage.prompt_tokens_details.cached_tokens)
+    assert cached == [0, 96]
+    assert metric(server, "distmk_prefix_cache_hits_total") - hits == 96
+    assert metric(server, "distmk_prefix_cache_queries_total") - queries == 103 + 104
+
+
 @pytest.mark.parametrize("penalty", [5e-324, 1e-320, 1e308, 1.7976931348623157e308])
 @pytest.mark.parametrize("temperature", [0, 1])
 def test_extreme_repetition_penalties_get_an_answer(server, penalty, temperature):
@@ -530,7 +549,7 @@ def test_metrics_count_requests_tokens_and_latencies(server):
     for name in ("distmk_requests_total", "distmk_generation_tokens_total", "distmk_prompt_tokens_total",
                  "distmk_time_to_first_token_seconds_bucket", "distmk_inter_token_latency_seconds_bucket",
                  "distmk_step_rows_bucket", "distmk_running_sequences", "distmk_kv_cache_usage_ratio",
-                 "distmk_kv_cache_blocks"):
+                 "distmk_kv_cache_blocks", "distmk_prefix_cache_hits_total", "distmk_prefix_cache_queries_total"):
         assert f"\n{name}" in text, name
     names = ["distmk_generation_tokens_total", "distmk_prompt_tokens_total", "distmk_time_to_first_token_seconds_count",
              "distmk_inter_token_latency_seconds_count", "distmk_step_rows_count"]

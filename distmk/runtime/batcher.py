@@ -7,7 +7,10 @@ step), through the prefill path instead (runtime/prefill.py: GEMMs rather than t
 all but its last token (or last few, at most a step's rows): those run in a step, which gives the sequence its
 first token. While no sequence decodes the chunks run back to back; while some do, their steps' free rows read
 the prompt too. A sequence's KV blocks are reserved when it is admitted (prompt + max_tokens) and returned the
-moment it finishes or is cancelled.
+moment it finishes or is cancelled. With the prefix cache (on by default) a sequence starts from the longest run of
+full blocks of its prompt that earlier sequences wrote (their tokens and every token before them the same: kv_cache.py),
+and the full blocks it writes are offered to later ones as soon as they are in the cache. A prompt always reads its
+last token: that row gives its first token.
 
 A step is planned as plain data (StepInputs) and run by a function the caller may replace: under tensor
 parallelism the server's rank 0 plans every step and sends it to the other ranks before running it, so
@@ -22,6 +25,7 @@ from typing import Callable
 import torch
 
 from distmk.errors import DistmkError
+from distmk.runtime.kv_cache import block_hashes
 from distmk.runtime.prefill import prefill_chunk
 from distmk.runtime.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
 
@@ -48,6 +52,9 @@ class Sequence:
     # the prompt then goes through the steps, whose rows give its logits, never through prefill chunks
     prompt_logprobs: int | None = None
     prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)     # of prompt[1:]
+    cached_tokens: int = 0            # prompt tokens found in the prefix cache at admission (not read again)
+    block_hashes: list[bytes] = field(default_factory=list)    # of its full blocks (kv_cache.block_hashes), so far
+    registered: int = 0               # of its blocks, those offered to the prefix cache
 
     @property
     def tokens(self) -> list[int]:
@@ -100,12 +107,14 @@ class Batcher:
     are run (default: on this rank only). Prefill chunks hold up to engine.prefill_chunk tokens (0: every
     prompt goes through the steps). steps_per_launch > 1: while every running sequence decodes greedily and
     no request waits, up to that many steps run back to back with no host round trip between them (their
-    tokens then arrive together)."""
+    tokens then arrive together). prefix_cache: sequences start from the cached blocks of their prompt's prefix."""
 
     def __init__(self, engine, max_running: int | None = None,
                  run: Callable[[StepInputs], tuple[list[list[int]], torch.Tensor | None]] | None = None,
-                 prefill: Callable[[PrefillInputs], None] | None = None, steps_per_launch: int = 1):
-        self.engine = engine
+                 prefill: Callable[[PrefillInputs], None] | None = None, steps_per_launch: int = 1,
+                 prefix_cache: bool = True):
+        self.engine, self.prefix_cache = engine, prefix_cache
+        self.prefix_queried = self.prefix_hits = 0      # prompt tokens looked up in the prefix cache, and found
         rows = engine.config.batch
         if max_running is not None and not 1 <= max_running <= rows:
             raise DistmkError(f"max_running must be in 1..{rows} (the rows of a step), got {max_running}")
@@ -150,6 +159,7 @@ class Batcher:
         for queue in (self.waiting, self.running):
             if seq in queue:
                 queue.remove(seq)
+        self._offer_blocks(seq)
         self.engine.kv.release(seq.blocks)
         seq.blocks = []
 
@@ -158,11 +168,37 @@ class Batcher:
         kv = self.engine.kv
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            need = -(-(len(seq.prompt) + seq.max_tokens) // kv.block_size)
-            if need > len(kv.free):
+            # a sequence that records its prompt's log-probabilities reads every prompt token
+            caching = self.prefix_cache and seq.prompt_logprobs is None
+            if caching and not seq.block_hashes:
+                seq.block_hashes = block_hashes(seq.prompt, kv.block_size)
+            # cached blocks up to the prompt's last token, which is always read
+            cached = kv.match(seq.block_hashes[:(len(seq.prompt) - 1) // kv.block_size]) if caching else []
+            need = -(-(len(seq.prompt) + seq.max_tokens) // kv.block_size) - len(cached)
+            if need > kv.available - sum(b in kv.evictable for b in cached):
                 return                                   # wait for running sequences to free blocks
-            seq.blocks = kv.allocate([], len(seq.prompt) + seq.max_tokens)
+            kv.share(cached)
+            seq.blocks = kv.allocate(cached, len(seq.prompt) + seq.max_tokens)
+            seq.fed = seq.cached_tokens = len(cached) * kv.block_size
+            seq.registered = len(cached)
+            if caching:
+                self.prefix_queried += len(seq.prompt)
+                self.prefix_hits += seq.cached_tokens
             self.running.append(self.waiting.pop(0))
+
+    def _offer_blocks(self, seq: Sequence) -> None:
+        """Offer the prefix cache the sequence's full blocks that the steps so far wrote."""
+        if not self.prefix_cache or seq.prompt_logprobs is not None:
+            return
+        kv = self.engine.kv
+        full = min(seq.fed // kv.block_size, len(seq.blocks))
+        if full > len(seq.block_hashes):
+            start = len(seq.block_hashes)
+            seq.block_hashes += block_hashes(seq.tokens[:full * kv.block_size], kv.block_size,
+                                             seq.block_hashes[-1] if start else b"", start)
+        for b in range(seq.registered, full):
+            kv.register(seq.blocks[b], seq.block_hashes[b])
+        seq.registered = max(seq.registered, full)
 
     @property
     def busy(self) -> bool:
@@ -270,6 +306,8 @@ class Batcher:
                 if seq.finish_reason is None:
                     seq.fed += 1                # the token the step before chose went in at its position
                     self._produce(seq, later[row], produced)
+        for seq in self.running:
+            self._offer_blocks(seq)
         return produced
 
     def _produce(self, seq: Sequence, token: int, produced: list) -> None:

@@ -45,6 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--steps-per-launch", type=COUNT, default=1,
                    help="while every running stream decodes greedily and no request waits, run up to this many "
                         "steps back to back without the host between them; their tokens are sent together")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="read every prompt whole (by default a prompt starts from the KV blocks of the longest "
+                        "block-aligned prefix an earlier request wrote, as vLLM's automatic prefix caching)")
     p.add_argument("--trace-steps", metavar="FILE", default=None,
                    help="write a JSON line for every engine step and prefill chunk (rows, start and end) to FILE: "
                         "the timeline behind /metrics (benchmarks/step_trace.py summarises it)")
@@ -174,7 +177,7 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
         print(f"distmk.serve: rank 0: stopped by {signal.Signals(early_exit[0]).name} during warm-up", file=sys.stderr)
         return 0
     scheduler = Scheduler(engine, leader, Metrics(engine.kv.num_blocks), args.max_seqs, args.steps_per_launch,
-                          trace)
+                          trace, args.prefix_cache)
     name = args.served_model_name or args.model
     served = Served(name, load_tokenizer(engine.tokenizer_dir, engine.spec.vocab_size), scheduler,
                     scheduler.metrics, engine.max_context, capacity=args.max_seqs + args.max_queue,

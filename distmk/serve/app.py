@@ -584,8 +584,12 @@ class Reply:
 
     def usage(self, generations: list[Generation]) -> dict:
         n = 0 if self.hidden else sum(len(generation.tokens) for generation in generations)
-        prompt = sum(map(len, self.prompts))
-        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+        prompt, choices = sum(map(len, self.prompts)), self.req.n
+        # a prompt's tokens that its choices found in the prefix cache (the most any of them found)
+        cached = sum(max(g.seq.cached_tokens for g in generations[i:i + choices])
+                     for i in range(0, len(generations), choices))
+        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def prompt(self, index: int) -> list[int]:
         """Choice `index`'s prompt (choices are prompt-major)."""

@@ -27,6 +27,10 @@ class Metrics:
                                 "cancelled: the client went away, error: the engine failed or the server stopped)", ["reason"],
                                 registry=r)
         self.prompt_tokens = Counter("distmk_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.prefix_queries = Counter("distmk_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("distmk_prefix_cache_hits", "Prompt tokens found in the prefix cache (their "
+                                   "KV blocks reused, not read again)", registry=r)
         self.generation_tokens = Counter("distmk_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("distmk_time_to_first_token_seconds", "From a request's arrival to its first "
                               "token", buckets=LATENCY_BUCKETS, registry=r)
@@ -43,14 +47,20 @@ class Metrics:
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.running = Gauge("distmk_running_sequences", "Sequences in the batch", registry=r)
         self.waiting = Gauge("distmk_waiting_sequences", "Sequences queued for the batch", registry=r)
-        self.kv_used = Gauge("distmk_kv_cache_used_blocks", "KV-cache blocks held by sequences", registry=r)
+        self.kv_used = Gauge("distmk_kv_cache_used_blocks", "KV-cache blocks held by sequences (cached blocks that none "
+                              "holds count as free)", registry=r)
         self.kv_usage = Gauge("distmk_kv_cache_usage_ratio", "Fraction of the KV-cache blocks in use", registry=r)
         Gauge("distmk_kv_cache_blocks", "KV-cache blocks in all", registry=r).set(kv_blocks)
         self.kv_blocks = kv_blocks
+        self.counted = (0, 0)       # the batcher's prefix-cache totals already added to the counters
 
     def batcher_state(self, batcher) -> None:
-        """Queue and KV-cache gauges, after each step or cancellation."""
-        used = self.kv_blocks - len(batcher.engine.kv.free)
+        """Queue, KV-cache and prefix-cache figures, after each step or cancellation."""
+        used = self.kv_blocks - batcher.engine.kv.available
+        queried, hits = self.counted
+        self.prefix_queries.inc(batcher.prefix_queried - queried)
+        self.prefix_hits.inc(batcher.prefix_hits - hits)
+        self.counted = (batcher.prefix_queried, batcher.prefix_hits)
         self.running.set(len(batcher.running))
         self.waiting.set(len(batcher.waiting))
         self.kv_used.set(used)

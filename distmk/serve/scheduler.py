@@ -34,10 +34,10 @@ class Listener(Protocol):
 
 class Scheduler:
     def __init__(self, engine, leader, metrics, max_running: int | None = None, steps_per_launch: int = 1,
-                 trace=None):
+                 trace=None, prefix_cache: bool = True):
         self.leader, self.metrics, self.trace = leader, metrics, trace     # trace: a metrics.StepTrace
         self.batcher = Batcher(engine, max_running, run=self._run, prefill=self._prefill,
-                               steps_per_launch=steps_per_launch)
+                               steps_per_launch=steps_per_launch, prefix_cache=prefix_cache)
         self.cond = threading.Condition()
         self.inbox: list[tuple[str, Sequence, Listener | None]] = []
         self.listeners: dict[int, Listener] = {}
