@@ -14,6 +14,10 @@ per stream count (matplotlib: pip install -e '.[bench]'):
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --matrix --streams 1,8 --prompt-lens 256,2000 \\
         --max-tokens 128 --out serve_matrix.json          # and serve_matrix.png
 
+The matrix also has a shared-prefix cell per stream count: every prompt the same --shared-prefix tokens (2000;
+0: none) then 64 of its own, as a chat resends its system prompt and history, after one untimed request has
+sent that prefix (a server with prefix caching holds its KV then: the cell's cached_tokens_mean says how much).
+
 Prompts are random token ids (seeded) below --vocab-limit, so their length is exact whatever the
 tokenizer; ignore_eos makes every request generate exactly --max-tokens tokens. Each streamed chunk
 carries one token (distmk.serve sends one per token), so the gaps between chunks are inter-token latencies.
@@ -61,11 +65,16 @@ def parse_args(argv=None):
     p.add_argument("--streams", type=counts, default=[1, 8], help="matrix: clients sending at once, per cell")
     p.add_argument("--prompt-lens", type=counts, default=[256, 2000], help="matrix: prompt tokens, per cell")
     p.add_argument("--rounds", type=int, default=4, help="matrix: requests each stream sends in a cell")
+    p.add_argument("--shared-prefix", type=int, default=2000,
+                   help="matrix: a cell per stream count whose prompts share this many tokens, then 64 their own "
+                        "(0: no such cells)")
     p.add_argument("--out", help="also write the JSON here (with --matrix, the PNG beside it)")
     args = p.parse_args(argv)
     for flag in ("concurrency", "requests", "max_tokens", "prompt_len", "rounds"):
         if getattr(args, flag) < 1:
             p.error(f"argument --{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
+    if args.shared_prefix < 0:
+        p.error(f"argument --shared-prefix: must be >= 0, got {args.shared_prefix}")
     if args.matrix and not args.out:
         p.error("--matrix needs --out (the JSON; the PNG goes beside it)")
     return args
@@ -102,9 +111,12 @@ async def one_request(http: httpx.AsyncClient, body: dict) -> dict:
 
 
 async def load(http: httpx.AsyncClient, model: str, rng: random.Random, *, concurrency: int, requests: int,
-               prompt_len: int, max_tokens: int, vocab_limit: int) -> dict:
-    """`concurrency` clients send `requests` streamed completions in all: their latencies and throughput."""
-    bodies = [{"model": model, "prompt": [rng.randrange(1, vocab_limit) for _ in range(prompt_len)],
+               prompt_len: int, max_tokens: int, vocab_limit: int, prefix: list[int] = ()) -> dict:
+    """`concurrency` clients send `requests` streamed completions in all: their latencies and throughput. Each
+    prompt is `prefix` then random tokens up to prompt_len."""
+    prefix = list(prefix)
+    bodies = [{"model": model,
+               "prompt": prefix + [rng.randrange(1, vocab_limit) for _ in range(prompt_len - len(prefix))],
                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
                "stream_options": {"include_usage": True}} for _ in range(requests)]
     pending = iter(bodies)
@@ -122,7 +134,10 @@ async def load(http: httpx.AsyncClient, model: str, rng: random.Random, *, concu
     ttft = [r["arrivals"][0] - r["start"] for r in done if r["arrivals"]]
     itl = [b - a for r in done for a, b in zip(r["arrivals"], r["arrivals"][1:])]
     tokens = sum(r["usage"]["completion_tokens"] if r["usage"] else len(r["arrivals"]) for r in done)
+    cached = [(r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") for r in done if r["usage"]]
+    cached = [c for c in cached if c is not None]
     return {"concurrency": concurrency, "requests": requests, "prompt_len": prompt_len, "max_tokens": max_tokens,
+            "shared_prefix": len(prefix), "cached_tokens_mean": round(statistics.mean(cached), 1) if cached else None,
             "completed": len(done), "failed": len(results) - len(done), "errors": errors[:5],
             "duration_s": round(duration, 3), "ttft_s": percentiles(ttft), "itl_s": percentiles(itl),
             "request_throughput_per_s": round(len(done) / duration, 3),
@@ -145,6 +160,9 @@ async def run(args) -> dict:
                             requests=args.requests, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
                             vocab_limit=args.vocab_limit)
     return {"url": args.url, "model": model, **result}
+
+
+SUFFIX = 64         # a shared-prefix cell's tokens of each prompt's own
 
 
 SERVER_SERIES = ("distmk_step_seconds", "distmk_step_rows", "distmk_prefill_seconds")
@@ -186,21 +204,28 @@ async def run_matrix(args, log) -> dict:
         for prompt_len in args.prompt_lens:               # untimed: first-use costs stay out of the cells
             await load(http, model, rng, concurrency=1, requests=1, prompt_len=prompt_len,
                        max_tokens=min(args.max_tokens, 2), vocab_limit=args.vocab_limit)
+        shared = [rng.randrange(1, args.vocab_limit) for _ in range(args.shared_prefix)]
+        if shared:                                        # untimed: the prefix's first reading
+            await load(http, model, rng, concurrency=1, requests=1, prompt_len=len(shared) + SUFFIX,
+                       max_tokens=min(args.max_tokens, 2), vocab_limit=args.vocab_limit, prefix=shared)
         cells = []
         for streams in args.streams:
-            for prompt_len in args.prompt_lens:
+            runs = [(prompt_len, []) for prompt_len in args.prompt_lens] + ([(len(shared) + SUFFIX, shared)]
+                                                                            if shared else [])
+            for prompt_len, prefix in runs:
                 before, start = await server_counters(http), time.monotonic()
                 cell = await load(http, model, rng, concurrency=streams, requests=streams * args.rounds,
-                                  prompt_len=prompt_len, max_tokens=args.max_tokens, vocab_limit=args.vocab_limit)
+                                  prompt_len=prompt_len, max_tokens=args.max_tokens, vocab_limit=args.vocab_limit,
+                                  prefix=prefix)
                 # the cell's span on the clock of the server's --trace-steps (benchmarks/step_trace.py --matrix)
                 cell["monotonic_s"] = [round(start, 6), round(time.monotonic(), 6)]
                 cell["server"] = server_side(before, await server_counters(http))
-                log(f"{streams} streams, {prompt_len}-token prompts: TTFT p50 {ms(cell['ttft_s']['p50'])} ms, "
-                    f"inter-token p50 {ms(cell['itl_s']['p50'])} ms, {cell['failed']} failed; server: "
-                    f"{cell['server']}")
+                what = f"{prompt_len}-token prompts" + (f" ({len(prefix)} shared)" if prefix else "")
+                log(f"{streams} streams, {what}: TTFT p50 {ms(cell['ttft_s']['p50'])} ms, inter-token p50 "
+                    f"{ms(cell['itl_s']['p50'])} ms, {cell['failed']} failed; server: {cell['server']}")
                 cells.append(cell)
     return {"url": args.url, "model": model, "max_tokens": args.max_tokens, "streams": args.streams,
-            "prompt_lens": args.prompt_lens, "rounds": args.rounds, "cells": cells,
+            "prompt_lens": args.prompt_lens, "shared_prefix": args.shared_prefix, "rounds": args.rounds, "cells": cells,
             "failed": sum(cell["failed"] for cell in cells),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": shlex.join(["python", *sys.argv])}
@@ -218,7 +243,8 @@ def plot_matrix(matrix: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, title in ((axes[0], "ttft_s", "time to first token"), (axes[1], "itl_s", "inter-token latency")):
         for streams in matrix["streams"]:
-            cells = [c for c in matrix["cells"] if c["concurrency"] == streams and c[key]["p50"] is not None]
+            cells = [c for c in matrix["cells"] if c["concurrency"] == streams and c[key]["p50"] is not None
+                     and not c.get("shared_prefix")]
             lens, name = [c["prompt_len"] for c in cells], f"{streams} stream{'s' if streams > 1 else ''}"
             line, = ax.plot(lens, [c[key]["p50"] * 1e3 for c in cells], "o-", label=f"{name}, p50")
             ax.plot(lens, [c[key]["p99"] * 1e3 for c in cells], "--", color=line.get_color(), alpha=0.6,

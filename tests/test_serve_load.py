@@ -46,13 +46,17 @@ def test_single_run(server, tmp_path):
 def test_matrix_writes_every_cell_and_a_png(server, tmp_path):
     out = tmp_path / "results" / "matrix.json"
     proc = load(server, "--matrix", "--streams", "1,2", "--prompt-lens", "5,24", "--rounds", "2",
-                "--max-tokens", "4", "--out", str(out))
+                "--shared-prefix", "40", "--max-tokens", "4", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     matrix = json.loads(out.read_text())
     assert matrix == json.loads(proc.stdout)
     assert (matrix["model"], matrix["streams"], matrix["prompt_lens"], matrix["failed"]) == (MODEL, [1, 2], [5, 24], 0)
     cells = {(c["concurrency"], c["prompt_len"]): c for c in matrix["cells"]}
-    assert list(cells) == [(1, 5), (1, 24), (2, 5), (2, 24)]
+    assert list(cells) == [(1, 5), (1, 24), (1, 104), (2, 5), (2, 24), (2, 104)]
+    for streams in (1, 2):      # 40 shared tokens, then 64 of each prompt's own: 2 blocks of 16 found cached
+        shared = cells.pop((streams, 104))
+        check_run(shared, streams, requests=2 * streams, prompt_len=104, max_tokens=4)
+        assert (shared["shared_prefix"], shared["cached_tokens_mean"]) == (40, 32)
     for (streams, prompt_len), cell in cells.items():
         check_run(cell, streams, requests=2 * streams, prompt_len=prompt_len, max_tokens=4)
         server_side = cell["server"]                 # what the server's /metrics counted over the cell
