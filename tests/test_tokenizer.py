@@ -66,13 +66,15 @@ def test_incremental_decoding_adds_up_to_decoding_everything(which, hf_dir):
 def test_token_bytes_are_what_a_token_adds(hf_dir, tmp_path):
     """A token's bytes, as log-probabilities list them: a byte-level BPE token's own (the pieces of a character
     split across tokens add up to it), a SentencePiece token's with its word-start space, a special token's
-    text (an end of turn is worth seeing); the byte-level fallback's byte (none for an id past 255)."""
+    none (decoding leaves it out: a reply that ends on its end of sequence joins to its text); the byte-level
+    fallback's byte (none for an id past 255)."""
     tok = load_tokenizer(str(hf_dir / "with_template"), 400)
     text = "Hi there, é€😀 Paris"
     ids = tok.encode(text)
     assert any(tok.token_bytes(i).decode(errors="replace") == "\ufffd" for i in ids)    # a piece of a character
     assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
-    assert tok.token_bytes(tok.tok.eos_token_id) == b"</s>" and tok.decode([tok.tok.eos_token_id]) == ""
+    eos = tok.tok.eos_token_id
+    assert tok.token_bytes(eos) == b"" and b"".join(map(tok.token_bytes, ids + [eos])).decode() == tok.decode(ids + [eos])
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     spm = Tokenizer(models.BPE())

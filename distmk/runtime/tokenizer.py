@@ -76,11 +76,13 @@ class HFTokenizer:
     def token_bytes(self, token: int) -> bytes:
         """One token's bytes, as log-probabilities show them: a byte-level BPE token's own bytes (a piece of a
         longer character too, which decoding it alone would turn into U+FFFD), a SentencePiece token's with its
-        word-start space ("▁world": b" world") or its byte-fallback byte ("<0xE2>"), a special token's text."""
+        word-start space ("▁world": b" world") or its byte-fallback byte ("<0xE2>"), an added token's text, and
+        none for a special token (an end of sequence), which decode leaves out: a reply's token bytes join to its
+        text, as vLLM's do with skip_special_tokens."""
         if token not in self._bytes:
             piece = self.tok.convert_ids_to_tokens(token)
             if token in self._added or piece is None:
-                raw = self.tok.decode([token]).encode()
+                raw = self.tok.decode([token], skip_special_tokens=True).encode()
             elif self._byte_level:
                 raw = bytes(self._byte_of[c] for c in piece)
             elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
