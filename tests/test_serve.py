@@ -461,6 +461,29 @@ def test_a_prompt_whose_prefix_is_cached_starts_after_it_and_gets_transformers_t
     assert metric(server, "distmk_prefix_cache_queries_total") - queries == 103 + 104
 
 
+def test_response_format_holds_the_reply_to_json_and_its_schema(server):
+    """OpenAI's response_format through both ranks, with the openai SDK: json_schema on chat (greedy and sampled)
+    gives JSON valid against the schema, json_object on completions an object, whatever the random-weight model's
+    logits prefer; a schema that cannot compile is a 400 naming it."""
+    import jsonschema
+    from openai import BadRequestError, OpenAI
+    from test_structured_output import PERSON
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for temperature in (0, 1):
+        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Who?"}], seed=3,
+                                             max_tokens=300, temperature=temperature, response_format=schema_format)
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+    out = client.completions.create(model=MODEL, prompt="JSON: ", max_tokens=300, temperature=0,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    assert out.choices[0].finish_reason == "stop" and isinstance(json.loads(out.choices[0].text), dict)
+    with pytest.raises(BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}})
+    assert refused.value.body["param"] == "response_format.json_schema.schema"
+
+
 @pytest.mark.parametrize("penalty", [5e-324, 1e-320, 1e308, 1.7976931348623157e308])
 @pytest.mark.parametrize("temperature", [0, 1])
 def test_extreme_repetition_penalties_get_an_answer(server, penalty, temperature):

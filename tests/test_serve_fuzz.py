@@ -84,7 +84,9 @@ WRONG = {
     "presence_penalty": [3, "1", -2.5], "frequency_penalty": [2.5, "0"],
     "repetition_penalty": [0, -1, "1"], "stop_token_ids": [[-1], [1.5], "1", [10 ** 6], list(range(65))],
     "logit_bias": [{"5": 1}], "best_of": [2], "suffix": ["end"],
-    "tools": [[]], "response_format": [{"type": "json_object"}], "frobnicate": [1],
+    "tools": [[]], "frobnicate": [1],
+    "response_format": ["json", {"type": "xml"}, {"type": "json_schema"}, {"type": "text", "json_schema": {"name": "x"}},
+                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}],
 }
 WRONG_CHAT = {"messages": ["hi", [], [{"role": "bot", "content": "x"}], [{"role": "user"}],
                            [{"role": "user", "content": 5}], [{"content": "x"}],

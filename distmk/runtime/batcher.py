@@ -55,6 +55,9 @@ class Sequence:
     cached_tokens: int = 0            # prompt tokens found in the prefix cache at admission (not read again)
     block_hashes: list[bytes] = field(default_factory=list)    # of its full blocks (kv_cache.block_hashes), so far
     registered: int = 0               # of its blocks, those offered to the prefix cache
+    # the tokens a grammar allows (runtime/structured.py Constraint): the logits are masked to them before a token
+    # is chosen, and the sequence stops once the grammar is complete
+    constraint: object | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -243,6 +246,7 @@ class Batcher:
         if not batch:
             return None
         needs_logits = any(seq.keep_logits or seq.logprobs is not None or seq.params.needs_logits
+                           or seq.constraint is not None
                            or (seq.prompt_logprobs is not None and i < len(seq.prompt) - 1) for seq, i in batch)
         steps = 1
         if self.steps_per_launch > 1 and not needs_logits and not self.waiting and all(s.output for s, _ in batch):
@@ -271,8 +275,13 @@ class Batcher:
                     asked.append((row, seq))
                 continue
             try:
-                token = (sample(logits[row], seq.params, seq.generator, seq.prompt, seq.output)
-                         if seq.params.needs_logits else greedy[0][row])
+                if seq.constraint is not None:
+                    token = sample(seq.constraint.mask(logits[row]), seq.params, seq.generator, seq.prompt,
+                                   seq.output)
+                    seq.constraint.accept(token)
+                else:
+                    token = (sample(logits[row], seq.params, seq.generator, seq.prompt, seq.output)
+                             if seq.params.needs_logits else greedy[0][row])
             except Exception as e:  # noqa: BLE001 - whatever it was, it concerns this sequence only
                 seq.error = f"sampling failed: {e}"
                 self._finish(seq, "error")
@@ -313,7 +322,8 @@ class Batcher:
     def _produce(self, seq: Sequence, token: int, produced: list) -> None:
         seq.output.append(token)
         produced.append((seq, token))
-        if (seq.stop_on_eos and token in self.engine.spec.eos_token_id) or token in seq.stop_tokens:
+        if ((seq.stop_on_eos and token in self.engine.spec.eos_token_id) or token in seq.stop_tokens
+                or (seq.constraint is not None and seq.constraint.complete)):
             self._finish(seq, "stop")
         elif len(seq.output) >= seq.max_tokens:
             self._finish(seq, "length")

@@ -182,7 +182,7 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
     served = Served(name, load_tokenizer(engine.tokenizer_dir, engine.spec.vocab_size), scheduler,
                     scheduler.metrics, engine.max_context, capacity=args.max_seqs + args.max_queue,
                     sampling_defaults=engine.spec.generation_defaults, vocab_size=engine.spec.vocab_size,
-                    api_key=args.api_key,
+                    eos_token_ids=tuple(engine.spec.eos_token_id), api_key=args.api_key,
                     metrics_public=args.metrics_public)
     loop = None           # the event loop, once running
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import json
 import secrets
@@ -31,6 +32,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from distmk.errors import DistmkError
 from distmk.runtime.batcher import Sequence
 from distmk.runtime.sampling import TokenLogprob, resolve_sampling
+from distmk.runtime.structured import Grammars
 from distmk.runtime.tokenizer import IncrementalDecoder
 from distmk.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                    parse_body)
@@ -54,11 +56,27 @@ class Served:
     api_key: str | None = None           # when set, clients send it as "Authorization: Bearer <key>"
     metrics_public: bool = False         # /metrics without the key
     sampling_defaults: dict = field(default_factory=dict)     # the checkpoint's (ModelSpec.generation_defaults)
+    eos_token_ids: tuple[int, ...] = ()          # the ids that end a sequence (a grammar's end: response_format)
     live: set = field(default_factory=set)      # their Generations
     created: int = field(default_factory=lambda: int(time.time()))
     # tokenizing and rendering chat templates off the event loop (a long prompt takes a while), one call at
     # a time (a Hugging Face tokenizer is not made for concurrent calls)
     tokenizing: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "tokenize"))
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """response_format's grammar compiler, made at its first use (xgrammar reads the whole vocabulary)."""
+        return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
+    def constraints(self, response_format, count: int) -> list:
+        """Each of `count` sequences' Constraint of a response_format (None for none, or text)."""
+        if response_format is None or response_format.type == "text":
+            return [None] * count
+        schema = response_format.json_schema.schema_ if response_format.json_schema else None
+        try:
+            return [self.grammars.constraint(response_format.type, schema) for _ in range(count)]
+        except DistmkError as e:
+            raise APIError(400, str(e), param="response_format.json_schema.schema") from None
 
     async def tokenize(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
@@ -429,13 +447,14 @@ def create_app(served: Served) -> FastAPI:
                            param="n")
         # the prompt's log-probabilities: completions' echo with logprobs, vLLM's prompt_logprobs
         asked = [k for k in (req.prompt_logprobs, None if chat or not req.echo else req.logprobs) if k is not None]
+        constraints = iter(served.constraints(req.response_format, req.n * len(prompts)))
         # choice i draws from seed + i: choice 0 is what the same request with n = 1 gets
         seqs = [Sequence(prompt, 1 if max_tokens == 0 else max_tokens or served.max_context - len(prompt),
                          params if params.seed is None or i == 0 else
                          dataclasses.replace(params, seed=(params.seed + i) % 2 ** 64),
                          stop_on_eos=not req.ignore_eos, stop_tokens=frozenset(req.stop_token_ids or ()),
                          logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs,
-                         prompt_logprobs=max(asked) if asked else None)
+                         prompt_logprobs=max(asked) if asked else None, constraint=next(constraints))
                 for prompt in prompts for i in range(req.n)]
         check_vocabulary(req.stop_token_ids or [], "stop_token_ids", "stop token ids")
         for i, prompt in enumerate(prompts):

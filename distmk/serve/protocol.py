@@ -103,6 +103,25 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False    # vLLM's: every chunk carries the usage so far (guidellm sends it)
 
 
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")      # {} (left out): any JSON value
+    strict: bool | None = None          # distmk always holds the output to the schema
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: the reply is JSON, an object (json_object) or valid against a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        return self
+
+
 class _Sampling(_Strict):
     model: str
     # left out or null: the checkpoint's default (generation_config.json), else OpenAI's (temperature 1)
@@ -123,6 +142,7 @@ class _Sampling(_Strict):
     repetition_penalty: float | None = Field(None, gt=0)    # vLLM's; null: the checkpoint's, else 1
     logit_bias: Annotated[dict[str, float] | None, _neutral(None)] = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)    # vLLM's: the prompt's log-probabilities
+    response_format: ResponseFormat | None = None
 
     _only_when_streaming = _only_when("stream_options", "stream")
 

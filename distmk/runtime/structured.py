@@ -1,0 +1,66 @@
+"""Structured output with xgrammar (the grammar engine of vLLM and SGLang): a JSON schema, or any JSON object,
+compiled once per schema for the served tokenizer (the compiler caches what it compiled), and per sequence a
+Constraint that masks a row of logits to the tokens the grammar allows next, where the logits are."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from distmk.errors import DistmkError
+
+MAX_WHITESPACE = 16         # characters of whitespace in a row where JSON allows it (an indented line's)
+
+
+class Grammars:
+    """The grammar compiler of one tokenizer (runtime/tokenizer.py's): its vocabulary as xgrammar reads it, and the
+    ids that end a sequence, which the grammar allows once its text is complete."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids):
+        import xgrammar as xgr
+        self.xgr, self.vocab_size = xgr, vocab_size
+        stops = list(stop_token_ids) or None
+        if hasattr(tokenizer, "tok"):                       # a checkpoint's own (transformers)
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer.tok, vocab_size=vocab_size, stop_token_ids=stops)
+        else:                   # the byte-level fallback: id i < 256 is byte i, the ids past it have no text
+            vocab = [tokenizer.token_bytes(i) for i in range(vocab_size)]
+            info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stops)
+        self.compiler = xgr.GrammarCompiler(info)
+        self.ends_by_token = stops is not None     # else the text's last character completes it
+
+    def constraint(self, kind: str, schema: dict | None = None) -> Constraint:
+        """A sequence's constraint: any JSON object ("json_object") or JSON that validates against `schema`
+        ("json_schema"). A schema xgrammar cannot compile raises DistmkError saying why."""
+        try:        # whitespace between tokens bounded: a model cannot spend its tokens on it (or loop in it)
+            compiled = self.compiler.compile_json_schema(json.dumps({"type": "object"} if kind == "json_object"
+                                                                    else schema),
+                                                         strict_mode=True, max_whitespace_cnt=MAX_WHITESPACE)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises its own errors for a schema it cannot take
+            raise DistmkError(f"the JSON schema cannot be compiled: {e}") from None
+        return Constraint(self.xgr, compiled, self.vocab_size, self.ends_by_token)
+
+
+class Constraint:
+    """Where a sequence is in its grammar: which tokens may come next, and whether its text is complete."""
+
+    def __init__(self, xgr, compiled, vocab_size: int, ends_by_token: bool = True):
+        self.xgr = xgr
+        self.matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=not ends_by_token)
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of a row of logits, -inf at every token the grammar does not allow next."""
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        masked = logits.float()[None].clone()
+        self.xgr.apply_token_bitmask_inplace(masked, self.bitmask.to(masked.device))
+        return masked[0]
+
+    def accept(self, token: int) -> None:
+        if not self.matcher.accept_token(token):
+            raise DistmkError(f"token {token} does not follow the grammar")
+
+    @property
+    def complete(self) -> bool:
+        """The grammar took its end (a stop token after complete text, or the text's last character for a model
+        with no end-of-sequence token): nothing may follow."""
+        return self.matcher.is_terminated()

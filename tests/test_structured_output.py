@@ -1,0 +1,65 @@
+"""Structured output (runtime/structured.py, xgrammar): whatever a random-weight model's logits prefer, a sequence
+whose logits are masked by its grammar writes JSON that parses and validates against its schema, greedy or
+sampled. The server's response_format and tools: test_serve.py."""
+import json
+
+import jsonschema
+import pytest
+
+from distmk.errors import DistmkError
+from distmk.graph import GraphConfig
+from distmk.runtime.batcher import Batcher, Sequence
+from distmk.runtime.engine import Engine
+from distmk.runtime.sampling import SamplingParams
+from distmk.runtime.structured import Grammars
+from distmk.runtime.tokenizer import ByteTokenizer
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"}, "age": {"type": "integer", "minimum": 0},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+                         "admin": {"type": "boolean"}}}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine("tiny-llama", config=GraphConfig(batch=4, kv_splits=2, tile_rows=32, workers=3), max_context=256,
+                  block_size=16, max_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def grammars(engine):
+    return Grammars(ByteTokenizer(engine.spec.vocab_size), engine.spec.vocab_size, engine.spec.eos_token_id)
+
+
+def generate(engine, *seqs):
+    batcher = Batcher(engine)
+    for seq in seqs:
+        batcher.submit(seq)
+    while batcher.busy:
+        batcher.step()
+    return [bytes(t for t in seq.output if t < 256).decode(errors="replace") for seq in seqs]
+
+
+def test_schema_constrained_output_parses_and_validates(engine, grammars):
+    constrained = lambda params: Sequence(list(b"Who? "), 200, params, constraint=grammars.constraint("json_schema",
+                                                                                                     PERSON))
+    seqs = [constrained(SamplingParams()), *(constrained(SamplingParams(temperature=1.0, seed=s)) for s in (1, 2))]
+    texts = generate(engine, *seqs)
+    for seq, text in zip(seqs, texts):
+        assert seq.finish_reason == "stop", (seq.finish_reason, text)
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len(set(texts)) == 3
+    unconstrained, = generate(engine, Sequence(list(b"Who? "), 20))
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(unconstrained)
+
+
+def test_json_object_output_is_an_object(engine, grammars):
+    seq = Sequence(list(b"JSON: "), 200, constraint=grammars.constraint("json_object"))
+    text, = generate(engine, seq)
+    assert seq.finish_reason == "stop" and isinstance(json.loads(text), dict)
+
+
+def test_a_schema_that_cannot_compile_says_so(grammars):
+    with pytest.raises(DistmkError, match="the JSON schema cannot be compiled"):
+        grammars.constraint("json_schema", {"type": "nonsense"})
