@@ -7,7 +7,7 @@ Why it is worth a number: every worker runs every task type of a layer in turn, 
 through each SM's instruction cache again and again, and the latency-bound tasks (attention, the route, the
 reductions) wait on it. Doubling the code a qwen3-8b layer runs (the same tasks, a second copy of their code for
 odd layers) took its step from 4.10 to 4.77 ms and its attention tasks from 5.4 to 14.8 us
-(benchmarks/results/h200-2026-12-03-s18). Uses the nvdisasm that Triton ships.
+(benchmarks/results/h200-2026-12-03-f34d4db). Uses the nvdisasm that Triton ships.
 """
 from __future__ import annotations
 

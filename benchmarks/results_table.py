@@ -1,7 +1,7 @@
 """One short table of everything a device session measured under a results folder: the decode, all-reduce,
 overlap, serve-load and start-up JSON and the GPU tests' last lines (the run_h200*.sh scripts print it last).
 
-    python benchmarks/results_table.py benchmarks/results/h200x2-2026-12-01
+    python benchmarks/results_table.py benchmarks/results/h100-2026-12-05-f21ea06
 """
 import glob
 import json

@@ -39,11 +39,11 @@ class GraphConfig:
     router_partials: int = field(default=0, metadata={
         "help": "a sparse layer's gate logits: 1 = each o_proj tile adds its rows' share (no router phase; tp=1), "
                 "2 = router tiles; 0 = 1 at tp=1 and batch 1 when the shares are at most 64 KB"})
-    # 1: attention and its combine 10.1 -> 8.4 us of qwen3-30b-a3b's layer (benchmarks/results/h200-2026-12-03-s20)
+    # 1: attention and its combine 10.1 -> 8.4 us of qwen3-30b-a3b's layer (benchmarks/results/h200-2026-12-03-f4d0746)
     fused_attn_reduce: int = field(default=1, metadata={
         "help": "1 = the attention task that ends a group's splits last combines them (fixed order, no attn_reduce "
                 "phase); 0 = attn_reduce tasks"})
-    # 1: qwen3-30b-a3b b1 2.680-2.687 against 2.692-2.695 ms (ring, benchmarks/results/h200-2026-12-03-s22)
+    # 1: qwen3-30b-a3b b1 2.680-2.687 against 2.692-2.695 ms (ring, benchmarks/results/h200-2026-12-03-400e158)
     fused_route: int = field(default=1, metadata={
         "help": "1 = where the o_proj tiles add the gate's shares (router_partials 1), the tile that adds a sparse "
                 "layer's last share routes it (no route phase); 0 = route tasks"})

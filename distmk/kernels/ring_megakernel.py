@@ -10,7 +10,7 @@ program per worker queue, in two warp-specialized partitions.
   tasks without weights come between (attention after QKV), the handoff waits until the first of them has
   passed its wait: a worker's event poll queues behind its own copies in flight (the o_proj prefill's, there),
   and attention then began 1.1 us after QKV's last tile instead of 1.9, its phase ending 0.8 us sooner
-  (llama-3-8b b1 3.911-3.927 ms against 3.934-3.941; benchmarks/results/h200-2026-12-03-s16).
+  (llama-3-8b b1 3.911-3.927 ms against 3.934-3.941; benchmarks/results/h200-2026-12-03-32370bc).
 - Weights the step chooses (the experts of a mixture-of-experts layer: TaskKind.ring_routed) are the exception:
   before them the producer waits (bounded, reporting a give-up as the tasks partition does, which fails the step)
   for the route task's event, then hands the tasks partition the count of distinct experts it saw there (0 where

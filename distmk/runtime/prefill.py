@@ -20,7 +20,7 @@ nothing in it waits for the host (ChunkGraphs): the first chunk of a prompt sinc
 and the chunks after it too, which launched op by op took some 37 ms for 512 tokens at start > 0 where their GPU
 work is ~15 ms. A 2000-token prompt is four chunks of 512: its TTFT was 128 ms, and each chunk after the first
 stalled every running decode stream for its length (inter-token p99 62 ms with 8 streams). Replayed, a chunk of
-512 at position 1536 took 17.1 ms, and the 2000-token TTFT 74 ms (benchmarks/results/h200-2026-12-01-s7).
+512 at position 1536 took 17.1 ms, and the 2000-token TTFT 74 ms (benchmarks/results/h200-2026-12-01-fe26ea1).
 """
 from __future__ import annotations
 

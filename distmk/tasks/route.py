@@ -172,7 +172,7 @@ def route_if_last_gpu(sparse_layer, n, router_logits, router_partial, router_sum
 def flat_rows_fit_int32(ROWS, TOP_K, BATCH):
     """Whether ring_flat_range's products fit in int32 for up to 1024 tiles: its divisions then take a few dozen
     instructions rather than int64's hundred-odd, inlined at every expert tile's call (the kernel's code is what its
-    latency-bound tasks wait on: benchmarks/results/h200-2026-12-03-s18)."""
+    latency-bound tasks wait on: benchmarks/results/h200-2026-12-03-f34d4db)."""
     return 1024 * BATCH * TOP_K * ROWS < 2 ** 31
 
 
