@@ -484,6 +484,43 @@ def test_response_format_holds_the_reply_to_json_and_its_schema(server):
     assert refused.value.body["param"] == "response_format.json_schema.schema"
 
 
+def test_tools_required_and_named_are_calls_that_validate_streamed_and_whole(server):
+    """Chat tools through both ranks with the openai SDK: tool_choice "required" and a named function give
+    tool_calls (finish_reason "tool_calls") whose arguments validate against the function's parameters, whatever
+    the random-weight model prefers, whole and streamed; the calls and their results go back into the history;
+    "auto" answers with text where the model writes no call; a forced choice beside a response_format is a 400."""
+    import jsonschema
+    from openai import BadRequestError, OpenAI
+    from test_tools import TOOLS
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    ask = dict(model=MODEL, messages=messages, tools=TOOLS, max_tokens=150, temperature=0)    # 850 prompt tokens
+    parameters = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in TOOLS}
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        out = client.chat.completions.create(**ask, tool_choice=choice).choices[0]
+        assert out.finish_reason == "tool_calls" and out.message.content is None and out.message.tool_calls
+        for call in out.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), parameters[call.function.name])
+        if isinstance(choice, dict):
+            assert [c.function.name for c in out.message.tool_calls] == ["get_weather"]
+        streamed = {}
+        for chunk in client.chat.completions.create(**ask, tool_choice=choice, stream=True):
+            delta = chunk.choices[0].delta
+            for call in delta.tool_calls or ():
+                streamed[call.index] = (call.function.name, call.function.arguments)
+            assert not delta.content
+        assert streamed == {i: (c.function.name, c.function.arguments) for i, c in enumerate(out.message.tool_calls)}
+    history = messages + [out.message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": out.message.tool_calls[0].id, "content": "18 C"}]
+    answer = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+    assert answer.choices[0].finish_reason == "length"                # a byte tokenizer's prompt: no room for tools
+    auto = client.chat.completions.create(**{**ask, "max_tokens": 8}).choices[0]
+    assert auto.message.tool_calls is None and auto.finish_reason == "length" and auto.message.content
+    with pytest.raises(BadRequestError) as refused:
+        client.chat.completions.create(**ask, tool_choice="required", response_format={"type": "json_object"})
+    assert refused.value.body["param"] == "response_format"
+
+
 @pytest.mark.parametrize("penalty", [5e-324, 1e-320, 1e308, 1.7976931348623157e308])
 @pytest.mark.parametrize("temperature", [0, 1])
 def test_extreme_repetition_penalties_get_an_answer(server, penalty, temperature):

@@ -94,7 +94,9 @@ WRONG_CHAT = {"messages": ["hi", [], [{"role": "bot", "content": "x"}], [{"role"
                            [{"role": "user", "content": "x", "name": 7}],
                            [{"role": "user", "content": "x" * 100}]],
               "max_completion_tokens": [0, "2"], "logprobs": ["yes", 1],
-              "top_logprobs": [21, -1, 3]}         # 3: valid only beside logprobs: true
+              "top_logprobs": [21, -1, 3],         # 3: valid only beside logprobs: true
+              "tools": [[], [{"type": "function"}], [{"type": "function", "function": {"name": "a b"}}]],
+              "tool_choice": ["always", "required", {"type": "function", "function": {"name": "missing"}}]}
 UNKNOWN_NAMES = ["", " ", "__proto__", "constructor", "x" * 300, "é€😀", "max tokens", "Temperature", "prompt ",
                  "stream\u0000", "$where"]
 

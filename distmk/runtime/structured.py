@@ -28,13 +28,15 @@ class Grammars:
         self.compiler = xgr.GrammarCompiler(info)
         self.ends_by_token = stops is not None     # else the text's last character completes it
 
-    def constraint(self, kind: str, schema: dict | None = None) -> Constraint:
+    def constraint(self, kind: str, schema: dict | None = None, compact: bool = False) -> Constraint:
         """A sequence's constraint: any JSON object ("json_object") or JSON that validates against `schema`
-        ("json_schema"). A schema xgrammar cannot compile raises DistmkError saying why."""
-        try:        # whitespace between tokens bounded: a model cannot spend its tokens on it (or loop in it)
+        ("json_schema"); compact: no whitespace beyond one space after ':' and ',' (for JSON that is read, not
+        shown). A schema xgrammar cannot compile raises DistmkError saying why."""
+        # whitespace between tokens bounded: a model cannot spend its tokens on it (or loop in it)
+        spacing = {"any_whitespace": False} if compact else {"max_whitespace_cnt": MAX_WHITESPACE}
+        try:
             compiled = self.compiler.compile_json_schema(json.dumps({"type": "object"} if kind == "json_object"
-                                                                    else schema),
-                                                         strict_mode=True, max_whitespace_cnt=MAX_WHITESPACE)
+                                                                    else schema), strict_mode=True, **spacing)
         except Exception as e:  # noqa: BLE001 - xgrammar raises its own errors for a schema it cannot take
             raise DistmkError(f"the JSON schema cannot be compiled: {e}") from None
         return Constraint(self.xgr, compiled, self.vocab_size, self.ends_by_token)

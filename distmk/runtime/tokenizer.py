@@ -7,20 +7,52 @@ checkpoints whose tokenizer has no template) they are rendered as ChatML text:
 
     <|im_start|>system\\nYou are terse.<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n
 
-and "<|im_end|>" ends the reply (it is a stop string), as it does for models trained on that format.
+and "<|im_end|>" ends the reply (it is a stop string), as it does for models trained on that format. Tools go
+into the system turn, calls and their results into the turns, as Qwen2.5's template (Hermes' format) writes them.
 """
 from __future__ import annotations
 
 import re
+
+import json
 
 from distmk.errors import DistmkError
 
 CHATML_END = "<|im_end|>"
 
 
-def render_chatml(messages: list[dict]) -> str:
-    turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}{CHATML_END}\n" for m in messages)
-    return turns + "<|im_start|>assistant\n"
+TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def render_chatml(messages: list[dict], tools: list[dict] | None = None) -> str:
+    if tools:
+        offered = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if messages and messages[0]["role"] == "system":
+            messages = [{**messages[0], "content": f"{messages[0]['content']}\n\n{offered}"}, *messages[1:]]
+        else:
+            messages = [{"role": "system", "content": offered}, *messages]
+    turns = []
+    for m in messages:
+        role, calls = m["role"], [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                                  for c in m.get("tool_calls") or ()]
+        content = "\n".join([m["content"]] * bool(m["content"]) + [
+            f"<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>" for call in calls])
+        if role == "tool":
+            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
+        turns.append(f"<|im_start|>{role}\n{content}{CHATML_END}\n")
+    return "".join(turns) + "<|im_start|>assistant\n"
 
 
 class ByteTokenizer:
@@ -46,10 +78,11 @@ class ByteTokenizer:
         """One token's bytes, as log-probabilities show them (an id past 255: none)."""
         return bytes([token]) if token < 256 else b""
 
-    def render_chat(self, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
-        """The prompt of a conversation ([{"role", "content"}] with text content), and the stop strings
-        that end a reply in its format."""
-        return self.encode(render_chatml(messages)), (CHATML_END,)
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], tuple[str, ...]]:
+        """The prompt of a conversation ([{"role", "content"}] with text content, and where they have them the
+        assistant's tool_calls and the tool messages' tool_call_id) offering `tools` (OpenAI's tool objects), and
+        the stop strings that end a reply in its format."""
+        return self.encode(render_chatml(messages, tools)), (CHATML_END,)
 
 
 class HFTokenizer:
@@ -92,10 +125,10 @@ class HFTokenizer:
             self._bytes[token] = raw
         return self._bytes[token]
 
-    def render_chat(self, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], tuple[str, ...]]:
         if not self.tok.chat_template:
-            return self.encode(render_chatml(messages)), (CHATML_END,)
-        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.encode(render_chatml(messages, tools)), (CHATML_END,)
+        text = self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
         return self.tok.encode(text, add_special_tokens=False), ()    # the template writes BOS itself
 
 

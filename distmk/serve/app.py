@@ -34,6 +34,7 @@ from distmk.runtime.batcher import Sequence
 from distmk.runtime.sampling import TokenLogprob, resolve_sampling
 from distmk.runtime.structured import Grammars
 from distmk.runtime.tokenizer import IncrementalDecoder
+from distmk.serve.tools import ToolChoice, ToolReader, call_schema
 from distmk.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                    parse_body)
 
@@ -68,15 +69,27 @@ class Served:
         """response_format's grammar compiler, made at its first use (xgrammar reads the whole vocabulary)."""
         return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
-    def constraints(self, response_format, count: int) -> list:
-        """Each of `count` sequences' Constraint of a response_format (None for none, or text)."""
-        if response_format is None or response_format.type == "text":
+    def constraints(self, req, tools: ToolChoice | None, count: int) -> list:
+        """Each of `count` sequences' Constraint: of a forced tool call, or of the response_format (None for
+        neither)."""
+        response_format = req.response_format
+        if response_format is not None and response_format.type == "text":
+            response_format = None
+        if tools is not None and tools.forced:
+            if response_format is not None:
+                raise APIError(400, f"response_format and tool_choice '{req.tool_mode}' both hold the reply to a "
+                                    f"format: give one", param="response_format")
+            kind, schema, param = "json_schema", call_schema(tools.offered, tools.named, tools.parallel), "tools"
+            compact = True          # the calls' JSON is read, and their arguments written again
+        elif response_format is not None:
+            kind, schema = response_format.type, getattr(response_format.json_schema, "schema_", None)
+            param, compact = "response_format.json_schema.schema", False
+        else:
             return [None] * count
-        schema = response_format.json_schema.schema_ if response_format.json_schema else None
         try:
-            return [self.grammars.constraint(response_format.type, schema) for _ in range(count)]
+            return [self.grammars.constraint(kind, schema, compact) for _ in range(count)]
         except DistmkError as e:
-            raise APIError(400, str(e), param="response_format.json_schema.schema") from None
+            raise APIError(400, str(e), param=param) from None
 
     async def tokenize(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
@@ -405,15 +418,18 @@ def create_app(served: Served) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req, arrived = await accept(request, ChatRequest)
+        tools = ToolChoice.of(req)
         try:
             prompt, format_stops = await served.tokenize(served.tokenizer.render_chat,
-                                                         [m.for_template() for m in req.messages])
+                                                         [m.for_template() for m in req.messages],
+                                                         tools.offered if tools else None)
         except DistmkError as e:                     # this model takes token ids only
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # noqa: BLE001 - a chat template refuses a conversation by raising
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        return await respond(request, req, [prompt], "messages", max_tokens, list(format_stops), arrived, chat=True)
+        return await respond(request, req, [prompt], "messages", max_tokens, list(format_stops), arrived, chat=True,
+                             tools=tools)
 
     def check_model(name: str, param: str | None = "model") -> None:
         if name != served.model_name:
@@ -421,7 +437,7 @@ def create_app(served: Served) -> FastAPI:
                            param=param, code="model_not_found")
 
     async def respond(request, req, prompts, prompt_param, max_tokens, format_stops, arrived, chat,
-                      prompt_texts=None):
+                      prompt_texts=None, tools=None):
         """The reply to `prompts` (token ids; a completions request may batch several), n choices each, indexed
         prompt-major (prompt * n + choice) as OpenAI has them. max_tokens 0 (with echo): one token is generated
         and not shown."""
@@ -447,7 +463,7 @@ def create_app(served: Served) -> FastAPI:
                            param="n")
         # the prompt's log-probabilities: completions' echo with logprobs, vLLM's prompt_logprobs
         asked = [k for k in (req.prompt_logprobs, None if chat or not req.echo else req.logprobs) if k is not None]
-        constraints = iter(served.constraints(req.response_format, req.n * len(prompts)))
+        constraints = iter(served.constraints(req, tools, req.n * len(prompts)))
         # choice i draws from seed + i: choice 0 is what the same request with n = 1 gets
         seqs = [Sequence(prompt, 1 if max_tokens == 0 else max_tokens or served.max_context - len(prompt),
                          params if params.seed is None or i == 0 else
@@ -472,7 +488,7 @@ def create_app(served: Served) -> FastAPI:
             for generation in generations:
                 generation.close()
             raise
-        reply = Reply(served, req, chat, prompts, prompt_texts)
+        reply = Reply(served, req, chat, prompts, prompt_texts, tools)
         if req.stream:
             count(request, 200)
             return GenerationStream(generations, reply.events(generations))
@@ -538,8 +554,8 @@ class Reply:
     the first token's null as OpenAI and vLLM give it); max_tokens 0 shows the prompt alone."""
 
     def __init__(self, served: Served, req, chat: bool, prompts: list[list[int]],
-                 prompt_texts: list[str | None] | None = None):
-        self.req, self.chat, self.prompts, self.tokenizer = req, chat, prompts, served.tokenizer
+                 prompt_texts: list[str | None] | None = None, tools: ToolChoice | None = None):
+        self.req, self.chat, self.prompts, self.tokenizer, self.tools = req, chat, prompts, served.tokenizer, tools
         self.prompt_texts = prompt_texts or [None] * len(prompts)
         self.echo, self.hidden = not chat and req.echo, not chat and req.max_tokens == 0
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -646,7 +662,14 @@ class Reply:
                         self.prompt_entries(index, generation) + [(p.token, p.logprob) for p in pieces])
             choice = {"index": index, "logprobs": logprobs,
                       "finish_reason": "length" if self.hidden else generation.finish_reason}
-            choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+            reader = self.tools.reader() if self.tools else None
+            calls = []
+            if reader is not None:              # the calls read out of the reply, and the rest of its text
+                text, calls = reader.read(text)
+            message = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:
+                message["tool_calls"], choice["finish_reason"] = calls, "tool_calls"
+            choice.update({"message": message} if self.chat else {"text": text})
             if self.req.return_token_ids:
                 choice.update(prompt_token_ids=self.prompt(index), token_ids=[p.token for p in pieces])
             choices.append({**choice, **self.extras(index, generation)})
@@ -664,6 +687,7 @@ class Reply:
         stream with the error."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         first, offsets = [True] * len(generations), [0] * len(generations)
+        readers = [self.tools.reader() if self.tools else None for _ in generations]
         continuous_usage = self.req.stream_options is not None and self.req.stream_options.continuous_usage_stats
         merged: asyncio.Queue = asyncio.Queue()
 
@@ -706,8 +730,16 @@ class Reply:
                 offsets[index] += len(logprobs["tokens"][0]) if logprobs and not self.chat else 0
                 choice = {"index": index, "logprobs": logprobs, "finish_reason": piece.finish_reason}
                 if self.chat:
-                    choice["delta"] = ({"role": "assistant", "content": piece.text} if first[index]
-                                       else {"content": piece.text})
+                    text, reader, calls = piece.text, readers[index], []
+                    if reader is not None:      # content sent once it cannot be a call; the calls at the end
+                        text = reader.feed(text)
+                        if piece.finish_reason is not None:
+                            rest, calls = reader.finish()
+                            text += rest
+                    choice["delta"] = {"role": "assistant", "content": text} if first[index] else {"content": text}
+                    if calls:
+                        choice["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+                        choice["finish_reason"] = "tool_calls"
                 else:
                     choice["text"] = piece.text
                 if self.req.return_token_ids:

@@ -158,16 +158,72 @@ class CompletionRequest(_Sampling):
 
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str                          # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(_Strict):
-    role: Literal["developer", "system", "user", "assistant"]
-    content: Annotated[str, PlainValidator(_text_content)]
+    role: Literal["developer", "system", "user", "assistant", "tool"]
+    content: Annotated[str | None, PlainValidator(lambda v: None if v is None else _text_content(v))] = None
     name: str | None = None              # the participant's name, for chat templates that show it
+    tool_calls: list[ToolCall] | None = None    # an assistant's calls, earlier in the conversation
+    tool_call_id: str | None = None             # a tool message's: the call it answers
+
+    @model_validator(mode="after")
+    def _roles_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message has a tool_call_id, and only a tool message")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is missing (only an assistant message with tool_calls may leave it out)")
+        return self
 
     def for_template(self) -> dict:
         """The message as chat templates take it: OpenAI's developer role is the system role of the
-        templates (and of ChatML)."""
+        templates (and of ChatML); a call's arguments are a mapping, as transformers' templates read them."""
         message = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message if self.name is None else {**message, "name": self.name}
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text                     # as it was sent: the template shows it so
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None     # a JSON schema of the arguments (none: any object)
+    strict: bool | None = None                   # distmk holds forced calls to the schema always
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatRequest(_Sampling):
@@ -176,8 +232,36 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None    # none given: auto with tools
+    parallel_tool_calls: bool | None = None     # "required" may make several calls, a named choice one
 
     _only_with_logprobs = _only_when("top_logprobs", "logprobs")
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, tools):
+        names = [t.function.name for t in tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("must have distinct function names")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _of_the_tools(cls, choice, info):
+        names = [t.function.name for t in info.data.get("tools") or ()]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"names the function '{choice.function.name}', which is not among the tools")
+        if choice in ("auto", "required") and not names:
+            raise ValueError(f"'{choice}' needs tools")
+        return choice
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required, or named (tool_choice names a function)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
 
 
 class TokenizeRequest(_Strict):
