@@ -118,8 +118,8 @@ def _claim_slot(ready, empty, c, first, NBUF: gl.constexpr, INFLIGHT: gl.constex
     it, and (INFLIGHT > 0) while the ring fills ahead of the task (its first NBUF slots, copied while the task may
     still wait for its event) the copies of slot c - INFLIGHT have landed, so that at most INFLIGHT slots of this
     worker are in flight. A ring filling at full depth on every worker queues the task's event poll and first input
-    copies behind up to 160 KB a worker (QKV and gate/up tiles began 3-5.6 us after the last tile they wait for
-    ended, o_proj and down tiles, whose 32 rows fill half a slot, 0.9-1.7 us); past the fill the stream runs
+    copies behind up to 160 KB a worker, delaying most the tiles whose rows fill a slot (QKV, gate/up) rather
+    than half of one (o_proj, down); past the fill the stream runs
     uncapped. Slot c - INFLIGHT is refilled only after slot c is issued, so its phase cannot alias."""
     s = c % NBUF
     mbarrier.wait(empty.index(s), ((c // NBUF) & 1) ^ 1)              # slots start free (phase 1 done)
@@ -370,7 +370,7 @@ def norm_rstd(x, n, H: gl.constexpr, EPS: gl.constexpr, ring, xring, num_warps: 
     """primitives.norm_rstd in Gluon: the RMSNorm's scale of the residual stream's rows b < n (1 past n), in the
     layout of a block's batch index (block_index), to multiply the block's product of the scaled stream by. A row
     at a time, the whole row in one load, the next row's load issued before this one is reduced: one L2 round
-    trip in all rather than one a row (a batch of 8 made QKV and gate/up tiles 5-6 us longer than a batch of 1).
+    trip in all rather than one a row (a round trip a row lengthened QKV and gate/up tiles with every row of the batch).
     Call it after prime_inputs, so that the round trip of its loads overlaps the input slices'."""
     HP: gl.constexpr = next_power_of_2(H)
     rh = gl.arange(0, HP, layout=gl.BlockedLayout([4], [32], [num_warps], [0]))

@@ -13,7 +13,7 @@ DEFAULT_WORKERS = 132                 # an H100 / H200 SXM's SM count
 # Streaming-read bandwidth in bytes/s by a part of the GPU's name; the first key found in the name counts,
 # so "H100 PCIe" stands before "H100". Vendor peak figures, except where measured.
 HBM_BYTES_PER_S = {
-    "H200": 4.5e12,                   # measured streaming read (benchmarks/baselines.py sweeps 4.57e12..4.68e12)
+    "H200": 4.5e12,                   # measured streaming read (benchmarks/baselines.py), rounded down
     "H100 PCIe": 2.0e12,
     "H100 NVL": 3.9e12,
     "H100": 3.35e12,                  # SXM

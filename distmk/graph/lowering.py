@@ -39,11 +39,11 @@ class GraphConfig:
     router_partials: int = field(default=0, metadata={
         "help": "a sparse layer's gate logits: 1 = each o_proj tile adds its rows' share (no router phase; tp=1), "
                 "2 = router tiles; 0 = 1 at tp=1 and batch 1 when the shares are at most 64 KB"})
-    # 1: attention and its combine 10.1 -> 8.4 us of qwen3-30b-a3b's layer (benchmarks/results/h200-2026-12-03-f4d0746)
+    # 1: the combine rides on the last split's task, saving a phase boundary a layer
     fused_attn_reduce: int = field(default=1, metadata={
         "help": "1 = the attention task that ends a group's splits last combines them (fixed order, no attn_reduce "
                 "phase); 0 = attn_reduce tasks"})
-    # 1: qwen3-30b-a3b b1 2.680-2.687 against 2.692-2.695 ms (ring, benchmarks/results/h200-2026-12-03-400e158)
+    # 1: routing in the tile that adds the last share saves the route phase's boundary a sparse layer
     fused_route: int = field(default=1, metadata={
         "help": "1 = where the o_proj tiles add the gate's shares (router_partials 1), the tile that adds a sparse "
                 "layer's last share routes it (no route phase); 0 = route tasks"})
@@ -77,10 +77,8 @@ class GraphConfig:
         """router_partials made concrete (see tasks/router.py for what the o_proj tiles add). At tp > 1 an o_proj
         tile holds a partial sum, not the residual stream's rows, so only router tiles can do it there. The
         route task sums every tile's share of a row, one row after another, so the shares serve one row of at
-        most 64 KB (qwen3-30b-a3b: 128 tiles x 128 experts). On an H200 (ninth session, call 3, a tree that also
-        had wider expert gate/up steps, since dropped) they took qwen3-30b-a3b at batch 1 from 4.845 to 4.574 ms
-        a step (no router phase: 5.6 us a layer), and lost at batch 8 (eight rows' shares, one row after
-        another): 13.47 against 11.49 ms."""
+        most 64 KB (qwen3-30b-a3b: 128 tiles x 128 experts). At batch 1 saving the router phase wins; at batch 8
+        summing eight rows' shares one after another costs more than the phase."""
         if self.router_partials > 2:
             raise GraphError(f"GraphConfig.router_partials must be 0, 1 or 2, got {self.router_partials}")
         if self.router_partials == 1 and plan.tp > 1 and spec.moe_layers:

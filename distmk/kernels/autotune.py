@@ -19,10 +19,10 @@ CANDIDATES = [
     {"prefetch_kb": 0},                   # prefetch_kb=256 (these vary the tl megakernel only)
     {"num_stages": 3},
     {"mlp_block_n": 32, "lm_block_n": 64},
-    {"prefetch_kb": 0, "mlp_block_n": 32, "lm_block_n": 64},   # the two above together: qwen3-30b-a3b b1
-    # without prefetch took 4.67 ms, 4.44 with mlp_block_n 32 too, 4.54 with lm_block_n 64 (H200, tl kernel)
+    {"prefetch_kb": 0, "mlp_block_n": 32, "lm_block_n": 64},   # the two above together: each helped
+    # qwen3-30b-a3b b1 on the tl kernel, and together more
     {"prefetch_kb": 64, "prefetch_tasks": "o_proj", "mlp_block_n": 32, "lm_block_n": 64},   # and of the prefetches
-    # only o_proj's (its tiles wait through attention): 3.93 ms against 4.10 with none (tenth session)
+    # only o_proj's (its tiles wait through attention), which beat none
     {"prefetch_kb": 768},                 # more of each tile in L2 while its worker waits at a phase boundary
     {"ring_slots": 6, "ring_inputs": 2},  # the ring: six weight slots, two input slices (default: 5 and 4)
     {"kernel": "tl"},                     # where the ring runs: the tl megakernel, in case it is faster here

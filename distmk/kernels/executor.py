@@ -5,18 +5,18 @@ epoch bump and the launch are captured once in a CUDA graph and each step is a r
 bounded: a worker that waits longer than `timeout_s` records who waited on what, all workers leave, and
 step() raises WatchdogTimeout naming the task and the event.
 
-What a step costs the host, and why. On an H200 (llama-3-8b, 1 row) a graph replay took 4.459 ms, a step
-from the host with its tokens read back 4.812 ms: it then made four small kernels before the replay (copies
-of tokens, positions and block table into the static buffers, a fill of the row count), which a persistent
-kernel that fills the GPU leaves idle for several microseconds each, and two device-to-host round trips after
-it (the watchdog's error word, then next_token). So now the kernel's inputs (tokens, positions, block table,
-row count) are views of one int64 device buffer, `inputs`, and its host outputs (error word, next_token) views
-of another, `outputs`: a step is one non-blocking copy from the pinned host twin of `inputs`, the replay, and
-one copy of `outputs` into pinned memory, its one sync (check). With nothing to copy inside the device, the
-graph holds only the epoch bump and the launch. Back-to-back decode steps (Engine.decode, 0.12 ms a step above
-the replay with six small kernels between replays) replay a second graph that first takes each row's token from
-next_token and moves its position on (step_next): no host copy, one kernel left between replays (decode's clone
-of the tokens it returns). What this saves has not been measured yet.
+What a step costs the host, and why. A step from the host with its tokens read back cost noticeably more than
+a bare graph replay: it made four small kernels before the replay (copies of tokens, positions and block table
+into the static buffers, a fill of the row count), which a persistent kernel that fills the GPU leaves idle
+for several microseconds each, and two device-to-host round trips after it (the watchdog's error word, then
+next_token). So now the kernel's inputs (tokens, positions, block table, row count) are views of one int64
+device buffer, `inputs`, and its host outputs (error word, next_token) views of another, `outputs`: a step is
+one non-blocking copy from the pinned host twin of `inputs`, the replay, and one copy of `outputs` into pinned
+memory, its one sync (check). With nothing to copy inside the device, the graph holds only the epoch bump and
+the launch. Back-to-back decode steps (Engine.decode, which had six small kernels between replays) replay a
+second graph that first takes each row's token from next_token and moves its position on (step_next): no host
+copy, one kernel left between replays (decode's clone of the tokens it returns). What this saves has not been
+measured yet.
 """
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ class SymmetricBuffers:
 def prefetching_kinds(kinds: dict, names: str) -> dict:
     """The task types of `kinds` whose weights the tl kernel prefetches: those of the comma-separated `names`
     (KernelOptions.prefetch_tasks; empty: every type with a gpu_prefetch). At qwen3-30b-a3b batch 1 the QKV
-    tiles' prefetch lost more than the o_proj tiles' won (3.94 ms with o_proj's alone, 4.10 with none)."""
+    tiles' prefetch lost more than the o_proj tiles' won."""
     able = sorted(TASK_KINDS[t].name for t in range(len(TASK_KINDS)) if TASK_KINDS[t].gpu_prefetch is not None)
     wanted = {name.strip() for name in names.split(",") if name.strip()}
     if wanted - set(able):

@@ -55,7 +55,7 @@ class Launch:
     @property
     def block_n(self) -> int:
         """An o_proj tile's height where that is under 32 (hidden size 2048 over 132 workers: 16 rows), so a load
-        step reads no padding rows: qwen3-30b-a3b's step took 5.12 ms with 32-row steps, 4.76 ms with 16."""
+        step reads no padding rows (qwen3-30b-a3b's 16-row tiles would otherwise read as many again)."""
         return self.options.block_n or min(32, padded(hidden_tile_rows(self.spec, self.config)))
 
     @property
@@ -174,7 +174,7 @@ CONSTANTS = (
     Arg("RING_INFLIGHT", lambda l: l.options.ring_inflight, "weight slots in flight while the ring fills (0: all)"),
     Arg("FUSED_ATTN_REDUCE", lambda l: l.config.fused_attn_reduce, "the last split of a group combines it"),
     Arg("FUSED_ROUTE", lambda l: l.config.fused_route, "the o_proj tile that adds a layer's last share routes it"),
-    # MoE kernels are larger: 2 keys a pass is 9 KB less code, qwen3-30b-a3b b1 2.88 -> 2.80 ms; dense qwen3-8b +0.3%
+    # MoE kernels are larger, and 2 keys a pass is less code; dense kernels gain nothing from it
     Arg("RING_ATTN_KEYS", lambda l: l.options.ring_attention_keys or (2 if l.spec.num_experts else 0),
         "keys a thread of an attention task holds a pass (0: by its heads)"),
 )

@@ -5,12 +5,9 @@ program per worker queue, in two warp-specialized partitions.
   `ring_weights` device function) by TMA into a shared-memory ring (device/ring.py). Dense weights never depend on
   events, so it never waits on one: while the tasks wait at a phase boundary, the ring fills. It begins a task's
   weights once the tasks partition has signalled the previous task that read any (`released`): a signal's release
-  issued while the next task's prefill was in flight took up to 4.2 us (o_proj before gate_up), and with the
-  handoff the qwen3-8b step went from 4.80-4.87 to 4.71-4.72 ms (llama-3-8b 4.47-4.55 -> 4.44-4.52). Where
-  tasks without weights come between (attention after QKV), the handoff waits until the first of them has
-  passed its wait: a worker's event poll queues behind its own copies in flight (the o_proj prefill's, there),
-  and attention then began 1.1 us after QKV's last tile instead of 1.9, its phase ending 0.8 us sooner
-  (llama-3-8b b1 3.911-3.927 ms against 3.934-3.941; benchmarks/results/h200-2026-12-03-32370bc).
+  issued while the next task's prefill is in flight waits behind those copies. Where tasks without weights come
+  between (attention after QKV), the handoff waits until the first of them has passed its wait: a worker's event
+  poll queues behind its own copies in flight (the o_proj prefill's, there), which would delay attention's start.
 - Weights the step chooses (the experts of a mixture-of-experts layer: TaskKind.ring_routed) are the exception:
   before them the producer waits (bounded, reporting a give-up as the tasks partition does, which fails the step)
   for the route task's event, then hands the tasks partition the count of distinct experts it saw there (0 where

@@ -191,8 +191,8 @@ def rope_operands(raw, row_offsets, pos, rd, weight, rope, mask, D: gl.constexpr
     """The loads of norm_rope_rows in Gluon, to finish with finish_rope: row_offsets and pos in the rows' slice of
     the [rows, D] layout, rd in its columns'. Apart so that a task issues all of its loads before it reduces any (a
     round trip each otherwise). The table spares the kernel its sines and cosines: inlined, those of this function
-    (libdevice's, with their slow path for huge angles) made the attention tasks 4-5x slower and every other task
-    slower too."""
+    (libdevice's, with their slow path for huge angles) made the attention tasks several times slower and every
+    other task slower too."""
     HALF: gl.constexpr = D // 2
     pair = (rd + HALF) % D
     x = gl.load(raw + row_offsets[:, None] + rd[None, :], mask=mask[:, None], other=0.0)
@@ -455,8 +455,8 @@ def combine_splits(ctx, b: int, kvh: int, h0: int) -> None:
 
 def attention_heads(group: int) -> int:
     """Query heads of a group that one attention task runs (head0 and on): the group, or 4 where it is a larger
-    multiple of 4. A thread of the ring megakernel's attention holds each of its heads' products: qwen3-30b-a3b's
-    groups of 8 spilled registers and ran 13.5-16.5 us a task against 5 for qwen3-8b's groups of 4."""
+    multiple of 4. A thread of the ring megakernel's attention holds each of its heads' products: groups of 8
+    (qwen3-30b-a3b) spill registers and run far slower than groups of 4."""
     return 4 if group > 4 and group % 4 == 0 else group
 
 

@@ -91,10 +91,7 @@ def route_gpu(sparse_layer, partials, n, router_logits, router_partial, router_s
     """A row at a time: its probabilities, then its TOP_K largest by one bitonic top-k (tl.topk) of keys that
     pack a probability's bits (non-negative floats order as their bits) above the expert's index reversed, so
     the keys are distinct and ties go to the lower index, as a left-first argmax; the chosen slots are stored
-    in order. In one program alone on an H200 this took 1.1 us a row of qwen3-30b-a3b (128 experts, top 8),
-    against 3.1 us for each expert's rank from an [experts, experts] comparison, which it replaced (ninth
-    session's route_probe.py); in the step's trace it took 7.1 us while the sum reduced each 32 tiles' shares
-    across warps, 5.2 us with one reduction at the end (qwen3-30b-a3b b1: 3.94-3.98 -> 3.88-3.89 ms). Then each
+    in order (cheaper than each expert's rank from an [experts, experts] comparison, which it replaced). Then each
     slot's leading slot, and the leading slots in order, each stored at the number of leading slots before it
     (a prefix sum, no atomics). With `partials` a row's logits are the sum of the o_proj tiles' shares (in a
     fixed order: the same bits every run), scaled by the RMSNorm's rstd (router_logits)."""
@@ -172,7 +169,7 @@ def route_if_last_gpu(sparse_layer, n, router_logits, router_partial, router_sum
 def flat_rows_fit_int32(ROWS, TOP_K, BATCH):
     """Whether ring_flat_range's products fit in int32 for up to 1024 tiles: its divisions then take a few dozen
     instructions rather than int64's hundred-odd, inlined at every expert tile's call (the kernel's code is what its
-    latency-bound tasks wait on: benchmarks/results/h200-2026-12-03-f34d4db)."""
+    latency-bound tasks wait on)."""
     return 1024 * BATCH * TOP_K * ROWS < 2 ** 31
 
 
