@@ -73,8 +73,8 @@ def test_a_lone_long_prompt_is_prefilled_without_steps_between_its_chunks(engine
 def test_a_prompt_bound_for_prefill_chunks_starts_with_one(engine, monkeypatch):
     """Two prompts bound for prefill chunks arrive together beside a stream, the first short enough for one chunk:
     the step after it has rows to spare, and the second prompt waits for its own first chunk at position 0
-    instead of feeding its start through them (a first chunk attends to its own keys alone: on an H200 the rest of
-    a 256-token prompt cut so took 9.3 ms against 8.3 ms for a whole first chunk). Both prompts and the stream get
+    instead of feeding its start through them (a first chunk attends to its own keys alone, so the rest of a
+    prompt cut so costs more than a whole first chunk). Both prompts and the stream get
     the tokens they would get alone."""
     monkeypatch.setattr(engine, "prefill_chunk", 8)
     batcher = Batcher(engine, prefix_cache=False)
@@ -153,19 +153,21 @@ def test_log_probabilities_are_recorded_a_token_at_a_time(engine):
 def test_prompt_log_probabilities_are_transformers_log_softmax():
     """A sequence that asks for its prompt's log-probabilities (what completions' echo with logprobs and vLLM's
     prompt_logprobs return) gets each prompt token's given the ones before it, with the k most likely: transformers'
-    float32 log-softmax over the prompt, to 1e-4. Its 20-token prompt goes through the steps' rows, not the
-    prefill chunks a prompt that long would take, beside a stream that decodes; the tokens are those of
-    generating alone."""
+    float32 log-softmax over the prompt, to 1e-4. Its 20-token prompt goes through prefill chunks of 4 that compute
+    their positions' logits (the lm_head as a matrix product), then the steps' rows, beside a stream that decodes;
+    the tokens are those of generating alone."""
     import torch
     from conftest import hf_model
     engine = Engine("tiny-qwen2", config=GraphConfig(batch=6, kv_splits=2, tile_rows=32, workers=3), max_context=64,
                     block_size=4, max_seqs=4, prefill_chunk=4)
     prompt = [(5 * i + 2) % 300 for i in range(20)]
     batcher = Batcher(engine)
-    batcher.prefill = lambda chunk: pytest.fail("a prompt whose log-probabilities are asked for was prefilled")
+    chunks, prefill = [], batcher.prefill
+    batcher.prefill = lambda chunk: chunks.append(chunk) or prefill(chunk)
     seqs = [batcher.submit(Sequence([1, 2, 3], 8)), batcher.submit(Sequence(prompt, 3, prompt_logprobs=2))]
     while batcher.busy:
         batcher.step()
+    assert len(chunks) >= 2 and all(c.logits for c in chunks)          # beside steps whose prompt rows read more
     assert seqs[1].output == engine.generate(prompt, 3) and seqs[0].output == engine.generate([1, 2, 3], 8)
     with torch.no_grad():
         want = torch.log_softmax(hf_model("tiny-qwen2")(torch.tensor([prompt])).logits[0].double(), dim=-1)

@@ -190,8 +190,8 @@ def test_logprobs_are_transformers_log_softmax(server):
 def test_echo_logprobs_are_the_prompts_transformers_log_softmax(server):
     """Completions' echo with logprobs and max_tokens 0 or 1 (what lm-eval's loglikelihood and multiple-choice
     tasks send, batched as lists of token ids): the prompt's tokens with their log-probabilities, the first's
-    null, each transformers' float32 log-softmax, through both ranks of the server; a 30-token prompt, which would
-    otherwise be prefilled by chunks. With max_tokens 0 nothing else is shown; after it, the generated tokens as
+    null, each transformers' float32 log-softmax, through both ranks of the server; a 30-token prompt, most of it
+    read by a prefill chunk that computes its positions' logits (every rank's vocabulary slice, gathered). With max_tokens 0 nothing else is shown; after it, the generated tokens as
     without echo. vLLM's prompt_logprobs give the same values; streamed, the prompt comes first."""
     import torch
     from conftest import hf_model
@@ -766,7 +766,7 @@ def test_step_trace_splits_each_streams_gaps_into_launches_prefill_and_host(tmp_
 
 
 def test_warm_up_leaves_no_prefill_bucket_to_a_request():
-    """ChunkGraphs captures a (rows, keys) bucket on first use, which cost a served prompt 168 ms on an H200.
+    """ChunkGraphs captures a (rows, keys) bucket on first use, a capture a served prompt should not wait for.
     Without a GPU to capture on, the chunks warm_up runs are staged into their buckets, and every chunk a prompt
     can make (any length up to the chunk size, at any start) must land in one of them."""
     from distmk.runtime.engine import Engine

@@ -49,7 +49,7 @@ class Sequence:
     stop_tokens: frozenset[int] = frozenset()   # token ids that end it as an end of sequence does (even past eos)
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
     # record each prompt token's log-probability (given the tokens before it) and its k most likely alternatives:
-    # the prompt then goes through the steps, whose rows give its logits, never through prefill chunks
+    # from the logits of its prefill chunks (which then compute them) and of the steps' prompt rows
     prompt_logprobs: int | None = None
     prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)     # of prompt[1:]
     cached_tokens: int = 0            # prompt tokens found in the prefix cache at admission (not read again)
@@ -84,14 +84,15 @@ class StepInputs:
 @dataclass
 class PrefillInputs:
     """A chunk of one sequence's prompt for the prefill path, as every rank must run it: tokens at positions
-    start, start + 1, ... of the sequence whose KV blocks are `blocks`."""
+    start, start + 1, ... of the sequence whose KV blocks are `blocks`; logits: with the positions' logits."""
     tokens: list[int]
     start: int
     blocks: list[int]
+    logits: bool = False
 
 
-def run_prefill(engine, chunk: PrefillInputs) -> None:
-    prefill_chunk(engine, chunk.tokens, chunk.start, chunk.blocks)
+def run_prefill(engine, chunk: PrefillInputs) -> torch.Tensor | None:
+    return prefill_chunk(engine, chunk.tokens, chunk.start, chunk.blocks, chunk.logits)
 
 
 def run_step(engine, step: StepInputs) -> tuple[list[list[int]], torch.Tensor | None]:
@@ -210,19 +211,19 @@ class Batcher:
     def _prefills(self, seq: Sequence) -> bool:
         """Whether the sequence's unread prompt, its last token aside, still goes to a prefill chunk: it is
         more than a step's rows (and the engine prefills by chunks)."""
-        return (bool(self.engine.prefill_chunk) and seq.prompt_logprobs is None
-                and len(seq.prompt) - 1 - seq.fed > self.engine.config.batch)
+        return bool(self.engine.prefill_chunk) and len(seq.prompt) - 1 - seq.fed > self.engine.config.batch
 
-    def plan_prefill(self) -> PrefillInputs | None:
-        """The next prefill chunk: of the oldest running sequence whose unread prompt still goes to one; None
-        if there is none."""
+    def plan_prefill(self) -> tuple[Sequence, PrefillInputs] | None:
+        """The next prefill chunk and its sequence: of the oldest running sequence whose unread prompt still goes
+        to one; None if there is none."""
         self._admit()
         for seq in self.running:
             if self._prefills(seq):
                 n = min(self.engine.prefill_chunk, len(seq.prompt) - 1 - seq.fed)
-                chunk = PrefillInputs(seq.prompt[seq.fed:seq.fed + n], seq.fed, seq.blocks)
+                chunk = PrefillInputs(seq.prompt[seq.fed:seq.fed + n], seq.fed, seq.blocks,
+                                      logits=seq.prompt_logprobs is not None)
                 seq.fed += n
-                return chunk
+                return seq, chunk
         return None
 
     def plan(self) -> tuple[list[tuple[Sequence, int]], StepInputs] | None:
@@ -260,15 +261,24 @@ class Batcher:
         pairs it produced, in order. Finished sequences have finish_reason set and are out of the batch. A
         sequence whose token cannot be sampled fails alone: its pair has no token, its finish_reason is "error"
         and its error says why. A prefill chunk, if a prompt needs one, runs first."""
-        chunk = self.plan_prefill()
-        if chunk is not None:
-            self.prefill(chunk)
+        produced = []
+        prefill = self.plan_prefill()
+        if prefill is not None:
+            seq, chunk = prefill
+            logits = self.prefill(chunk)
+            if chunk.logits:            # position p's logits give prompt token p + 1's log-probability
+                n = len(chunk.tokens)
+                try:
+                    seq.prompt_token_logprobs += token_logprobs(
+                        logits, seq.prompt[chunk.start + 1:chunk.start + n + 1], [seq.prompt_logprobs] * n)
+                except Exception as e:  # noqa: BLE001 - this sequence fails, the others go on
+                    self._fail_logprobs([seq], e, produced)
         planned = self.plan()
         if planned is None:
-            return []
+            return produced
         batch, inputs = planned
         greedy, logits = self.run(inputs)
-        produced, asked = [], []           # asked: (row, sequence) of the new tokens whose logprobs are recorded
+        asked = []              # (row, sequence) of the new tokens whose logprobs are recorded
         for row, (seq, i) in enumerate(batch):
             if i != len(seq.prompt) + len(seq.output) - 1:     # a prompt row that is not the prompt's last
                 if seq.prompt_logprobs is not None:
@@ -302,11 +312,7 @@ class Batcher:
             try:
                 found = token_logprobs(logits[rows], chosen, ks)
             except Exception as e:  # noqa: BLE001 - these sequences fail, the others go on
-                for seq in dict.fromkeys(seq for _, seq in asked):
-                    seq.logprobs = seq.prompt_logprobs = None
-                    seq.error = f"log-probabilities failed: {e}"
-                    self._finish(seq, "error")
-                    produced.append((seq, None))
+                self._fail_logprobs(dict.fromkeys(seq for _, seq in asked), e, produced)
             else:
                 for (_, seq), prompt, logprob in zip(asked, in_prompt, found):
                     (seq.prompt_token_logprobs if prompt else seq.token_logprobs).append(logprob)
@@ -318,6 +324,14 @@ class Batcher:
         for seq in self.running:
             self._offer_blocks(seq)
         return produced
+
+    def _fail_logprobs(self, seqs, error: Exception, produced: list) -> None:
+        for seq in seqs:
+            if seq.finish_reason is None:
+                seq.logprobs = seq.prompt_logprobs = None
+                seq.error = f"log-probabilities failed: {error}"
+                self._finish(seq, "error")
+                produced.append((seq, None))
 
     def _produce(self, seq: Sequence, token: int, produced: list) -> None:
         seq.output.append(token)

@@ -1,11 +1,10 @@
 """Prompt prefill as matrix products: a chunk of one sequence's prompt runs through every layer as torch GEMMs
 (cuBLAS on a GPU) with scaled_dot_product_attention over the paged KV cache, and writes that cache exactly where
-the decode graph's tasks read it. The decode megakernel is a GEMV machine of at most a step's rows (16): a
-2000-token prompt through it took 1.26 s on an H200, where its matmuls need some 45 ms of tensor-core time.
+the decode graph's tasks read it. The decode megakernel is a GEMV machine of at most a step's rows (16): a long
+prompt through it is bound by the weight stream once per 16 tokens, where a GEMM reads the weights once a chunk.
 
 On a GPU the element-wise work between the products (residual adds, RMSNorm, RoPE, SiLU) runs torch.compile'd,
-one fused kernel per stage: op by op, a chunk is some 60 kernel launches a layer, which at 256 tokens cost more
-than its products (the eager chunk of 256 took 42 ms on an H200, the products alone about 4).
+one fused kernel per stage: op by op, a chunk is some 60 kernel launches a layer, which cost more than its products.
 
 Numerics follow the graph's tasks (tasks/): the residual stream in float32, activations rounded to the model's
 dtype where a task stores them, RMSNorm and RoPE in float32; the products run in the model's dtype (in bf16,
@@ -13,14 +12,13 @@ cuBLAS accumulates in float32 and rounds each output once, where the tasks keep 
 Under tensor parallelism every rank runs its shard and the row-parallel outputs are summed in rank order
 (comm.gather), so the ranks stay bit-identical. A sparse layer routes and combines as router tiles do (a
 batch-1 decode table whose o_proj tiles add the logits' shares routes on the float32 normed stream instead).
+A chunk whose prompt's log-probabilities are asked for also runs the last layer to its end and the lm_head as a
+GEMM over every rank's vocabulary slice.
 
-Even compiled, a chunk launched op by op is bound by the host: some 1300 kernel launches, which for a 256-token
-chunk of llama-3-8b took 27 ms on an H200 where its kernels need 8. So a chunk is replayed as a CUDA graph where
-nothing in it waits for the host (ChunkGraphs): the first chunk of a prompt since 2c1b0ae (8.5 ms at 256 tokens),
-and the chunks after it too, which launched op by op took some 37 ms for 512 tokens at start > 0 where their GPU
-work is ~15 ms. A 2000-token prompt is four chunks of 512: its TTFT was 128 ms, and each chunk after the first
-stalled every running decode stream for its length (inter-token p99 62 ms with 8 streams). Replayed, a chunk of
-512 at position 1536 took 17.1 ms, and the 2000-token TTFT 74 ms (benchmarks/results/h200-2026-12-01-fe26ea1).
+Even compiled, a chunk launched op by op is bound by the host (some 1300 kernel launches). So a chunk is replayed
+as a CUDA graph where nothing in it waits for the host (ChunkGraphs), the first chunk of a prompt and the chunks
+after it alike: a chunk after the first also stalls every running decode stream for its length. A chunk with
+logits runs op by op.
 """
 from __future__ import annotations
 
@@ -74,11 +72,13 @@ def stages(compiled: bool):
     return tuple(torch.compile(f, dynamic=True) for f in funcs) if compiled else funcs
 
 
-def prefill_chunk(engine, tokens: list[int], start: int, blocks: list[int]) -> None:
+def prefill_chunk(engine, tokens: list[int], start: int, blocks: list[int], logits: bool = False):
     """Write the KV entries of `tokens`, at positions start..start + len(tokens) - 1 of the sequence whose KV
-    blocks are `blocks` (positions before `start` are in the cache already). Every rank calls it together."""
+    blocks are `blocks` (positions before `start` are in the cache already). Every rank calls it together. With
+    `logits`, also the [tokens, vocab] float32 logits of every position (the lm_head as a GEMM over every rank's
+    vocabulary slice, gathered), what the prompt's log-probabilities are read from; else None."""
     graphs = engine.prefill_graphs
-    if graphs is not None and len(tokens) <= graphs.rows[-1]:
+    if graphs is not None and len(tokens) <= graphs.rows[-1] and not logits:
         graphs.run(tokens, start, blocks)
         return
     spec, kv, device = engine.spec, engine.kv, engine.kv.k.device
@@ -95,7 +95,8 @@ def prefill_chunk(engine, tokens: list[int], start: int, blocks: list[int]) -> N
         keep = (visible(positions, cached, spec.sliding_window) if spec.sliding_window
                 else causal_lower_right(n, start + n))
         attend = cached_keys(engine, table[cached // kv.block_size], cached % kv.block_size, keep)
-    run_layers(engine, torch.as_tensor(tokens, device=device), positions, page, slot, attend)
+    return run_layers(engine, torch.as_tensor(tokens, device=device), positions, page, slot, attend,
+                      logits=logits)
 
 
 def visible(positions: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -126,10 +127,11 @@ def own_keys(layer, q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
-def run_layers(engine, ids, positions, page, slot, attend, stored=None):
+def run_layers(engine, ids, positions, page, slot, attend, stored=None, logits: bool = False):
     """The chunk's rows through every layer: tokens `ids` at `positions`, their K and V written to the cache's
     (page, slot); attend(layer, q, k, v) gives the attention of the rows' queries [1, heads, rows, D]. stored:
-    the row whose K and V each cache write takes (default: its own)."""
+    the row whose K and V each cache write takes (default: its own). logits: return the rows' [rows, vocab]
+    float32 logits (the last layer then runs to its end)."""
     spec, plan, weights, kv, dtype = engine.spec, engine.plan, engine.weights, engine.kv, engine.dtype
     n, heads, eps = ids.shape[0], (plan.num_heads, plan.num_kv_heads, spec.head_dim), spec.rms_norm_eps
     qkv_stage, norm_stage, mlp_stage = stages(engine.compile_prefill)
@@ -141,7 +143,7 @@ def run_layers(engine, ids, positions, page, slot, attend, stored=None):
                                eps, dtype)
         kv.k[layer, page, slot] = k if stored is None else k[stored]
         kv.v[layer, page, slot] = v if stored is None else v[stored]
-        if layer == len(weights.layers) - 1:
+        if layer == len(weights.layers) - 1 and not logits:
             break                       # the chunk's output is its KV entries: the last layer's end feeds nothing
         attn = attend(layer, *(t.transpose(0, 1)[None] for t in (q, k, v)))
         attn = attn[0].transpose(0, 1).reshape(n, -1)
@@ -149,6 +151,11 @@ def run_layers(engine, ids, positions, page, slot, attend, stored=None):
                            dtype)
         mlp = mlp_stage(xn, lw.w_gate, lw.w_up, lw.w_down) if lw.router is None else sparse_mlp(xn, lw, spec)
         delta = sum_in_rank_order(engine.comm, mlp.float())
+    if logits:
+        xn = rms_norm(x + delta, weights.final_norm, eps).to(dtype)
+        shards = engine.comm.gather(F.linear(xn, weights.lm_head).float())
+        return torch.cat(shards, dim=-1)[:, :spec.vocab_size]
+    return None
 
 
 def powers_of_two(largest: int) -> list[int]:

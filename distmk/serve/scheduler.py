@@ -150,13 +150,14 @@ class Scheduler:
         with self.metrics.step_time.time(), self._span("step", rows=len(step.tokens), steps=step.steps):
             return self.leader.run(step)
 
-    def _prefill(self, chunk: PrefillInputs) -> None:
+    def _prefill(self, chunk: PrefillInputs):
         """Run a chunk and wait for it, so that its histogram holds the chunk's time, not its launch's (a CUDA
-        graph's replay returns at once; the next step would wait for it anyway)."""
+        graph's replay returns at once; the next step would wait for it anyway); its logits where it has them."""
         with self.metrics.prefill_time.time(), self._span("prefill", rows=len(chunk.tokens), position=chunk.start):
-            self.leader.prefill(chunk)
+            logits = self.leader.prefill(chunk)
             if self.batcher.engine.device.type == "cuda":
                 torch.cuda.synchronize(self.batcher.engine.device)
+        return logits
 
 
 def _deliver(deliveries) -> None:
