@@ -1,6 +1,8 @@
 """CI runs the README's commands: its set-up command (the install a newcomer makes) and its test command appear
-verbatim in .ci/run, in that order, after the virtual environment is activated."""
+verbatim in .ci/run, in that order, after the virtual environment is activated. Every relative link of README.md
+and docs/*.md reaches a file or folder of the checkout (and a heading, where it names one)."""
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -23,3 +25,24 @@ def test_ci_runs_the_readme_set_up_and_test_commands():
         assert where, f".ci/run does not run the README's command {command!r}"
         return where[0]
     assert ci.index('source "$venv/bin/activate"') < at(set_up) < at(test)
+
+
+def headings(path: pathlib.Path) -> set[str]:
+    """GitHub's anchors of a markdown file's headings."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+\s+(.*)$", text, re.M)}
+
+
+def test_readme_and_docs_links_resolve():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken, seen = [], 0
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"```.*?```", "", page.read_text(), flags=re.S)):
+            if re.match(r"[a-z]+:", target):
+                continue
+            seen += 1
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists() or anchor and (not dest.is_file() or anchor not in headings(dest)):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert seen and not broken, broken
