@@ -65,6 +65,9 @@ def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str
     p.add_argument("--max-context", type=COUNT, default=None,
                    help="tokens per sequence, prompt + output (default: the model's, at most 2048)")
     p.add_argument("--seed", type=SEED, default=0, help="seed of a preset's random weights")
+    p.add_argument("--quantize", choices=["fp8"], default=None,
+                   help="fp8: the layers' products' weights quantized at load to e4m3 in 128 x 128 blocks (the FP8 "
+                        "twin of a bf16 checkpoint or preset; an FP8 checkpoint needs no flag)")
     p.add_argument("--step-batches", type=step_batches, default=step_batches(step_batches_default),
                    metavar="auto|none|B,B,...",
                    help=f"row counts of smaller step tables, compiled beside the full one: a step runs the smallest "
@@ -126,5 +129,5 @@ def build_engine(args, launch: LaunchEnv, comm, device: str, *, progress: bool, 
     return Engine(args.model, tp=launch.world, rank=launch.rank, comm=comm, dtype=dtype, device=device,
                   backend=args.backend, config=config, max_context=args.max_context, seed=args.seed,
                   progress=progress, kernel_options=kernel_options, autotune=not args.no_autotune,
-                  max_seqs=max_seqs, prefill_chunk=args.prefill_chunk,
+                  max_seqs=max_seqs, prefill_chunk=args.prefill_chunk, quantize=args.quantize,
                   step_batches=powers_of_two_below(args.batch) if args.step_batches is None else args.step_batches)

@@ -13,15 +13,17 @@ import zlib
 import torch
 
 from distmk.errors import ModelError
+from distmk.models.fp8 import DEFAULT_BLOCK, dequantize, scale_block, scale_name, scale_range
 from distmk.models.presets import preset
 from distmk.models.spec import ModelSpec, spec_from_hf_config, with_generation_config
 
 
 class CheckpointWeights:
-    """A Hugging Face checkpoint directory: config.json plus one or more *.safetensors (with an index)."""
+    """A Hugging Face checkpoint directory: config.json plus one or more *.safetensors (with an index). FP8
+    weights (models/fp8.py) are read dequantized, each rank's slice with its own scales."""
 
-    def __init__(self, path: str, spec: ModelSpec):
-        self.path, self.spec = path, spec
+    def __init__(self, path: str, spec: ModelSpec, fp8_block: tuple[int, int] = DEFAULT_BLOCK):
+        self.path, self.spec, self.fp8_block = path, spec, fp8_block
         self._handles = {}
         index_path = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index_path):
@@ -65,8 +67,23 @@ class CheckpointWeights:
 
     def read(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
         sl = self._open(self.file_of[name]).get_slice(name)
-        stop = sl.get_shape()[dim] if stop is None else stop
-        return sl[start:stop] if dim == 0 else sl[:, start:stop]
+        shape = tuple(sl.get_shape())
+        stop = shape[dim] if stop is None else stop
+        part = sl[start:stop] if dim == 0 else sl[:, start:stop]
+        fp8 = part.is_floating_point() and part.dtype.itemsize == 1
+        return self._dequantized(name, shape, dim, start, stop, part) if fp8 else part
+
+    def _dequantized(self, name: str, shape, dim: int, start: int, stop: int, part: torch.Tensor) -> torch.Tensor:
+        """An FP8 weight's slice times the scales of its rows or columns."""
+        scale = scale_name(self.file_of, name)
+        if scale is None:
+            raise ModelError(f"{self.path}: {name} is FP8 but the checkpoint has no {name}_scale_inv or "
+                             f"{name}_scale")
+        values = self._open(self.file_of[scale]).get_tensor(scale).float()
+        per = scale_block(tuple(values.shape), shape, self.fp8_block)
+        grid = values.reshape(-(-shape[0] // per[0]), -(-shape[1] // per[1]))
+        first, last = scale_range(name, dim, start, stop, shape[dim], per[dim])
+        return dequantize(part, grid[first:last] if dim == 0 else grid[:, first:last], per)
 
 
 class RandomWeights:
@@ -111,7 +128,8 @@ def open_model(model: str, seed: int = 0, device: str | torch.device = "cpu"):
         if os.path.exists(gen_path):
             spec = with_generation_config(spec, _json_object(gen_path), source=gen_path)
         has_tokenizer = any(os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer.model"))
-        return spec, CheckpointWeights(model, spec), (model if has_tokenizer else None)
+        block = _json_object(cfg_path).get("quantization_config", {}).get("weight_block_size") or DEFAULT_BLOCK
+        return spec, CheckpointWeights(model, spec, tuple(block)), (model if has_tokenizer else None)
     spec = preset(model)
     return spec, RandomWeights(spec, seed=seed, device=device), None
 

@@ -18,6 +18,7 @@ from distmk.errors import DistmkError
 from distmk.graph.hardware import hbm_bytes_per_s, sm_workers
 from distmk.graph.lowering import GraphConfig, compile_step
 from distmk.models.shard import load_shard, plan_shard
+from distmk.models.fp8 import QuantizedAtLoad
 from distmk.models.weights import open_model
 from distmk.comm.cpu import SingleRank
 from distmk.reference.executor import ReferenceExecutor
@@ -83,13 +84,17 @@ class Engine:
                  max_context: int | None = None, block_size: int = 16, seed: int = 0, progress: bool = False,
                  kernel_options: dict | None = None, autotune: bool = True, max_seqs: int | None = None,
                  prefill_chunk: int = 0, step_batches: tuple[int, ...] = (), compile_prefill: bool | None = None,
-                 prefill_graphs: bool = True):
+                 prefill_graphs: bool = True, quantize: str | None = None):
         if backend not in BACKENDS:
             raise DistmkError(f"unknown backend {backend!r}: use {' or '.join(BACKENDS)}")
         self.comm = comm or SingleRank()
         if self.comm.world != tp:
             raise DistmkError(f"tp={tp} but the communicator has {self.comm.world} ranks")
         self.spec, source, self.tokenizer_dir = open_model(model, seed=seed, device=device)
+        if quantize not in (None, "fp8"):
+            raise DistmkError(f"unknown quantization {quantize!r}: the one there is is fp8")
+        if quantize:            # its FP8 twin: the products' weights in 128 x 128 blocks (models/fp8.py)
+            source = QuantizedAtLoad(source, self.spec)
         max_context = min(2048, self.spec.max_position_embeddings) if max_context is None else max_context
         if max_context < 1:
             raise DistmkError(f"max_context must be >= 1, got {max_context}")

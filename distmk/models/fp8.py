@@ -1,0 +1,94 @@
+"""FP8 weights (e4m3): the two layouts of the checkpoints deployed on Hopper, and quantizing at load.
+
+- Blocks: each block of a weight (128 x 128 unless config.json's quantization_config.weight_block_size says
+  otherwise) has a float32 `<name>_scale_inv` (Qwen3-*-FP8, DeepSeek).
+- Per tensor or per output channel: a float32 `<name>_scale` of one value or one a row (AutoFP8, compressed-tensors).
+  A static `input_scale` of the activations is not used: activations stay in the model's dtype (weights only).
+
+A weight's value is its e4m3 value times its block's scale, rounded to the model's dtype: what every executor
+multiplies (the reference is the spec). The embeddings, the lm_head, the norms and the routers stay in the model's
+dtype unless the checkpoint stores them in FP8."""
+from __future__ import annotations
+
+import torch
+
+from distmk.errors import ModelError
+
+E4M3_MAX = 448.0                    # the largest finite e4m3 value
+DEFAULT_BLOCK = (128, 128)
+
+
+def scale_name(names, weight: str) -> str | None:
+    """The scale tensor that goes with an FP8 weight (None if there is none)."""
+    return next((weight + suffix for suffix in ("_scale_inv", "_scale") if weight + suffix in names), None)
+
+
+def scale_block(scale_shape: tuple[int, ...], shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    """The rows and columns each scale value covers: a block grid, one value a row, or one for the tensor."""
+    rows, cols = shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale_shape) == grid:
+        return block
+    if tuple(scale_shape) in ((rows,), (rows, 1)):
+        return 1, cols
+    if tuple(scale_shape) in ((), (1,), (1, 1)):
+        return rows, cols
+    raise ModelError(f"an FP8 scale of shape {tuple(scale_shape)} fits neither {block[0]}x{block[1]} blocks "
+                     f"{grid}, one a row ({rows}), nor one for the tensor, of a weight {tuple(shape)}")
+
+
+def scale_range(name: str, dim: int, start: int, stop: int, size: int, per: int) -> tuple[int, int]:
+    """The scale rows (dim 0) or columns (dim 1) of weight rows or columns start..stop: a tensor-parallel slice
+    must hold whole blocks, as vLLM requires (a scale for every row or column, or one along all of them, holds any
+    slice)."""
+    if 1 < per < size and (start % per or (stop % per and stop != size)):
+        raise ModelError(f"{name}: {'rows' if dim == 0 else 'columns'} {start}..{stop} of this rank's slice cut its "
+                         f"FP8 blocks of {per}: a tensor-parallel rank must hold whole blocks (use a tp that divides "
+                         f"the blocks, or the bf16 checkpoint)")
+    return start // per, -(-stop // per)
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, per: tuple[int, int]) -> torch.Tensor:
+    """float32 values of an e4m3 slice [rows, cols] whose scales (a grid from its first row and column on) each
+    cover `per` rows and columns."""
+    rows, cols = data.shape
+    scale = scale.float().reshape(-(-rows // per[0]), -(-cols // per[1]))
+    full = scale.repeat_interleave(per[0], 0)[:rows].repeat_interleave(per[1], 1)[:, :cols]
+    return data.float() * full
+
+
+def quantize(weight: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, float32 scale of each block) of a weight, each block's largest magnitude at e4m3's largest."""
+    rows, cols = weight.shape
+    w = weight.float()
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1], dtype=torch.float32, device=w.device)
+    padded[:rows, :cols] = w
+    blocks = padded.view(grid[0], block[0], grid[1], block[1])
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / E4M3_MAX
+    values = (blocks / scale[:, None, :, None]).view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn)
+    return values, scale
+
+
+def linear_weights(spec) -> set[str]:
+    """The weights of the layers' products (attention, dense MLP, experts): what --quantize fp8 quantizes."""
+    routers = {spec.moe_names(i, 0)[0] for i in spec.moe_layers}
+    return {name for name, shape in spec.tensor_shapes().items()
+            if len(shape) == 2 and name.startswith("model.layers.") and name not in routers}
+
+
+class QuantizedAtLoad:
+    """--quantize fp8: a bf16 (or float32) source read as its FP8 twin in blocks, each slice quantized on the full
+    tensor's block grid (a tensor-parallel slice holds whole blocks), so that every preset has one."""
+
+    def __init__(self, source, spec, block: tuple[int, int] = DEFAULT_BLOCK):
+        self.source, self.spec, self.block = source, spec, block
+        self.quantized, self.shapes = linear_weights(spec), spec.tensor_shapes()
+
+    def read(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        w = self.source.read(name, dim, start, stop)
+        if name not in self.quantized:
+            return w
+        size = self.shapes[name][dim]
+        scale_range(name, dim, start, size if stop is None else stop, size, self.block[dim])
+        return dequantize(*quantize(w, self.block), self.block)

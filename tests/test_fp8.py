@@ -1,0 +1,107 @@
+"""FP8 checkpoints (models/fp8.py): tiny checkpoints written in both layouts (e4m3 weights with a scale per block,
+or per output channel or per tensor) give the greedy tokens of transformers running the same dequantized weights in
+float32, at tp 1 and 2, dense and sparse; a tensor-parallel slice that would cut a block is refused by name; and
+--quantize fp8 gives a preset its FP8 twin."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import hf_generate
+from distmk.comm.cpu import run_simulated_ranks
+from distmk.errors import ModelError
+from distmk.models.fp8 import E4M3_MAX, dequantize, linear_weights, quantize
+from distmk.models.presets import preset
+from distmk.models.weights import RandomWeights
+from distmk.runtime.engine import Engine
+
+PROMPT = [3, 17, 92, 5, 44, 120, 7]
+
+
+def quantized(w: torch.Tensor, layout: str, block) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 values, scale as the layout stores it, the dequantized float32 weight)."""
+    if layout == "block":
+        values, scale = quantize(w, block)
+        return values, scale, dequantize(values, scale, block)
+    scale = (w.abs().amax(dim=1, keepdim=True) if layout == "channel" else w.abs().amax()).clamp(min=1e-12) / E4M3_MAX
+    values = (w / scale).to(torch.float8_e4m3fn)
+    return values, scale, values.float() * scale
+
+
+def write_fp8(path, name: str, layout: str, block=(16, 16)) -> dict:
+    """An FP8 checkpoint of a preset's weights (its products' weights in e4m3, the rest float32) and the
+    dequantized state transformers runs."""
+    spec = preset(name)
+    state = {k: v.float() for k, v in RandomWeights(spec).state_dict().items()}
+    stored, dequantized = {}, dict(state)
+    for weight in linear_weights(spec):
+        values, scale, dequantized[weight] = quantized(state[weight], layout, block)
+        stored[weight] = values
+        stored[weight + ("_scale_inv" if layout == "block" else "_scale")] = scale
+    path.mkdir()
+    save_file({**{k: v.contiguous() for k, v in state.items() if k not in stored}, **stored},
+              str(path / "model.safetensors"))
+    config = spec.to_hf_config()
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     **({"weight_block_size": list(block)} if layout == "block" else {})}
+    (path / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+def transformers_tokens(spec, state, tmp_path, n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+    ref = tmp_path / "dequantized"
+    ref.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(ref / "model.safetensors"))
+    (ref / "config.json").write_text(json.dumps(spec.to_hf_config()))
+    model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    return hf_generate(model, PROMPT, n, eos_token_id=None)[0, len(PROMPT):].tolist()
+
+
+def distmk_tokens(path, tp: int, n: int, **engine) -> list[int]:
+    def rank(r, comm):
+        return Engine(str(path), tp=tp, rank=r, comm=comm, max_context=64, **engine).generate(PROMPT, n,
+                                                                                             stop_on_eos=False)
+    tokens = run_simulated_ranks(tp, rank)
+    assert all(t == tokens[0] for t in tokens)
+    return tokens[0]
+
+
+@pytest.mark.parametrize("name, layout, tp", [("tiny-llama", "block", 1), ("tiny-llama", "block", 2),
+                                              ("tiny-llama", "channel", 2), ("tiny-qwen3", "tensor", 1),
+                                              ("tiny-mixtral", "block", 2), ("tiny-qwen3-moe", "channel", 1)])
+def test_fp8_checkpoint_gives_transformers_tokens_of_its_dequantized_weights(tmp_path, name, layout, tp):
+    state = write_fp8(tmp_path / "fp8", name, layout)
+    assert distmk_tokens(tmp_path / "fp8", tp, 12) == transformers_tokens(preset(name), state, tmp_path, 12)
+
+
+def test_a_rank_slice_that_cuts_a_block_is_refused(tmp_path):
+    write_fp8(tmp_path / "fp8", "tiny-llama", "block", block=(48, 48))       # tp=2 takes 64 of q's 128 rows
+    with pytest.raises(ModelError, match=r"q_proj.weight: rows (0..64|64..128) of this rank.s slice cut its FP8 "
+                                         r"blocks of 48"):
+        distmk_tokens(tmp_path / "fp8", 2, 1)
+
+
+def test_an_fp8_weight_without_its_scale_is_refused(tmp_path):
+    write_fp8(tmp_path / "fp8", "tiny-llama", "channel")
+    from safetensors.torch import load_file
+    tensors = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    del tensors["model.layers.0.mlp.up_proj.weight_scale"]
+    save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
+    with pytest.raises(ModelError, match="model.layers.0.mlp.up_proj.weight is FP8 but the checkpoint has no"):
+        distmk_tokens(tmp_path / "fp8", 1, 1)
+
+
+def test_quantize_fp8_gives_a_preset_its_fp8_twin(tmp_path):
+    """--quantize fp8: a preset's products' weights quantized in 128 x 128 blocks at load, the rest as it was: the
+    tokens of transformers running the dequantized weights, which differ from the bf16 preset's own."""
+    spec = preset("tiny-qwen3")
+    state = {k: v.float() for k, v in RandomWeights(spec).state_dict().items()}
+    for weight in linear_weights(spec):
+        state[weight] = dequantize(*quantize(state[weight]), (128, 128))
+    tokens = Engine("tiny-qwen3", max_context=64, quantize="fp8").generate(PROMPT, 12, stop_on_eos=False)
+    assert tokens == transformers_tokens(spec, state, tmp_path, 12)
+    logits = [Engine("tiny-qwen3", max_context=64, **q).generate(PROMPT, 1, stop_on_eos=False, return_logits=True)[1]
+              for q in ({}, {"quantize": "fp8"})]
+    assert not torch.equal(*logits)
