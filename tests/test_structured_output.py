@@ -15,7 +15,8 @@ from distmk.runtime.structured import Grammars
 from distmk.runtime.tokenizer import ByteTokenizer
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
-          "properties": {"name": {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"}, "age": {"type": "integer", "minimum": 0},
+          "properties": {"name": {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"},
+                         "age": {"type": "integer", "minimum": 0},
                          "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
                          "admin": {"type": "boolean"}}}
 

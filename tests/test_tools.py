@@ -25,8 +25,10 @@ def calls_of(calls):
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', None,
      [("get_weather", {"city": "Paris"})]),
     ('Let me look. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "get_weather", '
-     '"arguments": {"city": "Oslo"}}</tool_call>', "Let me look. \n", [("add", {"a": 1}), ("get_weather", {"city": "Oslo"})]),
-    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}', None, [("get_weather", {"city": "Rome"})]),
+     '"arguments": {"city": "Oslo"}}</tool_call>', "Let me look. \n",
+     [("add", {"a": 1}), ("get_weather", {"city": "Oslo"})]),
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}', None,
+     [("get_weather", {"city": "Rome"})]),
     ('  {"name": "add", "parameters": {"a": 2, "b": 3}}', None, [("add", {"a": 2, "b": 3})]),
     ('{"name": "nope", "parameters": {}}', '{"name": "nope", "parameters": {}}', []),        # not an offered tool
     ('<tool_call>{"name": "add", "arguments": {"a": </tool_call>', '<tool_call>{"name": "add", "arguments": {"a": '

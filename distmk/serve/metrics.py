@@ -47,8 +47,8 @@ class Metrics:
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.running = Gauge("distmk_running_sequences", "Sequences in the batch", registry=r)
         self.waiting = Gauge("distmk_waiting_sequences", "Sequences queued for the batch", registry=r)
-        self.kv_used = Gauge("distmk_kv_cache_used_blocks", "KV-cache blocks held by sequences (cached blocks that none "
-                              "holds count as free)", registry=r)
+        self.kv_used = Gauge("distmk_kv_cache_used_blocks", "KV-cache blocks held by sequences (cached blocks "
+                              "that none holds count as free)", registry=r)
         self.kv_usage = Gauge("distmk_kv_cache_usage_ratio", "Fraction of the KV-cache blocks in use", registry=r)
         Gauge("distmk_kv_cache_blocks", "KV-cache blocks in all", registry=r).set(kv_blocks)
         self.kv_blocks = kv_blocks

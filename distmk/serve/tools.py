@@ -28,8 +28,9 @@ class ToolChoice:
         """None for a request without tools."""
         if not req.tools:
             return None
-        return cls([t.model_dump(exclude_none=True) for t in req.tools], req.tool_mode,
-                   req.tool_choice.function.name if req.tool_mode == "named" else None, req.parallel_tool_calls is not False)
+        named = req.tool_choice.function.name if req.tool_mode == "named" else None
+        return cls([t.model_dump(exclude_none=True) for t in req.tools], req.tool_mode, named,
+                   req.parallel_tool_calls is not False)
 
     @property
     def forced(self) -> bool:
