@@ -2,6 +2,9 @@
 overlap, serve-load and start-up JSON and the GPU tests' last lines (the run_h200*.sh scripts print it last).
 
     python benchmarks/results_table.py benchmarks/results/h100-2026-12-05-f21ea06
+
+With --headline, README.md's table of headline figures, made from the decode JSONs of the runs it quotes
+(HEADLINE): a figure in the README is generated, never typed (tests/test_readme_commands.py checks it).
 """
 import glob
 import json
@@ -27,6 +30,27 @@ def decode_rows(records):
                f"{fmt(r.get('cudagraph_compiled_ms'))} (x{fmt(r.get('speedup_vs_compiled'))})  graph "
                f"{fmt(r['cudagraph_ms'])} (x{fmt(r['speedup_vs_cudagraph'])})  hf {fmt(r['hf_eager_ms'], '.1f')}  "
                f"allreduce {fmt(r.get('allreduce_us'), '.1f')} us  peer wait {fmt(r.get('peer_wait_fraction'), '.3f')}")
+
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# the README's headline runs: each model's ring-kernel decode at batch 1 and 8, tp=1, from one results folder
+HEADLINE = (("llama-3-8b", "h200-2026-12-03-271c8a2"), ("qwen3-8b", "h200-2026-12-03-271c8a2"),
+            ("qwen3-30b-a3b", "h200-2026-12-03-400e158"), ("mixtral-8x7b", "h200-2026-12-03-400e158"))
+
+
+def headline_table() -> str:
+    """README.md's table: per model and batch the step, the speed-up over the compiled graph (its step) and the
+    fraction of the roofline."""
+    lines = ["| model | batch 1 | batch 8 | results |", "| --- | --- | --- | --- |"]
+    for model, folder in HEADLINE:
+        cells = []
+        for batch in (1, 8):
+            with open(os.path.join(RESULTS, folder, f"decode_ring_{model}_b{batch}_tp1.json")) as f:
+                r = json.load(f)
+            cells.append(f"{r['step_ms']:.2f} ms, **{r['speedup_vs_compiled']:.2f}x** "
+                         f"({r['cudagraph_compiled_ms']:.2f} ms), {r['efficiency']:.2f}")
+        lines.append(f"| {model} | {cells[0]} | {cells[1]} | [{folder}](benchmarks/results/{folder}) |")
+    return "\n".join(lines)
 
 
 def main(folder: str) -> None:
@@ -62,4 +86,7 @@ def main(folder: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1:] == ["--headline"]:
+        print(headline_table())
+    else:
+        main(sys.argv[1])

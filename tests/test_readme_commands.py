@@ -1,6 +1,7 @@
 """CI runs the README's commands: its set-up command (the install a newcomer makes) and its test command appear
 verbatim in .ci/run, in that order, after the virtual environment is activated. Every relative link of README.md
-and docs/*.md reaches a file or folder of the checkout (and a heading, where it names one)."""
+and docs/*.md reaches a file or folder of the checkout (and a heading, where it names one). The README's headline
+figures are the ones its runs' JSON hold (benchmarks/results_table.py writes the table)."""
 import pathlib
 import re
 
@@ -46,3 +47,8 @@ def test_readme_and_docs_links_resolve():
             if not dest.exists() or anchor and (not dest.is_file() or anchor not in headings(dest)):
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert seen and not broken, broken
+
+
+def test_the_readme_headline_table_is_generated_from_the_runs_json():
+    from results_table import headline_table            # benchmarks/ is on the path (conftest.py)
+    assert headline_table() in ROOT.joinpath("README.md").read_text()
