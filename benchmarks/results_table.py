@@ -4,7 +4,8 @@ overlap, serve-load and start-up JSON and the GPU tests' last lines (the run_h20
     python benchmarks/results_table.py benchmarks/results/h100-2026-12-05-f21ea06
 
 With --headline, README.md's table of headline figures, made from the decode JSONs of the runs it quotes
-(HEADLINE): a figure in the README is generated, never typed (tests/test_readme_commands.py checks it).
+(HEADLINE); with --decode FOLDER, the decode table of one run as benchmarks/README.md shows it under the run's
+heading. A figure in a README is generated, never typed (tests/test_readme_commands.py checks both).
 """
 import glob
 import json
@@ -53,6 +54,33 @@ def headline_table() -> str:
     return "\n".join(lines)
 
 
+DECODE_HEADER = ("| model | batch | distmk | roofline | efficiency | torch.compile'd CUDA graph | plain CUDA graph |\n"
+                 "| --- | --- | --- | --- | --- | --- | --- |")
+MODEL_ORDER = ("llama-3-8b", "qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b")
+# a run whose table shows a variant's JSON for a model (decode_ring_<variant>_<model>_...), as its README says
+DECODE_VARIANTS = {"h200-2026-12-03-7286695": {"qwen3-30b-a3b": "keys2_"}}
+
+
+def decode_table(folder: str) -> str:
+    """A run's tp=1 decode steps, a row per model and batch: its ring kernel's where it timed the ring (a variant's
+    JSON, named otherwise, only where DECODE_VARIANTS names it), against the roofline and the compiled and plain
+    CUDA graphs."""
+    runs = []
+    for path in sorted(glob.glob(os.path.join(RESULTS, folder, "decode_*.json"))):
+        with open(path) as f:
+            runs.append((os.path.basename(path), json.load(f)))
+    kernel = "_ring" if any(name.startswith("decode_ring_") for name, _ in runs) else ""
+    variant = DECODE_VARIANTS.get(folder, {})
+    runs = [r for name, r in runs
+            if name == f"decode{kernel}_{variant.get(r['model'], '')}{r['model']}_b{r['batch']}_tp{r['tp']}.json"]
+    order = lambda r: (MODEL_ORDER.index(r["model"]) if r["model"] in MODEL_ORDER else len(MODEL_ORDER), r["model"],
+                       r["batch"])
+    rows = [f"| {r['model']} | {r['batch']} | {r['step_ms']:.2f} ms | {r['roofline_ms']:.2f} ms | {r['efficiency']:.2f} | "
+            f"{r['cudagraph_compiled_ms']:.2f} ms (**{r['speedup_vs_compiled']:.2f}x**) | {r['cudagraph_ms']:.2f} ms |"
+            for r in sorted(runs, key=order)]
+    return "\n".join([DECODE_HEADER, *rows])
+
+
 def main(folder: str) -> None:
     files = lambda pattern: sorted(glob.glob(os.path.join(folder, pattern)))
     for path in files("gpu_tests_*.log"):
@@ -88,5 +116,7 @@ def main(folder: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--headline"]:
         print(headline_table())
+    elif sys.argv[1:2] == ["--decode"]:
+        print(decode_table(sys.argv[2]))
     else:
         main(sys.argv[1])

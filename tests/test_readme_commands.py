@@ -1,7 +1,8 @@
 """CI runs the README's commands: its set-up command (the install a newcomer makes) and its test command appear
 verbatim in .ci/run, in that order, after the virtual environment is activated. Every relative link of README.md
 and docs/*.md reaches a file or folder of the checkout (and a heading, where it names one). The README's headline
-figures are the ones its runs' JSON hold (benchmarks/results_table.py writes the table)."""
+figures, and benchmarks/README.md's decode tables, are the ones their runs' JSON hold (benchmarks/results_table.py
+writes them)."""
 import pathlib
 import re
 
@@ -52,3 +53,19 @@ def test_readme_and_docs_links_resolve():
 def test_the_readme_headline_table_is_generated_from_the_runs_json():
     from results_table import headline_table            # benchmarks/ is on the path (conftest.py)
     assert headline_table() in ROOT.joinpath("README.md").read_text()
+
+
+def test_the_benchmark_pages_decode_tables_are_generated_from_their_runs_json():
+    """Each decode table under a heading that names one results folder is that run's, as results_table.py makes it."""
+    from results_table import DECODE_HEADER, decode_table
+    lines = ROOT.joinpath("benchmarks/README.md").read_text().splitlines()
+    header, folder, checked = DECODE_HEADER.splitlines(), None, 0
+    for i, line in enumerate(lines):
+        if line.startswith("#"):
+            named = re.findall(r"results/([\w.-]+)/", line)
+            folder = named[0] if len(named) == 1 else None
+        if folder and lines[i:i + 2] == header:
+            end = next(j for j in range(i, len(lines) + 1) if j == len(lines) or not lines[j].startswith("|"))
+            assert "\n".join(lines[i:end]) == decode_table(folder), folder
+            checked += 1
+    assert checked >= 9
