@@ -32,7 +32,8 @@ def test_ci_runs_the_readme_set_up_and_test_commands():
 def headings(path: pathlib.Path) -> set[str]:
     """GitHub's anchors of a markdown file's headings."""
     text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
-    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+\s+(.*)$", text, re.M)}
+    titles = re.findall(r"^#+\s+(.*)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in titles}
 
 
 def test_readme_and_docs_links_resolve():
