@@ -115,8 +115,8 @@ class Batcher:
 
     def __init__(self, engine, max_running: int | None = None,
                  run: Callable[[StepInputs], tuple[list[list[int]], torch.Tensor | None]] | None = None,
-                 prefill: Callable[[PrefillInputs], None] | None = None, steps_per_launch: int = 1,
-                 prefix_cache: bool = True):
+                 prefill: Callable[[PrefillInputs], torch.Tensor | None] | None = None,
+                 steps_per_launch: int = 1, prefix_cache: bool = True):
         self.engine, self.prefix_cache = engine, prefix_cache
         self.prefix_queried = self.prefix_hits = 0      # prompt tokens looked up in the prefix cache, and found
         rows = engine.config.batch
