@@ -34,9 +34,9 @@ from distmk.runtime.batcher import Sequence
 from distmk.runtime.sampling import TokenLogprob, resolve_sampling
 from distmk.runtime.structured import Grammars
 from distmk.runtime.tokenizer import IncrementalDecoder
-from distmk.serve.tools import ToolChoice, ToolReader, call_schema
 from distmk.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                    parse_body)
+from distmk.serve.tools import ToolChoice, call_schema
 
 MAX_BODY_BYTES = 8 << 20
 BEARER_CHALLENGE = {"WWW-Authenticate": "Bearer"}
