@@ -8,6 +8,11 @@ from distmk.runtime.tokenizer import CHATML_END, ByteTokenizer, IncrementalDecod
 MESSAGES = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi there"}]
 TEMPLATE = ("{% for m in messages %}<s>{{ m.role }}: {{ m.content }}</s>{% endfor %}"
             "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+# a template that shows tools, calls and their results, as Qwen's and Llama-3's do in their own formats
+TOOLS_TEMPLATE = ("{% if tools %}<s>tools: {{ tools | map(attribute='function.name') | join(',') }}</s>{% endif %}"
+                  "{% for m in messages %}<s>{{ m.role }}: {% for c in m.tool_calls or [] %}{{ c.function.name }}"
+                  "({{ c.function.arguments.city }}){% endfor %}{{ m.content or '' }}</s>{% endfor %}"
+                  "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +27,7 @@ def hf_dir(tmp_path_factory):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["Hi there, how are you?", "Be terse. The capital of France is Paris."] * 20, trainer)
     path = tmp_path_factory.mktemp("tok")
-    for name, template in (("with_template", TEMPLATE), ("without", None)):
+    for name, template in (("with_template", TEMPLATE), ("without", None), ("with_tools", TOOLS_TEMPLATE)):
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
         fast.chat_template = template
         fast.save_pretrained(path / name)
@@ -47,6 +52,25 @@ def test_checkpoint_chat_template_is_used(hf_dir):
     assert stops == ()
     ids, stops = load_tokenizer(str(hf_dir / "without"), 400).render_chat(MESSAGES)
     assert reference.decode(ids).endswith("<|im_start|>assistant\n") and stops == (CHATML_END,)
+
+
+def test_a_checkpoint_template_gets_the_tools_and_the_calls(hf_dir):
+    """Chat tools reach the checkpoint's template as transformers hands them over: the tool objects, an assistant's
+    tool_calls with their arguments as a mapping (serve/protocol.py Message.for_template), a tool message."""
+    from transformers import AutoTokenizer
+    from distmk.serve.protocol import ChatRequest
+    request = ChatRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"}],
+        "tools": [{"type": "function", "function": {"name": name}} for name in ("weather", "time")]})
+    tools = [t.model_dump(exclude_none=True) for t in request.tools]
+    ids, _ = load_tokenizer(str(hf_dir / "with_tools"), 400).render_chat([m.for_template() for m in request.messages],
+                                                                          tools)
+    assert AutoTokenizer.from_pretrained(hf_dir / "with_tools").decode(ids) == (
+        "<s>tools: weather,time</s><s>user: Hi there</s><s>assistant: weather(Paris)</s><s>tool: 18 C</s>"
+        "<s>assistant:")
 
 
 @pytest.mark.parametrize("which", ["bytes", "hf"])
@@ -74,7 +98,8 @@ def test_token_bytes_are_what_a_token_adds(hf_dir, tmp_path):
     assert any(tok.token_bytes(i).decode(errors="replace") == "\ufffd" for i in ids)    # a piece of a character
     assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
     eos = tok.tok.eos_token_id
-    assert tok.token_bytes(eos) == b"" and b"".join(map(tok.token_bytes, ids + [eos])).decode() == tok.decode(ids + [eos])
+    assert tok.token_bytes(eos) == b""
+    assert b"".join(map(tok.token_bytes, ids + [eos])).decode() == tok.decode(ids + [eos])      # joins to the text
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     spm = Tokenizer(models.BPE())
