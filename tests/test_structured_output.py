@@ -61,6 +61,8 @@ def test_json_object_output_is_an_object(engine, grammars):
     assert seq.finish_reason == "stop" and isinstance(json.loads(text), dict)
 
 
-def test_a_schema_that_cannot_compile_says_so(grammars):
-    with pytest.raises(DistmkError, match="the JSON schema cannot be compiled"):
+def test_a_schema_that_cannot_compile_says_why(grammars):
+    with pytest.raises(DistmkError, match='the JSON schema cannot be compiled: Unsupported type "nonsense"$'):
         grammars.constraint("json_schema", {"type": "nonsense"})
+    with pytest.raises(DistmkError, match="compiled: minLength 5 is greater than maxLength 2$"):
+        grammars.constraint("json_schema", {"type": "string", "minLength": 5, "maxLength": 2})

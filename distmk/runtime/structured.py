@@ -4,6 +4,7 @@ Constraint that masks a row of logits to the tokens the grammar allows next, whe
 from __future__ import annotations
 
 import json
+import re
 
 import torch
 
@@ -38,7 +39,9 @@ class Grammars:
             compiled = self.compiler.compile_json_schema(json.dumps({"type": "object"} if kind == "json_object"
                                                                     else schema), strict_mode=True, **spacing)
         except Exception as e:  # noqa: BLE001 - xgrammar raises its own errors for a schema it cannot take
-            raise DistmkError(f"the JSON schema cannot be compiled: {e}") from None
+            # its message without the time and source line it starts with ("[18:02:22] /project/cpp/...cc:5082: ")
+            why = re.sub(r"^\[[\d:]+\] \S+: ", "", str(e).strip().splitlines()[0])
+            raise DistmkError(f"the JSON schema cannot be compiled: {why}") from None
         return Constraint(self.xgr, compiled, self.vocab_size, self.ends_by_token)
 
 
