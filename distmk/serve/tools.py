@@ -11,7 +11,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-CALL_OPEN, CALL_CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
+CALL_OPEN, PYTHON_TAG = "<tool_call>", "<|python_tag|>"
 HERMES_CALLS = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
