@@ -128,7 +128,7 @@ def open_model(model: str, seed: int = 0, device: str | torch.device = "cpu"):
         if os.path.exists(gen_path):
             spec = with_generation_config(spec, _json_object(gen_path), source=gen_path)
         has_tokenizer = any(os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer.model"))
-        block = _json_object(cfg_path).get("quantization_config", {}).get("weight_block_size") or DEFAULT_BLOCK
+        block = (_json_object(cfg_path).get("quantization_config") or {}).get("weight_block_size") or DEFAULT_BLOCK
         return spec, CheckpointWeights(model, spec, tuple(block)), (model if has_tokenizer else None)
     spec = preset(model)
     return spec, RandomWeights(spec, seed=seed, device=device), None
