@@ -4,8 +4,8 @@ overlap, serve-load and start-up JSON and the GPU tests' last lines (the run_h20
     python benchmarks/results_table.py benchmarks/results/h100-2026-12-05-f21ea06
 
 With --headline, README.md's table of headline figures, made from the decode JSONs of the runs it quotes
-(HEADLINE); with --decode FOLDER, the decode table of one run as benchmarks/README.md shows it under the run's
-heading. A figure in a README is generated, never typed (tests/test_readme_commands.py checks both).
+(HEADLINE); with --decode FOLDER [EARLIER], the decode table of one run as benchmarks/README.md shows it under
+the run's heading (with an earlier run's steps beside it). A figure in a README is generated, never typed (tests/test_readme_commands.py checks both).
 """
 import glob
 import json
@@ -61,10 +61,9 @@ MODEL_ORDER = ("llama-3-8b", "qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b")
 DECODE_VARIANTS = {"h200-2026-12-03-7286695": {"qwen3-30b-a3b": "keys2_"}}
 
 
-def decode_table(folder: str) -> str:
-    """A run's tp=1 decode steps, a row per model and batch: its ring kernel's where it timed the ring (a variant's
-    JSON, named otherwise, only where DECODE_VARIANTS names it), against the roofline and the compiled and plain
-    CUDA graphs."""
+def decode_runs(folder: str) -> list[dict]:
+    """A run's tp=1 decode records, by model and batch: its ring kernel's where it timed the ring (a variant's JSON,
+    named otherwise, only where DECODE_VARIANTS names it)."""
     runs = []
     for path in sorted(glob.glob(os.path.join(RESULTS, folder, "decode_*.json"))):
         with open(path) as f:
@@ -75,10 +74,38 @@ def decode_table(folder: str) -> str:
             if name == f"decode{kernel}_{variant.get(r['model'], '')}{r['model']}_b{r['batch']}_tp{r['tp']}.json"]
     order = lambda r: (MODEL_ORDER.index(r["model"]) if r["model"] in MODEL_ORDER else len(MODEL_ORDER), r["model"],
                        r["batch"])
-    rows = [f"| {r['model']} | {r['batch']} | {r['step_ms']:.2f} ms | {r['roofline_ms']:.2f} ms | "
-            f"{r['efficiency']:.2f} | {r['cudagraph_compiled_ms']:.2f} ms (**{r['speedup_vs_compiled']:.2f}x**) | "
-            f"{r['cudagraph_ms']:.2f} ms |" for r in sorted(runs, key=order)]
-    return "\n".join([DECODE_HEADER, *rows])
+    return sorted(runs, key=order)
+
+
+def decode_table(folder: str, against: str | None = None) -> str:
+    """A run's decode steps against the roofline and the compiled and plain CUDA graphs; with `against` (another
+    run's folder), a last column of that run's step and speed-up, headed by its commit."""
+    earlier = {(r["model"], r["batch"]): r for r in decode_runs(against)} if against else {}
+    header = DECODE_HEADER
+    if against:
+        top, rule = DECODE_HEADER.split("\n")
+        header = f"{top} {against.rsplit('-', 1)[1]} |\n{rule} --- |"
+    rows = []
+    for r in decode_runs(folder):
+        row = (f"| {r['model']} | {r['batch']} | {r['step_ms']:.2f} ms | {r['roofline_ms']:.2f} ms | "
+               f"{r['efficiency']:.2f} | {r['cudagraph_compiled_ms']:.2f} ms (**{r['speedup_vs_compiled']:.2f}x**) | "
+               f"{r['cudagraph_ms']:.2f} ms |")
+        if against:
+            e = earlier[r["model"], r["batch"]]
+            row += f" {e['step_ms']:.2f} ms ({e['speedup_vs_compiled']:.2f}x) |"
+        rows.append(row)
+    return "\n".join([header, *rows])
+
+
+def page_decode_table(folder: str, header: str) -> str | None:
+    """The table a page's decode table headed `header`, under a heading naming `folder`, must be: a run's own, or
+    beside an earlier run's named by its commit in a last column; None for a table of another kind."""
+    top = DECODE_HEADER.split("\n")[0]
+    if header == top:
+        return decode_table(folder)
+    label = header.removeprefix(top[:-1]).strip(" |")
+    earlier = glob.glob(os.path.join(RESULTS, f"*-{label}")) if header.startswith(top) and label else []
+    return decode_table(folder, os.path.basename(earlier[0])) if len(earlier) == 1 else None
 
 
 def main(folder: str) -> None:
@@ -116,7 +143,7 @@ def main(folder: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--headline"]:
         print(headline_table())
-    elif sys.argv[1:2] == ["--decode"]:
-        print(decode_table(sys.argv[2]))
+    elif sys.argv[1:2] == ["--decode"]:      # --decode FOLDER [AGAINST_FOLDER]
+        print(decode_table(*sys.argv[2:4]))
     else:
         main(sys.argv[1])
