@@ -5,7 +5,8 @@ overlap, serve-load and start-up JSON and the GPU tests' last lines (the run_h20
 
 With --headline, README.md's table of headline figures, made from the decode JSONs of the runs it quotes
 (HEADLINE); with --decode FOLDER [EARLIER], the decode table of one run as benchmarks/README.md shows it under
-the run's heading (with an earlier run's steps beside it). A figure in a README is generated, never typed (tests/test_readme_commands.py checks both).
+the run's heading (with an earlier run's steps beside it). A figure in a README is generated, never typed
+(tests/test_readme_commands.py checks both).
 """
 import glob
 import json
