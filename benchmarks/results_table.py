@@ -3,14 +3,15 @@ overlap, serve-load and start-up JSON and the GPU tests' last lines (the run_h20
 
     python benchmarks/results_table.py benchmarks/results/h100-2026-12-05-f21ea06
 
-With --headline, README.md's table of headline figures, made from the decode JSONs of the runs it quotes
-(HEADLINE); with --decode FOLDER [EARLIER], the decode table of one run as benchmarks/README.md shows it under
-the run's heading (with an earlier run's steps beside it). A figure in a README is generated, never typed
-(tests/test_readme_commands.py checks both).
+With --table KIND ARGS, one of the tables of figures of README.md, benchmarks/README.md and docs/, made from its
+runs' JSON (TABLES: headline, decode, kernels, tp, allreduce, serve); each page marks such a table with the line
+`<!-- table: KIND ARGS -->` before it. A figure in a table is generated, never typed: tests/test_readme_commands.py
+checks every marked table and that every table of figures is marked.
 """
 import glob
 import json
 import os
+import re
 import sys
 
 
@@ -98,15 +99,74 @@ def decode_table(folder: str, against: str | None = None) -> str:
     return "\n".join([header, *rows])
 
 
-def page_decode_table(folder: str, header: str) -> str | None:
-    """The table a page's decode table headed `header`, under a heading naming `folder`, must be: a run's own, or
-    beside an earlier run's named by its commit in a last column; None for a table of another kind."""
-    top = DECODE_HEADER.split("\n")[0]
-    if header == top:
-        return decode_table(folder)
-    label = header.removeprefix(top[:-1]).strip(" |")
-    earlier = glob.glob(os.path.join(RESULTS, f"*-{label}")) if header.startswith(top) and label else []
-    return decode_table(folder, os.path.basename(earlier[0])) if len(earlier) == 1 else None
+def load(folder: str, name: str) -> dict | list:
+    with open(os.path.join(RESULTS, folder, name)) as f:
+        return json.load(f)
+
+
+def kernels_table(*runs: str) -> str:
+    """Batch-1 steps of llama-3-8b and qwen3-8b by kernel, each run "FOLDER:KERNEL:LABEL" (ring or tl; the label
+    names the code that ran)."""
+    lines = ["| model | kernel | distmk | roofline | efficiency | torch.compile'd CUDA graph | plain CUDA graph |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for model in ("llama-3-8b", "qwen3-8b"):
+        for folder, kernel, label in (run.split(":") for run in runs):
+            r = load(folder, f"decode{'_ring' if kernel == 'ring' else ''}_{model}_b1_tp1.json")
+            lines.append(f"| {model} | {kernel} ({label}) | {r['step_ms']:.2f} ms | {r['roofline_ms']:.2f} ms | "
+                         f"{r['efficiency']:.2f} | {r['cudagraph_compiled_ms']:.2f} ms "
+                         f"(**{r['speedup_vs_compiled']:.2f}x**) | {r['cudagraph_ms']:.2f} ms "
+                         f"({r['speedup_vs_cudagraph']:.2f}x) |")
+    return "\n".join(lines)
+
+
+def tp_table(folder: str) -> str:
+    """A tensor-parallel run's decode steps at tp 1 and 2, against the plain CUDA graph and transformers."""
+    lines = ["| model | tp | batch | distmk | roofline | efficiency | plain CUDA graph of PyTorch ops (+NCCL), not the "
+             "yardstick | transformers eager |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    runs = [load(folder, os.path.basename(p)) for p in glob.glob(os.path.join(RESULTS, folder, "decode_*.json"))]
+    order = ("llama-3-8b", "qwen3-8b", "llama-3.2-1b")
+    for r in sorted(runs, key=lambda r: (order.index(r["model"]), r["tp"], r["batch"])):
+        hf = f"{r['hf_eager_ms']:.1f} ms ({r['speedup_vs_hf']:.1f}x)" if r["hf_eager_ms"] else ""
+        lines.append(f"| {r['model']} | {r['tp']} | {r['batch']} | **{r['step_ms']:.2f} ms** | "
+                     f"{r['roofline_ms']:.2f} ms{' per rank' if r['tp'] > 1 else ''} | {r['efficiency']:.2f} | "
+                     f"{r['cudagraph_ms']:.2f} ms ({r['speedup_vs_cudagraph']:.2f}x) | {hf} |")
+    return "\n".join(lines)
+
+
+def allreduce_table(folder: str) -> str:
+    lines = ["| bytes | distmk, peer pointers | distmk, NVSHMEM put-signal | NCCL eager | NCCL in a CUDA graph | torch "
+             "symm-mem one-shot |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in load(folder, "allreduce_tp2.json"):
+        size = f"{r['bytes'] // 1024} KB" if r["bytes"] < 1 << 20 else f"{r['bytes'] >> 20} MB"
+        lines.append(f"| {size} | {r['distmk_us']:.1f} | {r['distmk_nvshmem_us']:.1f} | {r['nccl_eager_us']:.1f} | "
+                     f"{r['nccl_graph_us']:.1f} | {r['symm_mem_us']:.1f} |")
+    return "\n".join(lines)
+
+
+def serve_table(folder: str, model: str = "llama-3-8b") -> str:
+    lines = ["| tp | TTFT p50 / p99 | inter-token p50 / p99 | output tokens/s |", "| --- | --- | --- | --- |"]
+    for path in sorted(glob.glob(os.path.join(RESULTS, folder, f"serve_load_{model}_tp*.json"))):
+        r = load(folder, os.path.basename(path))
+        lines.append(f"| {r['tp']} | {r['ttft_s']['p50']:.2f} / {r['ttft_s']['p99']:.2f} s | "
+                     f"{r['itl_s']['p50'] * 1e3:.1f} / {r['itl_s']['p99'] * 1e3:.1f} ms | "
+                     f"{r['output_token_throughput_per_s']:.0f} |")
+    return "\n".join(lines)
+
+
+# the tables a page makes from its runs' JSON: `<!-- table: KIND ARGS -->` on the line before each
+TABLES = {"headline": headline_table, "decode": decode_table, "kernels": kernels_table, "tp": tp_table,
+          "allreduce": allreduce_table, "serve": serve_table}
+MARKER = re.compile(r"^<!-- table: (\w+)((?: \S+)*) -->$")
+
+
+def page_tables(text: str):
+    """(marker, the table after it in `text`, the table its JSON makes) for each marked table of a page."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        found = MARKER.match(line)
+        if found:
+            end = next(j for j in range(i + 1, len(lines) + 1) if j == len(lines) or not lines[j].startswith("|"))
+            yield line, "\n".join(lines[i + 1:end]), TABLES[found.group(1)](*found.group(2).split())
 
 
 def main(folder: str) -> None:
@@ -142,9 +202,7 @@ def main(folder: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--headline"]:
-        print(headline_table())
-    elif sys.argv[1:2] == ["--decode"]:      # --decode FOLDER [AGAINST_FOLDER]
-        print(decode_table(*sys.argv[2:4]))
+    if sys.argv[1:2] == ["--table"]:        # --table KIND ARGS...: one of a page's tables (TABLES)
+        print(TABLES[sys.argv[2]](*sys.argv[3:]))
     else:
         main(sys.argv[1])

@@ -51,24 +51,19 @@ def test_readme_and_docs_links_resolve():
     assert seen and not broken, broken
 
 
-def test_the_readme_headline_table_is_generated_from_the_runs_json():
-    from results_table import headline_table            # benchmarks/ is on the path (conftest.py)
-    assert headline_table() in ROOT.joinpath("README.md").read_text()
-
-
-def test_the_benchmark_pages_decode_tables_are_generated_from_their_runs_json():
-    """Each decode table under a heading that names one results folder is that run's (beside an earlier run's where
-    its last column names one), as results_table.py makes it."""
-    from results_table import page_decode_table
-    lines, folder, checked = ROOT.joinpath("benchmarks/README.md").read_text().splitlines(), None, 0
-    for i, line in enumerate(lines):
-        if line.startswith("#"):
-            named = re.findall(r"results/([\w.-]+)/", line)
-            folder = named[0] if len(named) == 1 else None
-        fresh = line.startswith("|") and not lines[i - 1].startswith("|")
-        want = page_decode_table(folder, line) if folder and fresh else None
-        if want is not None:
-            end = next(j for j in range(i, len(lines) + 1) if j == len(lines) or not lines[j].startswith("|"))
-            assert "\n".join(lines[i:end]) == want, folder
-            checked += 1
-    assert checked >= 11
+def test_the_pages_tables_of_figures_are_generated_from_their_runs_json():
+    """Each table marked `<!-- table: KIND ARGS -->` in README.md, benchmarks/README.md and docs/ is the one
+    benchmarks/results_table.py makes from the runs' JSON, and every table of figures there is marked."""
+    from results_table import MARKER, page_tables
+    pages = [("README.md", 1), ("benchmarks/README.md", 15)] + [(f"docs/{p.name}", 0) for p in ROOT.glob("docs/*.md")]
+    for page, least in pages:
+        text = ROOT.joinpath(page).read_text()
+        tables = list(page_tables(text))
+        assert len(tables) >= least, page
+        for marker, found, made in tables:
+            assert found == made, f"{page}: {marker}"
+        lines = text.splitlines()
+        for i, line in enumerate(lines):         # a table whose first row holds a number is one of figures
+            first_row = lines[i + 2] if line.startswith("|") and not lines[i - 1].startswith("|") else ""
+            if re.search(r"\|\s*\**\d+(\.\d+)?\s*(ms|s|µs|KB|MB)?\**\s*\|", first_row):
+                assert MARKER.match(lines[i - 1]), f"{page}: the table of figures at line {i + 1} is typed"
