@@ -41,38 +41,48 @@ HEADLINE = (("llama-3-8b", "h200-2026-12-03-271c8a2"), ("qwen3-8b", "h200-2026-1
             ("qwen3-30b-a3b", "h200-2026-12-03-400e158"), ("mixtral-8x7b", "h200-2026-12-03-400e158"))
 
 
+def table(columns, rows) -> str:
+    """A markdown table: a header of `columns`, then each row's cells."""
+    return "\n".join(["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns),
+                      *("| " + " | ".join(map(str, row)) + " |" for row in rows)])
+
+
+def load(folder: str, name: str) -> dict | list:
+    with open(os.path.join(RESULTS, folder, name)) as f:
+        return json.load(f)
+
+
 def headline_table() -> str:
     """README.md's table: per model and batch the step, the speed-up over the compiled graph (its step) and the
     fraction of the roofline."""
-    lines = ["| model | batch 1 | batch 8 | results |", "| --- | --- | --- | --- |"]
-    for model, folder in HEADLINE:
-        cells = []
-        for batch in (1, 8):
-            with open(os.path.join(RESULTS, folder, f"decode_ring_{model}_b{batch}_tp1.json")) as f:
-                r = json.load(f)
-            cells.append(f"{r['step_ms']:.2f} ms, **{r['speedup_vs_compiled']:.2f}x** "
-                         f"({r['cudagraph_compiled_ms']:.2f} ms), {r['efficiency']:.2f}")
-        lines.append(f"| {model} | {cells[0]} | {cells[1]} | [{folder}](benchmarks/results/{folder}) |")
-    return "\n".join(lines)
+    def cell(r):
+        return (f"{r['step_ms']:.2f} ms, **{r['speedup_vs_compiled']:.2f}x** ({r['cudagraph_compiled_ms']:.2f} ms), "
+                f"{r['efficiency']:.2f}")
+    return table(["model", "batch 1", "batch 8", "results"],
+                 [[model, *(cell(load(folder, f"decode_ring_{model}_b{b}_tp1.json")) for b in (1, 8)),
+                   f"[{folder}](benchmarks/results/{folder})"] for model, folder in HEADLINE])
 
 
-DECODE_HEADER = ("| model | batch | distmk | roofline | efficiency | torch.compile'd CUDA graph | plain CUDA graph |\n"
-                 "| --- | --- | --- | --- | --- | --- | --- |")
+DECODE_COLUMNS = ["model", "batch", "distmk", "roofline", "efficiency", "torch.compile'd CUDA graph",
+                  "plain CUDA graph"]
 MODEL_ORDER = ("llama-3-8b", "qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b")
 # a run whose table shows a variant's JSON for a model (decode_ring_<variant>_<model>_...), as its README says
 DECODE_VARIANTS = {"h200-2026-12-03-7286695": {"qwen3-30b-a3b": "keys2_"}}
 
 
+def step_cells(r: dict) -> list[str]:
+    """A decode record's step, roofline, efficiency and compiled graph (the speed-up over it in bold)."""
+    return [f"{r['step_ms']:.2f} ms", f"{r['roofline_ms']:.2f} ms", f"{r['efficiency']:.2f}",
+            f"{r['cudagraph_compiled_ms']:.2f} ms (**{r['speedup_vs_compiled']:.2f}x**)"]
+
+
 def decode_runs(folder: str) -> list[dict]:
     """A run's tp=1 decode records, by model and batch: its ring kernel's where it timed the ring (a variant's JSON,
     named otherwise, only where DECODE_VARIANTS names it)."""
-    runs = []
-    for path in sorted(glob.glob(os.path.join(RESULTS, folder, "decode_*.json"))):
-        with open(path) as f:
-            runs.append((os.path.basename(path), json.load(f)))
-    kernel = "_ring" if any(name.startswith("decode_ring_") for name, _ in runs) else ""
+    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(RESULTS, folder, "decode_*.json")))
+    kernel = "_ring" if any(name.startswith("decode_ring_") for name in names) else ""
     variant = DECODE_VARIANTS.get(folder, {})
-    runs = [r for name, r in runs
+    runs = [r for name, r in zip(names, (load(folder, name) for name in names))
             if name == f"decode{kernel}_{variant.get(r['model'], '')}{r['model']}_b{r['batch']}_tp{r['tp']}.json"]
     order = lambda r: (MODEL_ORDER.index(r["model"]) if r["model"] in MODEL_ORDER else len(MODEL_ORDER), r["model"],
                        r["batch"])
@@ -83,74 +93,58 @@ def decode_table(folder: str, against: str | None = None) -> str:
     """A run's decode steps against the roofline and the compiled and plain CUDA graphs; with `against` (another
     run's folder), a last column of that run's step and speed-up, headed by its commit."""
     earlier = {(r["model"], r["batch"]): r for r in decode_runs(against)} if against else {}
-    header = DECODE_HEADER
-    if against:
-        top, rule = DECODE_HEADER.split("\n")
-        header = f"{top} {against.rsplit('-', 1)[1]} |\n{rule} --- |"
     rows = []
     for r in decode_runs(folder):
-        row = (f"| {r['model']} | {r['batch']} | {r['step_ms']:.2f} ms | {r['roofline_ms']:.2f} ms | "
-               f"{r['efficiency']:.2f} | {r['cudagraph_compiled_ms']:.2f} ms (**{r['speedup_vs_compiled']:.2f}x**) | "
-               f"{r['cudagraph_ms']:.2f} ms |")
+        row = [r["model"], r["batch"], *step_cells(r), f"{r['cudagraph_ms']:.2f} ms"]
         if against:
             e = earlier[r["model"], r["batch"]]
-            row += f" {e['step_ms']:.2f} ms ({e['speedup_vs_compiled']:.2f}x) |"
+            row.append(f"{e['step_ms']:.2f} ms ({e['speedup_vs_compiled']:.2f}x)")
         rows.append(row)
-    return "\n".join([header, *rows])
-
-
-def load(folder: str, name: str) -> dict | list:
-    with open(os.path.join(RESULTS, folder, name)) as f:
-        return json.load(f)
+    return table(DECODE_COLUMNS + ([against.rsplit("-", 1)[1]] if against else []), rows)
 
 
 def kernels_table(*runs: str) -> str:
     """Batch-1 steps of llama-3-8b and qwen3-8b by kernel, each run "FOLDER:KERNEL:LABEL" (ring or tl; the label
     names the code that ran)."""
-    lines = ["| model | kernel | distmk | roofline | efficiency | torch.compile'd CUDA graph | plain CUDA graph |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = []
     for model in ("llama-3-8b", "qwen3-8b"):
         for folder, kernel, label in (run.split(":") for run in runs):
             r = load(folder, f"decode{'_ring' if kernel == 'ring' else ''}_{model}_b1_tp1.json")
-            lines.append(f"| {model} | {kernel} ({label}) | {r['step_ms']:.2f} ms | {r['roofline_ms']:.2f} ms | "
-                         f"{r['efficiency']:.2f} | {r['cudagraph_compiled_ms']:.2f} ms "
-                         f"(**{r['speedup_vs_compiled']:.2f}x**) | {r['cudagraph_ms']:.2f} ms "
-                         f"({r['speedup_vs_cudagraph']:.2f}x) |")
-    return "\n".join(lines)
+            rows.append([model, f"{kernel} ({label})", *step_cells(r),
+                         f"{r['cudagraph_ms']:.2f} ms ({r['speedup_vs_cudagraph']:.2f}x)"])
+    return table(["model", "kernel", *DECODE_COLUMNS[2:]], rows)
 
 
 def tp_table(folder: str) -> str:
     """A tensor-parallel run's decode steps at tp 1 and 2, against the plain CUDA graph and transformers."""
-    lines = ["| model | tp | batch | distmk | roofline | efficiency | plain CUDA graph of PyTorch ops (+NCCL), not the "
-             "yardstick | transformers eager |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     runs = [load(folder, os.path.basename(p)) for p in glob.glob(os.path.join(RESULTS, folder, "decode_*.json"))]
     order = ("llama-3-8b", "qwen3-8b", "llama-3.2-1b")
-    for r in sorted(runs, key=lambda r: (order.index(r["model"]), r["tp"], r["batch"])):
-        hf = f"{r['hf_eager_ms']:.1f} ms ({r['speedup_vs_hf']:.1f}x)" if r["hf_eager_ms"] else ""
-        lines.append(f"| {r['model']} | {r['tp']} | {r['batch']} | **{r['step_ms']:.2f} ms** | "
-                     f"{r['roofline_ms']:.2f} ms{' per rank' if r['tp'] > 1 else ''} | {r['efficiency']:.2f} | "
-                     f"{r['cudagraph_ms']:.2f} ms ({r['speedup_vs_cudagraph']:.2f}x) | {hf} |")
-    return "\n".join(lines)
+    rows = [[r["model"], r["tp"], r["batch"], f"**{r['step_ms']:.2f} ms**",
+             f"{r['roofline_ms']:.2f} ms{' per rank' if r['tp'] > 1 else ''}", f"{r['efficiency']:.2f}",
+             f"{r['cudagraph_ms']:.2f} ms ({r['speedup_vs_cudagraph']:.2f}x)",
+             f"{r['hf_eager_ms']:.1f} ms ({r['speedup_vs_hf']:.1f}x)" if r["hf_eager_ms"] else ""]
+            for r in sorted(runs, key=lambda r: (order.index(r["model"]), r["tp"], r["batch"]))]
+    return table(["model", "tp", "batch", "distmk", "roofline", "efficiency",
+                  "plain CUDA graph of PyTorch ops (+NCCL), not the yardstick", "transformers eager"], rows)
 
 
 def allreduce_table(folder: str) -> str:
-    lines = ["| bytes | distmk, peer pointers | distmk, NVSHMEM put-signal | NCCL eager | NCCL in a CUDA graph | torch "
-             "symm-mem one-shot |", "| --- | --- | --- | --- | --- | --- |"]
-    for r in load(folder, "allreduce_tp2.json"):
-        size = f"{r['bytes'] // 1024} KB" if r["bytes"] < 1 << 20 else f"{r['bytes'] >> 20} MB"
-        lines.append(f"| {size} | {r['distmk_us']:.1f} | {r['distmk_nvshmem_us']:.1f} | {r['nccl_eager_us']:.1f} | "
-                     f"{r['nccl_graph_us']:.1f} | {r['symm_mem_us']:.1f} |")
-    return "\n".join(lines)
+    """All-reduce latency (us) by message size: distmk's two transports, NCCL eager and graphed, symmetric memory."""
+    rows = [[f"{r['bytes'] // 1024} KB" if r["bytes"] < 1 << 20 else f"{r['bytes'] >> 20} MB",
+             *(f"{r[k]:.1f}" for k in ("distmk_us", "distmk_nvshmem_us", "nccl_eager_us", "nccl_graph_us",
+                                       "symm_mem_us"))] for r in load(folder, "allreduce_tp2.json")]
+    return table(["bytes", "distmk, peer pointers", "distmk, NVSHMEM put-signal", "NCCL eager", "NCCL in a CUDA graph",
+                  "torch symm-mem one-shot"], rows)
 
 
 def serve_table(folder: str, model: str = "llama-3-8b") -> str:
-    lines = ["| tp | TTFT p50 / p99 | inter-token p50 / p99 | output tokens/s |", "| --- | --- | --- | --- |"]
-    for path in sorted(glob.glob(os.path.join(RESULTS, folder, f"serve_load_{model}_tp*.json"))):
-        r = load(folder, os.path.basename(path))
-        lines.append(f"| {r['tp']} | {r['ttft_s']['p50']:.2f} / {r['ttft_s']['p99']:.2f} s | "
-                     f"{r['itl_s']['p50'] * 1e3:.1f} / {r['itl_s']['p99'] * 1e3:.1f} ms | "
-                     f"{r['output_token_throughput_per_s']:.0f} |")
-    return "\n".join(lines)
+    """The server's latencies and throughput by tp (serve_load.py)."""
+    runs = [load(folder, os.path.basename(p))
+            for p in sorted(glob.glob(os.path.join(RESULTS, folder, f"serve_load_{model}_tp*.json")))]
+    rows = [[r["tp"], f"{r['ttft_s']['p50']:.2f} / {r['ttft_s']['p99']:.2f} s",
+             f"{r['itl_s']['p50'] * 1e3:.1f} / {r['itl_s']['p99'] * 1e3:.1f} ms",
+             f"{r['output_token_throughput_per_s']:.0f}"] for r in runs]
+    return table(["tp", "TTFT p50 / p99", "inter-token p50 / p99", "output tokens/s"], rows)
 
 
 # the tables a page makes from its runs' JSON: `<!-- table: KIND ARGS -->` on the line before each
