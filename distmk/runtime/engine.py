@@ -66,7 +66,7 @@ def triton_executor(engine, table, options: dict, autotune: bool, progress: bool
 
 def pack_rows(tokens, positions, block_tables, width: int) -> np.ndarray:
     """A step's rows as one int64 [rows, 2 + width] array: token, position, then the block table padded with
-    zeros. Built in numpy: a tensor a row took 0.54 ms for 16 rows of 133 blocks on a CPU, this 0.06 ms."""
+    zeros. Built in numpy, in one piece: a tensor a row costs the host a few times more."""
     rows = np.zeros((len(tokens), 2 + width), dtype=np.int64)
     rows[:, 0], rows[:, 1] = tokens, positions
     for i, blocks in enumerate(block_tables):

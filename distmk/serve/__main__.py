@@ -121,10 +121,10 @@ def warm_up(leader: Leader, engine) -> None:
     """A one-row step, then a full step of every step table, and prefill chunks before serving, so that
     compilation and the CUDA-graph captures (runtime/prefill.ChunkGraphs) happen now rather than in the first
     requests: a first chunk of each row bucket and of the largest length, and a later chunk of every (rows, keys)
-    bucket a later chunk can fall in (keys >= rows; with chunks of 512 over a context of 4096, 39 of them). A
-    bucket left to first use cost a served prompt 168 ms on an H200 (llama-3-8b: 241 rows at position 15, a
-    chunk run op by op, then recorded), against 9.3 ms replayed. What the chunks write to the KV cache is free
-    space: a sequence writes every position before it reads it."""
+    bucket a later chunk can fall in (keys >= rows; with chunks of 512 over a context of 4096, 39 of them): a
+    bucket left to first use costs its first prompt a chunk run op by op and then recorded, many times a replay.
+    What the chunks write to the KV cache is free space: a sequence reads only positions that it, or the
+    sequence whose cached prefix it starts from, wrote."""
     bs, context = engine.kv.block_size, engine.max_context
     for rows in tqdm(sorted({1, *engine.executors}), desc="compiling and warming up the step tables", leave=False):
         positions = [i % context for i in range(rows)]
