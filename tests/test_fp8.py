@@ -95,13 +95,16 @@ def test_an_fp8_weight_without_its_scale_is_refused(tmp_path):
 
 def test_quantize_fp8_gives_a_preset_its_fp8_twin(tmp_path):
     """--quantize fp8: a preset's products' weights quantized in 128 x 128 blocks at load, the rest as it was: the
-    tokens of transformers running the dequantized weights, which differ from the bf16 preset's own."""
+    tokens of transformers running the dequantized weights, at tp 1 and 2, whose logits differ from the bf16
+    preset's own."""
     spec = preset("tiny-qwen3")
     state = {k: v.float() for k, v in RandomWeights(spec).state_dict().items()}
     for weight in linear_weights(spec):
         state[weight] = dequantize(*quantize(state[weight]), (128, 128))
     tokens = Engine("tiny-qwen3", max_context=64, quantize="fp8").generate(PROMPT, 12, stop_on_eos=False)
     assert tokens == transformers_tokens(spec, state, tmp_path, 12)
+    # at tp=2 a rank's slices are quantized on the whole tensor's blocks: the same twin
+    assert distmk_tokens("tiny-qwen3", 2, 12, quantize="fp8") == tokens
     logits = [Engine("tiny-qwen3", max_context=64, **q).generate(PROMPT, 1, stop_on_eos=False, return_logits=True)[1]
               for q in ({}, {"quantize": "fp8"})]
     assert not torch.equal(*logits)

@@ -78,17 +78,19 @@ def linear_weights(spec) -> set[str]:
 
 
 class QuantizedAtLoad:
-    """--quantize fp8: a bf16 (or float32) source read as its FP8 twin in blocks, each slice quantized on the full
-    tensor's block grid (a tensor-parallel slice holds whole blocks), so that every preset has one."""
+    """--quantize fp8: a bf16 (or float32) source read as its FP8 twin in blocks, so that every preset has one.
+    A rank's slice is quantized on the full tensor's block grid (the blocks it touches read whole), so the twin is
+    the same at every tp."""
 
     def __init__(self, source, spec, block: tuple[int, int] = DEFAULT_BLOCK):
         self.source, self.spec, self.block = source, spec, block
         self.quantized, self.shapes = linear_weights(spec), spec.tensor_shapes()
 
     def read(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        w = self.source.read(name, dim, start, stop)
         if name not in self.quantized:
-            return w
-        size = self.shapes[name][dim]
-        scale_range(name, dim, start, size if stop is None else stop, size, self.block[dim])
-        return dequantize(*quantize(w, self.block), self.block)
+            return self.source.read(name, dim, start, stop)
+        size, per = self.shapes[name][dim], self.block[dim]
+        stop = size if stop is None else stop
+        first, last = start // per * per, min(size, -(-stop // per) * per)
+        w = dequantize(*quantize(self.source.read(name, dim, first, last), self.block), self.block)
+        return w[start - first:stop - first] if dim == 0 else w[:, start - first:stop - first]
