@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 CALL_OPEN, PYTHON_TAG = "<tool_call>", "<|python_tag|>"
 HERMES_CALLS = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+LEADING_SPACE = re.compile(r"\s*")
 
 
 @dataclass(frozen=True)
@@ -108,9 +109,11 @@ class ToolReader:
         self.text += piece
         if self.forced:
             return ""
-        start = self.text.lstrip()
-        if start.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(start):     # may be one bare JSON call
-            return ""
+        if not self.sent:       # nothing sent: the reply may be one bare JSON call (read past its leading spaces)
+            first = LEADING_SPACE.match(self.text).end()
+            start = self.text[first:first + len(PYTHON_TAG)]
+            if start.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(start):
+                return ""
         held = self.text.find(CALL_OPEN, self.sent)
         if held < 0:        # a suffix that may begin "<tool_call>" waits for the next piece
             held = next((i for i in range(max(self.sent, len(self.text) - len(CALL_OPEN) + 1), len(self.text))
