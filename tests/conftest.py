@@ -51,15 +51,15 @@ def hf_model(name: str | ModelSpec, weights_device: str = "cpu"):
     return model.eval()
 
 
-def hf_model_from_files(spec: ModelSpec, weights_device: str = "cpu"):
-    """transformers' model of `spec` read by from_pretrained from distmk's random weights written under their
-    checkpoint names: transformers >= 5 holds a layer's experts fused ([experts, ...] parameters), and fuses a
-    checkpoint's per-expert tensors itself as it loads them."""
+def hf_model_from_files(spec: ModelSpec, weights_device: str = "cpu", weights: dict | None = None):
+    """transformers' model of `spec` read by from_pretrained from distmk's random weights (or `weights`, by
+    checkpoint name) written under their checkpoint names: transformers >= 5 holds a layer's experts fused
+    ([experts, ...] parameters), and fuses a checkpoint's per-expert tensors itself as it loads them."""
     import tempfile
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
     with tempfile.TemporaryDirectory() as path:
-        weights = RandomWeights(spec, device=weights_device).state_dict()
+        weights = weights if weights is not None else RandomWeights(spec, device=weights_device).state_dict()
         save_file({k: v.cpu().contiguous() for k, v in weights.items()}, os.path.join(path, "model.safetensors"))
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(spec.to_hf_config(), f)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import hf_generate
+from conftest import hf_generate, hf_model_from_files
 from distmk.comm.cpu import run_simulated_ranks
 from distmk.errors import ModelError
 from distmk.models.fp8 import E4M3_MAX, dequantize, linear_weights, quantize
@@ -49,13 +49,8 @@ def write_fp8(path, name: str, layout: str, block=(16, 16)) -> dict:
     return dequantized
 
 
-def transformers_tokens(spec, state, tmp_path, n: int) -> list[int]:
-    from transformers import AutoModelForCausalLM
-    ref = tmp_path / "dequantized"
-    ref.mkdir()
-    save_file({k: v.contiguous() for k, v in state.items()}, str(ref / "model.safetensors"))
-    (ref / "config.json").write_text(json.dumps(spec.to_hf_config()))
-    model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+def transformers_tokens(spec, state, n: int) -> list[int]:
+    model = hf_model_from_files(spec, weights=state)
     return hf_generate(model, PROMPT, n, eos_token_id=None)[0, len(PROMPT):].tolist()
 
 
@@ -73,7 +68,7 @@ def distmk_tokens(path, tp: int, n: int, **engine) -> list[int]:
                                               ("tiny-mixtral", "block", 2), ("tiny-qwen3-moe", "channel", 1)])
 def test_fp8_checkpoint_gives_transformers_tokens_of_its_dequantized_weights(tmp_path, name, layout, tp):
     state = write_fp8(tmp_path / "fp8", name, layout)
-    assert distmk_tokens(tmp_path / "fp8", tp, 12) == transformers_tokens(preset(name), state, tmp_path, 12)
+    assert distmk_tokens(tmp_path / "fp8", tp, 12) == transformers_tokens(preset(name), state, 12)
 
 
 def test_a_rank_slice_that_cuts_a_block_is_refused(tmp_path):
@@ -93,7 +88,7 @@ def test_an_fp8_weight_without_its_scale_is_refused(tmp_path):
         distmk_tokens(tmp_path / "fp8", 1, 1)
 
 
-def test_quantize_fp8_gives_a_preset_its_fp8_twin(tmp_path):
+def test_quantize_fp8_gives_a_preset_its_fp8_twin():
     """--quantize fp8: a preset's products' weights quantized in 128 x 128 blocks at load, the rest as it was: the
     tokens of transformers running the dequantized weights, at tp 1 and 2, whose logits differ from the bf16
     preset's own."""
@@ -102,7 +97,7 @@ def test_quantize_fp8_gives_a_preset_its_fp8_twin(tmp_path):
     for weight in linear_weights(spec):
         state[weight] = dequantize(*quantize(state[weight]), (128, 128))
     tokens = Engine("tiny-qwen3", max_context=64, quantize="fp8").generate(PROMPT, 12, stop_on_eos=False)
-    assert tokens == transformers_tokens(spec, state, tmp_path, 12)
+    assert tokens == transformers_tokens(spec, state, 12)
     # at tp=2 a rank's slices are quantized on the whole tensor's blocks: the same twin
     assert distmk_tokens("tiny-qwen3", 2, 12, quantize="fp8") == tokens
     logits = [Engine("tiny-qwen3", max_context=64, **q).generate(PROMPT, 1, stop_on_eos=False, return_logits=True)[1]
