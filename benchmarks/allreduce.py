@@ -66,7 +66,7 @@ def symm_mem_us(numel: int) -> float | None:
 
 def check(comm) -> None:
     """One round of the megakernel's all-reduce equals NCCL's sum, and both ranks agree bit for bit."""
-    ex = ExchangeRounds(comm, n=4, H=4096, tiles=16, tiles_per_program=1, transport="pointer")
+    ex = ExchangeRounds(comm, n=4, H=4096, tiles=16, transport="pointer")
     ex.launch(1)
     torch.cuda.synchronize()
     expected = ex.partial[:4].clone()
@@ -116,7 +116,7 @@ def main() -> int:
             rounds = 2000 if kb <= 256 else 300
             record = {"world": launch.world, "bytes": kb * 1024, "gpu": torch.cuda.get_device_name()}
             for transport, key in (("pointer", "distmk_us"), ("nvshmem", "distmk_nvshmem_us")):
-                record[key] = ExchangeRounds(comm, 1, numel, tiles, 1, transport).us_per_round(rounds)
+                record[key] = ExchangeRounds(comm, 1, numel, tiles, transport).us_per_round(rounds)
             t = torch.ones(numel, device="cuda")
             record["nccl_eager_us"] = cuda_us(lambda: dist.all_reduce(t), 200)
             record["nccl_graph_us"] = nccl_graph_us(t)

@@ -181,8 +181,9 @@ def main(folder: str) -> None:
                   f"{fmt(r['nccl_graph_us'], '.1f')}  symm-mem {fmt(r['symm_mem_us'], '.1f')} us")
     for path in files("overlap_*.json"):
         r = json.load(open(path))
-        print(f"overlap: gemv {r['gemv_us']:.2f}  fused {r['fused_us']:.2f} (x{r['fused_over_gemv']:.2f})  cublas "
-              f"{r['cublas_us']:.2f}  cublas+nccl {r['cublas_nccl_us']:.2f} us/layer")
+        print(f"overlap {r.get('launcher', 'torchrun')} tp{r['world']}: gemv {r['gemv_us']:.2f}  fused "
+              f"{r['fused_us']:.2f} (x{r['fused_over_gemv']:.2f})  cublas {fmt(r['cublas_us'], '.2f')}  cublas+nccl "
+              f"{fmt(r['cublas_nccl_us'], '.2f')} us/layer")
     for path in files("serve_load_*.json"):
         r = json.load(open(path))
         print(f"serve {r['model']} tp{r['tp']}: {r['completed']}/{r['requests']} done, ttft p50 "

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU: the GPU tests, the decode benchmarks (JSON for benchmarks/results/) and start-up times. STAGES picks
-# among "tests decode startup" (default all three; they run in that order); run_h200x2.sh runs them on its
+# among "tests decode overlap startup" (default all but overlap; they run in that order); run_h200x2.sh runs them on its
 # two GPUs side by side. DEADLINE (seconds, default 590: a device call's limit) bounds the decode runs: each
 # gets at most the time left (and at most 300 s: qwen3-30b-a3b's compiled baseline takes ~250 s to autotune on a
 # cold inductor cache), and one with less than 100 s left is skipped, said so.
@@ -42,6 +42,16 @@ if [[ $STAGES == *" decode "* ]]; then
     python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('step_ms', \
 'tp1_step_ms', 'step_vs_tp1', 'cudagraph_compiled_ms', 'speedup_vs_compiled', 'efficiency')})" "$OUT/$name.json" \
         2>/dev/null || tail -n 3 "$OUT/$name.log"
+  done
+fi
+
+if [[ $STAGES == *" overlap "* ]]; then
+  # overlap.py at virtual tp (OVERLAP_TP, default "2 4"): each layer's o_proj tiles with and without their all-reduce
+  for tp in ${OVERLAP_TP:-2 4}; do
+    stamp "overlap.py, virtual tp=$tp"
+    timeout 200 python3 benchmarks/overlap.py --virtual-tp "$tp" --out "$OUT/overlap_vtp$tp.json" 2>&1 \
+        | grep -v "Warn\|warn(" > "$OUT/overlap_vtp$tp.log"
+    tail -n 1 "$OUT/overlap_vtp$tp.log" | cut -c1-300
   done
 fi
 

@@ -7,6 +7,7 @@ import torch
 
 from distmk.errors import GraphError
 from distmk.graph import GraphConfig, compile_step
+from distmk.graph.lowering import GraphBuilder, compile_graph, hidden_tiles, row_parallel_phase
 from distmk.graph.scheduler import check_deadlock_free
 from distmk.graph.table import A0, A1, LAYER, SIGNAL, TYPE, WAIT
 from distmk.models.presets import PRESETS
@@ -14,6 +15,7 @@ from distmk.models.shard import plan_shard
 from distmk.comm.cpu import run_simulated_ranks
 from distmk.runtime.engine import Engine
 from distmk.tasks import TASK_KINDS, TYPE_ID
+from distmk.tasks.base import WRITE_PARTIAL
 from conftest import PROMPT, SMALL
 
 
@@ -126,6 +128,26 @@ def test_tp1_has_no_allreduce_and_tp2_has_one_per_row_parallel_tile():
               for tp in (1, 2)}
     assert counts[1]["allreduce"] == 0
     assert counts[2]["allreduce"] == counts[2]["o_proj"] + counts[2]["down"]
+
+
+@pytest.mark.parametrize("exchange", [False, True])
+def test_row_parallel_phases_with_and_without_their_all_reduce(exchange):
+    """benchmarks/overlap.py's tables at tp=2: every layer's o_proj phase after the one before, each tile keeping its
+    partial sum, with or without the ar_push + allreduce pair that all-reduces it; they run to the end."""
+    spec = PRESETS["tiny-llama"]
+    plan = plan_shard(spec, 2, 0)
+    config = GraphConfig(**SMALL.__dict__).resolved(spec, plan)
+    g, wait = GraphBuilder(), -1
+    for layer in range(spec.num_layers):
+        wait = row_parallel_phase(g, spec, plan, config, "o_proj", layer, wait, "attn", (-1,), exchange)
+    table = compile_graph(g, spec, plan, config)
+    kinds = collections.Counter(TASK_KINDS[t].name for t in table.tasks[:, TYPE].tolist())
+    tiles = len(hidden_tiles(spec, config))
+    assert kinds == {"o_proj": spec.num_layers * tiles,
+                     **({"ar_push": spec.num_layers * tiles, "allreduce": spec.num_layers * tiles} if exchange else {})}
+    o_proj = table.tasks[table.tasks[:, TYPE] == TYPE_ID["o_proj"]]
+    assert (o_proj[:, A0 + 2] == WRITE_PARTIAL).all()
+    assert len(simulate(table)) == table.num_tasks
 
 
 def test_table_is_compact_int_tensors():

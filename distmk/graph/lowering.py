@@ -166,6 +166,29 @@ def router_shares(spec: ModelSpec, config: GraphConfig) -> int:
     return len(hidden_tiles(spec, config)) if config.router_partials == 1 else 1
 
 
+def row_parallel_phase(g: GraphBuilder, spec: ModelSpec, plan: ShardPlan, config: GraphConfig, kind: str, layer: int,
+                       wait: int, name: str, extra: tuple[int, ...] = (), exchange: bool | None = None) -> int:
+    """o_proj/down/moe_combine tiles (args row0, nrows, mode, *extra) after event `wait`, each followed at tp > 1
+    by the all-reduce of its slice (ar_push, allreduce); returns 'x updated'. `exchange` False leaves the
+    all-reduce out at tp > 1, each tile keeping its partial sum (benchmarks/overlap.py: the GEMV alone)."""
+    exchange = plan.tp > 1 if exchange is None else exchange
+    row_tiles = hidden_tiles(spec, config)
+    done = g.event(f"L{layer}.{name}.x", len(row_tiles))
+    for row0, nrows in row_tiles:
+        if plan.tp == 1:
+            g.task(kind, layer, (row0, nrows, ADD_RESIDUAL, *extra), wait=wait, signal=done)
+        elif not exchange:
+            g.task(kind, layer, (row0, nrows, WRITE_PARTIAL, *extra), wait=wait, signal=done)
+        else:
+            tile_done = g.event(f"L{layer}.{name}.tile{row0}", 1)
+            g.task(kind, layer, (row0, nrows, WRITE_PARTIAL, *extra), wait=wait, signal=tile_done)
+            slot = 2 * layer + (kind != "o_proj")      # the MLP's output (down, moe_combine): odd
+            arrived = g.event(f"L{layer}.{name}.ar{row0}", plan.tp)    # one push from every rank
+            g.task("ar_push", layer, (row0, nrows, slot), wait=tile_done, signal=arrived)
+            g.task("allreduce", layer, (row0, nrows, slot), wait=arrived, signal=done)
+    return done
+
+
 def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> GraphBuilder:
     config = config.resolved(spec, plan)
     g = GraphBuilder()
@@ -173,24 +196,11 @@ def lower_decode_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> 
     hkv = plan.num_kv_heads
 
     def row_parallel(kind: str, layer: int, wait: int, name: str) -> int:
-        """o_proj/down/moe_combine tiles, each followed (tp>1) by the all-reduce of its slice; returns 'x updated'.
-        The o_proj tiles of a sparse layer also add their rows' shares of the gate's logits where the config
+        """The o_proj tiles of a sparse layer also add their rows' shares of the gate's logits where the config
         says so (router_partials 1: `router_layer`, the layer's index among the sparse ones, else -1)."""
-        row_tiles = hidden_tiles(spec, config)
-        done = g.event(f"L{layer}.{name}.x", len(row_tiles))
         partials = kind == "o_proj" and layer in spec.moe_layers and config.router_partials == 1
         extra = ((spec.moe_layers.index(layer) if partials else -1),) if kind == "o_proj" else ()
-        for row0, nrows in row_tiles:
-            if plan.tp == 1:
-                g.task(kind, layer, (row0, nrows, ADD_RESIDUAL, *extra), wait=wait, signal=done)
-            else:
-                tile_done = g.event(f"L{layer}.{name}.tile{row0}", 1)
-                g.task(kind, layer, (row0, nrows, WRITE_PARTIAL, *extra), wait=wait, signal=tile_done)
-                slot = 2 * layer + (kind != "o_proj")      # the MLP's output (down, moe_combine): odd
-                arrived = g.event(f"L{layer}.{name}.ar{row0}", plan.tp)    # one push from every rank
-                g.task("ar_push", layer, (row0, nrows, slot), wait=tile_done, signal=arrived)
-                g.task("allreduce", layer, (row0, nrows, slot), wait=arrived, signal=done)
-        return done
+        return row_parallel_phase(g, spec, plan, config, kind, layer, wait, name, extra)
 
     def sparse_mlp(layer: int, wait: int) -> int:
         """The router tiles (the gate's logits, cut over the experts) unless the o_proj tiles added their shares
@@ -269,10 +279,14 @@ def num_lm_tiles(plan: ShardPlan, config: GraphConfig) -> int:
 
 def compile_step(spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> TaskTable:
     """Lower, cost and schedule one decode step into a TaskTable."""
+    config = config.resolved(spec, plan)
+    return compile_graph(lower_decode_step(spec, plan, config), spec, plan, config)
+
+
+def compile_graph(builder: GraphBuilder, spec: ModelSpec, plan: ShardPlan, config: GraphConfig) -> TaskTable:
+    """Cost and schedule the tasks of `builder` (lowered for a resolved `config`) into a TaskTable."""
     from distmk.graph.scheduler import schedule
 
-    config = config.resolved(spec, plan)
-    builder = lower_decode_step(spec, plan, config)
     tasks, need = builder.tensors(plan.tp)
     shape = StepShape(spec, plan, config.batch, config.kv_splits, config.context, config.dtype_bytes,
                       config.dtype_bytes, router_shares(spec, config))
