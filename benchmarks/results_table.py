@@ -4,7 +4,7 @@ overlap, serve-load and start-up JSON and the GPU tests' last lines (the run_h20
     python benchmarks/results_table.py benchmarks/results/h100-2026-12-05-f21ea06
 
 With --table KIND ARGS, one of the tables of figures of README.md, benchmarks/README.md and docs/, made from its
-runs' JSON (TABLES: headline, decode, kernels, tp, allreduce, serve); each page marks such a table with the line
+runs' JSON (TABLES: headline, decode, kernels, tp, allreduce, overlap, serve); each page marks such a table with the line
 `<!-- table: KIND ARGS -->` before it. A figure in a table is generated, never typed: tests/test_readme_commands.py
 checks every marked table and that every table of figures is marked.
 """
@@ -137,6 +137,15 @@ def allreduce_table(folder: str) -> str:
                   "torch symm-mem one-shot"], rows)
 
 
+def overlap_table(folder: str) -> str:
+    """overlap.py's runs: µs a layer of the o_proj tiles alone and with their all-reduce, by tp."""
+    runs = sorted((load(folder, os.path.basename(p)) for p in glob.glob(os.path.join(RESULTS, folder, "overlap_*.json"))),
+                  key=lambda r: r["world"])
+    rows = [[f"{r['world']} ({r['launcher']})", f"{r['gemv_us']:.2f}", f"{r['fused_us']:.2f}",
+             f"**{r['fused_over_gemv']:.2f}**", fmt(r["cublas_us"]), fmt(r["cublas_nccl_us"])] for r in runs]
+    return table(["tp", "o_proj tiles alone", "with their all-reduce", "x", "cuBLAS", "cuBLAS + NCCL"], rows)
+
+
 def serve_table(folder: str, model: str = "llama-3-8b") -> str:
     """The server's latencies and throughput by tp (serve_load.py)."""
     runs = [load(folder, os.path.basename(p))
@@ -149,7 +158,7 @@ def serve_table(folder: str, model: str = "llama-3-8b") -> str:
 
 # the tables a page makes from its runs' JSON: `<!-- table: KIND ARGS -->` on the line before each
 TABLES = {"headline": headline_table, "decode": decode_table, "kernels": kernels_table, "tp": tp_table,
-          "allreduce": allreduce_table, "serve": serve_table}
+          "allreduce": allreduce_table, "overlap": overlap_table, "serve": serve_table}
 MARKER = re.compile(r"^<!-- table: (\w+)((?: \S+)*) -->$")
 
 
