@@ -8,13 +8,14 @@ ring. CI compiles them for sm_90 (tests/test_megakernel_compiles.py).
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from distmk.device.ring import (_acquire64, acc_layout, cta_barrier, load_rows, make_rings, matmul_layouts,
-                                mma_block, task_row)
+                                mma_block, mma_block_fp8, task_row)
 from distmk.graph.table import COLUMNS
 
 ROW_WIDTH = gl.constexpr(len(COLUMNS))
@@ -31,16 +32,21 @@ def _acquire(ptr):
 
 @gluon.jit
 def _consume(x_desc, x_row, out, OUT_STRIDE: gl.constexpr, col0, rows, n, K: gl.constexpr, SCALE: gl.constexpr,
-             ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr):
-    """out[:n, col0:col0 + rows] = SCALE * x[x_row:x_row + n] @ W^T over the slots _produce filled."""
+             w_scale, ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr):
+    """out[:n, col0:col0 + rows] = SCALE * x[x_row:x_row + n] @ W^T over the slots _produce filled (e4m3 weights
+    with the block scales `w_scale` where the ring holds e4m3)."""
     BN: gl.constexpr = ring.type.shape[1]
     B_PAD: gl.constexpr = xring.type.shape[1]
     layout: gl.constexpr = acc_layout(BN, B_PAD, num_warps)
     rn = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
     rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(0, layout))
     for j in range(0, rows, BN):
-        acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, j > 0, j + BN < rows,
-                               num_warps)
+        if ring.dtype.itemsize == 1:
+            acc, c, cx = mma_block_fp8(x_desc, x_row, K, w_scale, col0 + j, rows - j, ring, ready, empty, xring,
+                                       xready, c, cx, j > 0, j + BN < rows, num_warps)
+        else:
+            acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, j > 0, j + BN < rows,
+                                   num_warps)
         mask = (rn < rows - j)[:, None] & (rb < n)[None, :]
         gl.store(out + rb[None, :] * OUT_STRIDE + (col0 + j + rn)[:, None], (acc * SCALE).to(out.dtype.element_ty),
                  mask=mask)
@@ -57,7 +63,7 @@ def _stream_producer(w_desc, ring, ready, empty, layers, ROWS: gl.constexpr, N: 
 
 
 @gluon.jit
-def _stream_consumer(x_desc, y, counters, ring, ready, empty, xring, xready, layers, ROWS: gl.constexpr,
+def _stream_consumer(x_desc, y, w_scale, counters, ring, ready, empty, xring, xready, layers, ROWS: gl.constexpr,
                      N: gl.constexpr, K: gl.constexpr, NPROG: gl.constexpr, MODE: gl.constexpr,
                      num_warps: gl.constexpr):
     """y[(layer + 1) % 2][:, rows] = STREAM_SCALE * y[layer % 2] @ W_layer[rows]^T for every layer, after a
@@ -76,20 +82,22 @@ def _stream_consumer(x_desc, y, counters, ring, ready, empty, xring, xready, lay
                     polls += 1
                 cta_barrier()
         c, cx = _consume(x_desc, (layer % 2) * B_PAD, y + ((layer + 1) % 2) * B_PAD * N, N, row0, ROWS, B_PAD, K,
-                         STREAM_SCALE, ring, ready, empty, xring, xready, c, cx, num_warps)
+                         STREAM_SCALE, w_scale + layer * (N // 128) * (K // 128), ring, ready, empty, xring, xready,
+                         c, cx, num_warps)
         if MODE == 1:
             cta_barrier()
             gl.atomic_add(counters + layer, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
-def ring_stream(w_desc, x_desc, y, counters, layers, ROWS: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
+def ring_stream(w_desc, x_desc, y, w_scale, counters, layers, ROWS: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
                 NBUF: gl.constexpr, XD: gl.constexpr, NPROG: gl.constexpr, MODE: gl.constexpr,
                 num_warps: gl.constexpr):
+    """w_scale: the e4m3 weights' block scales [layers * N / 128, K / 128] (bf16 weights: unused)."""
     ring, ready, empty, xring, xready = make_rings(w_desc, x_desc, w_desc.block_type.shape[0], NBUF, XD)
     gl.warp_specialize([
-        (_stream_consumer, (x_desc, y, counters, ring, ready, empty, xring, xready, layers, ROWS, N, K, NPROG, MODE,
-                            num_warps)),
+        (_stream_consumer, (x_desc, y, w_scale, counters, ring, ready, empty, xring, xready, layers, ROWS, N, K,
+                            NPROG, MODE, num_warps)),
         (_stream_producer, (w_desc, ring, ready, empty, layers, ROWS, N, K)),
     ], [1], [24])
 
@@ -136,25 +144,30 @@ def tl_stream(w, y, counters, layers, ROWS: tl.constexpr, N: tl.constexpr, K: tl
 
 def stream_descriptors(w, y, block_n: int, block_k: int, b_pad: int):
     """TMA descriptors of the stacked weights [layers * N, K] and the two activation buffers y [2, b_pad, N]
-    (a 2-D view), NVMMA-swizzled as wgmma reads them."""
+    (a 2-D view), NVMMA-swizzled as wgmma reads them. e4m3 weights come in boxes of 128 columns (one swizzle line:
+    input slices of block_k = 128 make a slot of two)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16)
+    fp8 = w.dtype == torch.float8_e4m3fn
+    w_box = [block_n, 128 if fp8 else block_k]
+    w_layout = gl.NVMMASharedLayout.get_default_for(w_box, gl.float8e4nv if fp8 else gl.bfloat16)
     x_layout = gl.NVMMASharedLayout.get_default_for([b_pad, block_k], gl.bfloat16)
-    return (TensorDescriptor.from_tensor(w, [block_n, block_k], w_layout),
+    return (TensorDescriptor.from_tensor(w, w_box, w_layout),
             TensorDescriptor.from_tensor(y.view(2 * b_pad, y.shape[-1]), [b_pad, block_k], x_layout))
 
 
 def compile_ring_stream(rows: int, n: int, k: int, block_n: int, block_k: int, stages: int, x_stages: int,
-                        programs: int, mode: int, b_pad: int = 16, arch: int = 90):
+                        programs: int, mode: int, b_pad: int = 16, arch: int = 90, fp8: bool = False):
     """ring_stream compiled for CUDA compute capability `arch` without a GPU (CI's check that the Gluon path
-    still builds on the Triton it installs)."""
+    still builds on the Triton it installs); `fp8`: e4m3 weights (weight boxes of 128 columns, input slices of
+    block_k = 128)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16)
+    w_type, w_cols = (gl.float8e4nv, 128) if fp8 else (gl.bfloat16, block_k)
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, w_cols], w_type)
     x_layout = gl.NVMMASharedLayout.get_default_for([b_pad, block_k], gl.bfloat16)
-    signature = {"w_desc": f"tensordesc<bf16[{block_n}, {block_k}],{w_layout!r}>",
-                 "x_desc": f"tensordesc<bf16[{b_pad}, {block_k}],{x_layout!r}>", "y": "*bf16", "counters": "*i32",
-                 "layers": "i32"}
+    signature = {"w_desc": f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}[{block_n}, {w_cols}],{w_layout!r}>",
+                 "x_desc": f"tensordesc<bf16[{b_pad}, {block_k}],{x_layout!r}>", "y": "*bf16", "w_scale": "*fp32",
+                 "counters": "*i32", "layers": "i32"}
     constants = dict(ROWS=rows, N=n, K=k, NBUF=stages, XD=x_stages, NPROG=programs, MODE=mode, num_warps=4)
     signature.update({name: "constexpr" for name in constants})
     names = list(ring_stream.arg_names)
@@ -253,17 +266,17 @@ def _matmul_consumer(tasks, queue, queue_ptr, event_need, counters, rows_ptr, xh
             which, w_row, rows, col = _segment(kind, layer, a0, a1, seg, H, D, HQ, HKV, INTER, QKV_ID,
                                                OPROJ_ID, GATEUP_ID, DOWN_ID)
             if which == SEG_QKV:
-                c, cx = _consume(xh_desc, 0, out_qkv, (HQ + 2 * HKV) * D, col, rows, n, H, 1.0, ring, ready, empty,
-                                 xring, xready, c, cx, num_warps)
+                c, cx = _consume(xh_desc, 0, out_qkv, (HQ + 2 * HKV) * D, col, rows, n, H, 1.0, None, ring, ready,
+                                 empty, xring, xready, c, cx, num_warps)
             elif which == SEG_O:
-                c, cx = _consume(xa_desc, 0, out_o, H, col, rows, n, HQ * D, 1.0, ring, ready, empty, xring, xready,
-                                 c, cx, num_warps)
+                c, cx = _consume(xa_desc, 0, out_o, H, col, rows, n, HQ * D, 1.0, None, ring, ready, empty, xring,
+                                 xready, c, cx, num_warps)
             elif (which == SEG_GATE) | (which == SEG_UP):     # col tells gate's columns from up's
-                c, cx = _consume(xh_desc, 0, out_gu, 2 * INTER, col, rows, n, H, 1.0, ring, ready, empty, xring,
+                c, cx = _consume(xh_desc, 0, out_gu, 2 * INTER, col, rows, n, H, 1.0, None, ring, ready, empty, xring,
                                  xready, c, cx, num_warps)
             elif which == SEG_DOWN:
-                c, cx = _consume(xi_desc, 0, out_down, H, col, rows, n, INTER, 1.0, ring, ready, empty, xring, xready,
-                                 c, cx, num_warps)
+                c, cx = _consume(xi_desc, 0, out_down, H, col, rows, n, INTER, 1.0, None, ring, ready, empty, xring,
+                                 xready, c, cx, num_warps)
         if signal >= 0:
             cta_barrier()
             gl.atomic_add(counters + signal, 1, sem="release", scope="gpu")

@@ -47,6 +47,7 @@ def parse_args(argv=None):
                    help='megakernel options as JSON (given options skip autotuning), e.g. {"num_stages": 5}')
     p.add_argument("--no-ring", action="store_true", help="skip both weight-ring measurements (3. and 4.)")
     p.add_argument("--no-probe", action="store_true", help="skip the stacked-layer probe (4.)")
+    p.add_argument("--probe-only", action="store_true", help="the stacked-layer probe (4.) alone")
     p.add_argument("--json", action="store_true", help="print the JSON on one line (default: indented)")
     p.add_argument("--out", help="also write the JSON to this file")
     return p.parse_args(argv)
@@ -196,37 +197,44 @@ def run_ring_matmuls(engine, tables: dict, ceiling: float, iters: int, layers: i
 
 
 def run_ring(device, iters: int, log) -> list[dict]:
-    """The weight ring against its tl twin over 32 layers of [SMs * rows, 4096] bf16 (2.2 GB at 64 rows),
-    barrier off and on; a few tile shapes each. Each Gluon configuration is checked against torch first."""
+    """The weight ring against its tl twin over 32 layers of [SMs * rows, 4096] bf16 (2.2 GB at 64 rows), and the
+    ring over the same weights in e4m3 with 128 x 128 block scales (models/fp8.py), barrier off and on; a few tile
+    shapes each. Each Gluon configuration is checked against torch first."""
     import ring_probe as ring
+    from distmk.models.fp8 import DEFAULT_BLOCK, dequantize, quantize
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     layers, k, b_pad = 32, 4096, 16
     results = []
     for rows in (64, 128):
         n = sms * rows
         w = torch.randn(layers * n, k, device=device, dtype=torch.bfloat16)
+        w8, w_scale = quantize(w)
         y = torch.randn(2, b_pad, n, device=device, dtype=torch.bfloat16) * 0.1
         counters = torch.zeros(layers, device=device, dtype=torch.int32)
-        nbytes = w.numel() * w.element_size()
         configs = [("tl", 64, 256, 4, 0), ("tl", 64, 128, 6, 0)]
         configs += [("gluon", bn, bk, stages, xd) for bn, bk, stages, xd in
                     ((64, 256, 4, 3), (64, 256, 4, 4), (64, 128, 8, 4), (64, 128, 8, 6), (128, 128, 6, 4))
                     if rows % bn == 0]
+        configs += [("gluon-fp8", 64, 128, stages, xd) for stages, xd in ((8, 4), (10, 4), (10, 6))]
         for kernel, bn, bk, stages, xd in configs:
+            weights = w8 if kernel == "gluon-fp8" else w
+            nbytes = weights.numel() * weights.element_size() + (w_scale.numel() * 4 if kernel == "gluon-fp8" else 0)
             if kernel == "tl":
                 def launch(layer_count, mode):
-                    ring.tl_stream[(sms,)](w, y, counters, layer_count, rows, n, k, bn, bk, b_pad, sms, stages, mode,
-                                           num_warps=4)
+                    ring.tl_stream[(sms,)](weights, y, counters, layer_count, rows, n, k, bn, bk, b_pad, sms, stages,
+                                           mode, num_warps=4)
             else:
-                w_desc, x_desc = ring.stream_descriptors(w, y, bn, bk, b_pad)
+                w_desc, x_desc = ring.stream_descriptors(weights, y, bn, bk, b_pad)
 
                 def launch(layer_count, mode):
-                    ring.ring_stream[(sms,)](w_desc, x_desc, y, counters, layer_count, rows, n, k, stages, xd, sms,
-                                             mode, num_warps=4)
+                    ring.ring_stream[(sms,)](w_desc, x_desc, y, w_scale, counters, layer_count, rows, n, k, stages,
+                                             xd, sms, mode, num_warps=4)
             y.copy_(torch.randn_like(y) * 0.1)
             before = y.clone()
             launch(1, 0)
-            expected = before[0].float()[:, :k] @ w[:n].float().t() * ring.STREAM_SCALE.value
+            first = dequantize(w8[:n], w_scale[:n // DEFAULT_BLOCK[0]], DEFAULT_BLOCK) if kernel == "gluon-fp8" \
+                else w[:n].float()
+            expected = before[0].float()[:, :k] @ first.t() * ring.STREAM_SCALE.value
             error = float((y[1].float() - expected).abs().max() / expected.abs().max())
             for mode in (0, 1):
                 def step():
@@ -237,9 +245,9 @@ def run_ring(device, iters: int, log) -> list[dict]:
                        "barrier": bool(mode), "gbps": nbytes / ms / 1e6, "us_per_layer": ms * 1e3 / layers,
                        "relative_error": error}
                 results.append(row)
-                log(f"ring {kernel:5s} rows {rows} BN {bn} BK {bk} stages {stages} x {xd} barrier {mode}: "
+                log(f"ring {kernel:9s} rows {rows} BN {bn} BK {bk} stages {stages} x {xd} barrier {mode}: "
                     f"{row['gbps']:.0f} GB/s, {row['us_per_layer']:.2f} us/layer (error {error:.1e})")
-        del w
+        del w, w8
         torch.cuda.empty_cache()
     return results
 
@@ -259,6 +267,9 @@ def main(argv=None) -> int:
     ceiling = measure_hbm_read_bandwidth(device)
     result["read_gbps"] = ceiling / 1e9
     log(f"read ceiling {ceiling / 1e9:.0f} GB/s")
+    if args.probe_only:
+        result["ring"] = run_ring(device, args.iters, log)
+        return emit_result(result, args)
     engine = decode_engine(args.model, args.batch, 512, **json.loads(args.options))
     layers = args.layers or engine.spec.num_layers
     workers = engine.table.num_workers
@@ -279,7 +290,11 @@ def main(argv=None) -> int:
     torch.cuda.empty_cache()
     if not (args.no_ring or args.no_probe):
         result["ring"] = run_ring(device, args.iters, log)
-    result.update(gpu=torch.cuda.get_device_name(device), torch=torch.__version__, triton=triton.__version__,
+    return emit_result(result, args)
+
+
+def emit_result(result: dict, args) -> int:
+    result.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   command=shlex.join(["python", *sys.argv]), distmk_commit=git_commit())
     emit(result, args.json, args.out)

@@ -43,8 +43,9 @@ as_boxes = _boxes_new if hasattr(gl.shared_memory_descriptor, "reinterpret") els
 @gluon.jit
 def make_rings(w_desc, x_desc, BN: gl.constexpr, NBUF: gl.constexpr, XD: gl.constexpr):
     """The weight ring (NBUF slots of BN rows) and the input ring (XD slices) in shared memory, with their
-    mbarriers: ready/empty per weight slot, ready per input slice."""
-    BK: gl.constexpr = x_desc.block_type.shape[1]       # a weight box is narrower: load_block
+    mbarriers: ready/empty per weight slot, ready per input slice. A slot holds as many bytes a row as an input
+    slice: its columns in bf16 weights, twice as many in e4m3 ones (mma_block_fp8)."""
+    BK: gl.constexpr = x_desc.block_type.shape[1] * 2 // w_desc.dtype.itemsize    # a weight box is narrower
     ring = gl.allocate_shared_memory(w_desc.dtype, [NBUF, BN, BK], w_desc.layout)
     xring = gl.allocate_shared_memory(x_desc.dtype, [XD] + x_desc.block_type.shape, x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
@@ -145,7 +146,8 @@ def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, 
     LINE: gl.constexpr = desc.block_type.shape[1]
     LINES: gl.constexpr = BK // LINE
     MOST: gl.constexpr = BN // BOX
-    gl.static_assert((LINE * 2 == 128) | (MOST == 1), "a weight box is one swizzle line wide or a whole slot")
+    gl.static_assert((LINE * desc.dtype.itemsize == 128) | (MOST == 1),
+                     "a weight box is one swizzle line wide or a whole slot")
     # the slot is laid out a swizzle line of columns after another ([LINES, BN, LINE]): as boxes, [line, box]
     boxes_of = as_boxes(ring, desc, NBUF * LINES * MOST)
     boxes = (gl.minimum(rows, BN) + BOX - 1) // BOX
@@ -184,6 +186,19 @@ def prime_inputs(x_desc, x_row, K: gl.constexpr, xring, xready, cx):
 
 
 @gluon.jit
+def _refill_input(x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, chained, CHAIN: gl.constexpr):
+    """At input slice `it` of a block, once slice it - 1's product is done: the TMA copy of slice it + XD - 1 into its
+    slot, or (a `chained` block, past its own slices) of the next block's first ones."""
+    XD: gl.constexpr = xring.type.shape[0]
+    BK: gl.constexpr = xring.type.shape[2]
+    ahead = it + XD - 1
+    slot = (cx + ahead) % XD
+    issue = (ahead < KT) | (CHAIN & (chained != 0) & (ahead - KT < KT))
+    mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=issue)
+    tma_load(x_desc, [x_row, (ahead % KT) * BK], xready.index(slot), xring.index(slot), pred=issue)
+
+
+@gluon.jit
 def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready, c, cx, primed, chained,
               num_warps: gl.constexpr):
     """Consumer: acc[BN, B_PAD] = W_block @ x[x_row:x_row + B_PAD, :K]^T in float32 over the ring's next K / BK
@@ -211,14 +226,91 @@ def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready,
         acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
         # the previous wgmma is done: its weight slot goes back to the producer, its input slot is refilled
         mbarrier.arrive(empty.index((c + NBUF - 1) % NBUF), count=1, pred=it > 0)
-        ahead = it + XD - 1
-        slot = (cx + ahead) % XD
-        more = (ahead < KT) | (CHAIN & (chained != 0) & (ahead - KT < KT))
-        mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=more)
-        tma_load(x_desc, [x_row, (ahead % KT) * BK], xready.index(slot), xring.index(slot), pred=more)
+        _refill_input(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
         c += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     mbarrier.arrive(empty.index((c + NBUF - 1) % NBUF), count=1)
+    return acc, c, cx + KT
+
+
+@gluon.jit
+def e4m3_as_bf16(raw):
+    """e4m3 values (their bits, int8) as bf16, exactly: each value's bits moved into a bf16's (sign, then exponent
+    and mantissa four places down: the value times 2^-120, subnormals included), then times 2^120."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 lo, hi, s, k;\n  mov.b32 k, 0x7B807B80;\n"
+        "  prmt.b32 lo, $2, 0, 0x1404;\n  prmt.b32 hi, $2, 0, 0x3424;\n"
+        "  shr.b32 s, lo, 4;\n  and.b32 s, s, 0x07F007F0;\n  and.b32 lo, lo, 0x80008000;\n  or.b32 lo, lo, s;\n"
+        "  shr.b32 s, hi, 4;\n  and.b32 s, s, 0x07F007F0;\n  and.b32 hi, hi, 0x80008000;\n  or.b32 hi, hi, s;\n"
+        "  mul.rn.bf16x2 $0, lo, k;\n  mul.rn.bf16x2 $1, hi, k;\n}",
+        "=r,=r,r", [raw], dtype=gl.bfloat16, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _weight_half(ring, s, h: gl.constexpr, operand: gl.constexpr):
+    """Half h of e4m3 slot s (an input slice's columns) as the bf16 A operand of a wgmma, in registers."""
+    BK: gl.constexpr = ring.type.shape[2] // 2
+    raw = ring.index(s).slice(h * BK, BK, dim=1).load(operand).to(gl.int8, bitcast=True)
+    return e4m3_as_bf16(raw)
+
+
+@gluon.jit
+def _next_slice(x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, chained, CHAIN: gl.constexpr):
+    """Wait for input slice `it` and refill the slot of slice it - 1 (its product is done); returns slice it's
+    slot."""
+    XD: gl.constexpr = xring.type.shape[0]
+    xs = (cx + it) % XD
+    mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1)
+    _refill_input(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
+    return xs
+
+
+@gluon.jit
+def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready, empty, xring, xready, c, cx, primed,
+                  chained, num_warps: gl.constexpr):
+    """mma_block over e4m3 weights whose 128 x 128 blocks each have a float32 scale (models/fp8.py; `scale`: the
+    matrix's grid [ceil(R / 128), K / 128], `row0`: the block's first row, of `rows`). A slot holds two input slices'
+    columns (make_rings); each slice's product is taken from the slot's half, converted to bf16 in registers (exactly:
+    every e4m3 value is a bf16 one), and added to the accumulator times its rows' scales, the scales of a slot loaded
+    a slot ahead; the second half is converted while the first one's wgmma runs."""
+    NBUF: gl.constexpr = ring.type.shape[0]
+    BN: gl.constexpr = ring.type.shape[1]
+    XD: gl.constexpr = xring.type.shape[0]
+    B_PAD: gl.constexpr = xring.type.shape[1]
+    BK: gl.constexpr = xring.type.shape[2]
+    gl.static_assert((BK == 128) & (ring.type.shape[2] == 2 * BK), "an e4m3 slot is two input slices of one block")
+    KT: gl.constexpr = K // BK
+    CHAIN: gl.constexpr = KT >= XD - 1
+    _first_inputs(x_desc, x_row, KT, xring, xready, cx, (primed == 0) | (not CHAIN))
+    layout: gl.constexpr = acc_layout(BN, B_PAD, num_warps)
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
+    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
+    valid = rn < rows
+    scales = scale + ((row0 + rn) // 128) * (K // 128)      # each row's scales, one an input slice
+    low = gl.load(scales, mask=valid, other=0.0)
+    high = gl.load(scales + 1, mask=valid, other=0.0)
+    zero = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
+    acc = zero
+    for jt in range(KT // 2):
+        more = valid & (jt * 2 + 2 < KT)
+        next_low = gl.load(scales + jt * 2 + 2, mask=more, other=0.0)
+        next_high = gl.load(scales + jt * 2 + 3, mask=more, other=0.0)
+        s = c % NBUF
+        mbarrier.wait(ready.index(s), (c // NBUF) & 1)
+        first = _weight_half(ring, s, 0, operand)
+        xs = _next_slice(x_desc, x_row, KT, xring, xready, cx, jt * 2, chained, CHAIN)
+        part = warpgroup_mma(first, xring.index(xs).permute((1, 0)), zero, use_acc=False, is_async=True)
+        second = _weight_half(ring, s, 1, operand)
+        part, first = warpgroup_mma_wait(num_outstanding=0, deps=[part, first])
+        acc += part * low[:, None]
+        xs = _next_slice(x_desc, x_row, KT, xring, xready, cx, jt * 2 + 1, chained, CHAIN)
+        part = warpgroup_mma(second, xring.index(xs).permute((1, 0)), zero, use_acc=False, is_async=True)
+        part, second = warpgroup_mma_wait(num_outstanding=0, deps=[part, second])
+        acc += part * high[:, None]
+        mbarrier.arrive(empty.index(s), count=1)
+        low = next_low
+        high = next_high
+        c += 1
     return acc, c, cx + KT
 
 
