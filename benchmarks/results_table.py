@@ -4,7 +4,7 @@ overlap, serve-load and start-up JSON and the GPU tests' last lines (the run_h20
     python benchmarks/results_table.py benchmarks/results/h100-2026-12-05-f21ea06
 
 With --table KIND ARGS, one of the tables of figures of README.md, benchmarks/README.md and docs/, made from its
-runs' JSON (TABLES: headline, decode, kernels, tp, allreduce, overlap, serve); each page marks such a table with the line
+runs' JSON (TABLES: headline, decode, kernels, tp, allreduce, overlap, probe, serve); each page marks such a table with the line
 `<!-- table: KIND ARGS -->` before it. A figure in a table is generated, never typed: tests/test_readme_commands.py
 checks every marked table and that every table of figures is marked.
 """
@@ -146,6 +146,17 @@ def overlap_table(folder: str) -> str:
     return table(["tp", "o_proj tiles alone", "with their all-reduce", "x", "cuBLAS", "cuBLAS + NCCL"], rows)
 
 
+def probe_table(folder: str) -> str:
+    """stream.py's stacked-layer probe: each kernel and tile shape, without and with a barrier between layers."""
+    rows = {}
+    for r in load(folder, "stream_probe.json")["ring"]:
+        key = (r["kernel"], r["rows"], r["block_n"], r["block_k"], r["stages"], r["x_stages"])
+        rows.setdefault(key, [*key, "", "", f"{r['relative_error']:.1e}"])
+        rows[key][7 if r["barrier"] else 6] = f"{r['gbps']:.0f} GB/s, {r['us_per_layer']:.2f} us"
+    return table(["kernel", "rows a worker", "BN", "BK", "slots", "input slices", "no barrier", "barrier",
+                  "error"], list(rows.values()))
+
+
 def serve_table(folder: str, model: str = "llama-3-8b") -> str:
     """The server's latencies and throughput by tp (serve_load.py)."""
     runs = [load(folder, os.path.basename(p))
@@ -158,7 +169,8 @@ def serve_table(folder: str, model: str = "llama-3-8b") -> str:
 
 # the tables a page makes from its runs' JSON: `<!-- table: KIND ARGS -->` on the line before each
 TABLES = {"headline": headline_table, "decode": decode_table, "kernels": kernels_table, "tp": tp_table,
-          "allreduce": allreduce_table, "overlap": overlap_table, "serve": serve_table}
+          "allreduce": allreduce_table, "overlap": overlap_table, "probe": probe_table,
+          "serve": serve_table}
 MARKER = re.compile(r"^<!-- table: (\w+)((?: \S+)*) -->$")
 
 
