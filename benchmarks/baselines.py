@@ -69,7 +69,7 @@ def measure_hbm_read_bandwidth(device="cuda", gib: float = 4) -> float:
 
 
 def decode_step_bytes(spec: ModelSpec, plan: ShardPlan, batch: int, context: int, dtype_bytes: int = 2,
-                      experts_read: list[int] | None = None) -> int:
+                      experts_read: list[int] | None = None, e4m3=()) -> int:
     """HBM bytes one rank must read in a decode step of `batch` rows attending to `context` positions each:
     its weight shards (q/k/v with bias, o, gate, up, down, all norms, its lm_head rows including padding),
     the K and V it attends to, and the `batch` embedding rows it looks up (not the whole table).
@@ -78,21 +78,27 @@ def decode_step_bytes(spec: ModelSpec, plan: ShardPlan, batch: int, context: int
     union over the batch's rows, since rows that chose one expert can share one read of its weights (distmk's
     route task makes them). `experts_read` gives that number for each sparse layer, in spec.moe_layers' order
     (decode.py counts it from the step's own routing); without it, the most a step can choose,
-    min(num_experts, batch * experts_per_token), in every sparse layer."""
+    min(num_experts, batch * experts_per_token), in every sparse layer. The products named in `e4m3` (RankWeights.fp8:
+    wqkv, wo, w_gate, w_up, w_down) are read as a byte a weight and a float32 scale a 128 x 128 block."""
     h, d = spec.hidden_size, spec.head_dim
+    e4m3_ratio = (1 + 4 / 128 ** 2) / dtype_bytes        # of an e4m3 product's weight bytes to a dtype one's
+
+    def product(name: str, count: int) -> float:
+        return count * (e4m3_ratio if name in e4m3 else 1)
+
     qkv_rows = (plan.num_heads + 2 * plan.num_kv_heads) * d
-    layer_weights = (qkv_rows * h + (qkv_rows if spec.qkv_bias else 0) + (2 * d if spec.qk_norm else 0)
-                     + h * plan.num_heads * d + 2 * h)
+    layer_weights = (product("wqkv", qkv_rows * h) + (qkv_rows if spec.qkv_bias else 0) + (2 * d if spec.qk_norm else 0)
+                     + product("wo", h * plan.num_heads * d) + 2 * h)
     if experts_read is None:
         experts_read = [min(spec.num_experts, batch * spec.experts_per_token)] * len(spec.moe_layers)
     if len(experts_read) != len(spec.moe_layers) or not all(0 <= n <= spec.num_experts for n in experts_read):
         raise ValueError(f"experts_read must give 0..{spec.num_experts} experts for each of the "
                          f"{len(spec.moe_layers)} sparse layers, got {list(experts_read)}")
-    mlp = (len(spec.dense_layers) * 3 * plan.inter * h
+    mlp = (len(spec.dense_layers) * sum(product(name, plan.inter * h) for name in ("w_gate", "w_up", "w_down"))
            + sum(spec.num_experts * h + n * 3 * plan.expert_inter * h for n in experts_read))
     keys = min(context, spec.sliding_window or context)
     layer_kv = 2 * plan.num_kv_heads * d * keys * batch
-    return (spec.num_layers * (layer_weights + layer_kv) + mlp + h + plan.vocab * h + batch * h) * dtype_bytes
+    return round((spec.num_layers * (layer_weights + layer_kv) + mlp + h + plan.vocab * h + batch * h) * dtype_bytes)
 
 
 def distinct_experts(chosen: torch.Tensor) -> list[int]:

@@ -44,7 +44,7 @@ import triton
 
 from baselines import (COMPILE_MODES, cudagraph_step_ms, decode_step_bytes, distinct_experts, hf_eager_ms_per_token,
                        measure_hbm_read_bandwidth, paged_state, routed_experts, tp_rank)
-from distmk.cli import add_kernel_args, kernel_options_of, select_device
+from distmk.cli import add_kernel_args, add_quantize_arg, kernel_options_of, select_device
 from distmk.dist import detect_launch, init_process_group
 from distmk.errors import DistmkError
 from distmk.flags import COUNT
@@ -74,6 +74,7 @@ def parse_args(argv=None):
                    help="triton: skip the traced step (where the time went), which compiles the megakernel again")
     add_graph_args(p, "one per SM")
     add_kernel_args(p)
+    add_quantize_arg(p)
     p.add_argument("--backend", choices=["triton", "reference"], default="triton",
                    help="distmk's executor: the megakernel, or the reference executor (the one CPU runs have)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -108,7 +109,7 @@ def time_distmk(args, device, log, keep: dict | None, virtual_tp: int = 1) -> di
         from harness import distmk_step_ms, virtual_tp_step_ms
         options = dict(backend=args.backend, device=device,
                        breakdown=args.backend == "triton" and not args.no_breakdown,
-                       graph=tiling_of(args), workers=args.workers, **kernel_options_of(args))
+                       graph=tiling_of(args), workers=args.workers, quantize=args.quantize, **kernel_options_of(args))
         if virtual_tp > 1:
             return virtual_tp_step_ms(args.model, args.batch, args.context, virtual_tp, args.iters, **options)
         return distmk_step_ms(args.model, args.batch, args.context, args.iters, keep=keep, **options)
@@ -217,7 +218,9 @@ def run(args, launcher: str, log) -> dict:
             route_agreement = (ours.sort(-1).values == theirs.sort(-1).values).all(-1).float().mean().item()
         log(f"experts read per sparse layer (of {spec.num_experts}, {experts_source}): {experts_read}; (layer, row) "
             f"pairs where the PyTorch decoder's router chose the same experts: {route_agreement}")
-    step_bytes = decode_step_bytes(spec, plan, args.batch, args.context, dtype.itemsize, experts_read)
+    e4m3 = sorted(engine.weights.fp8) if engine is not None else []      # the products its ring streams in e4m3
+    step_bytes = decode_step_bytes(spec, plan, args.batch, args.context, dtype.itemsize, experts_read, e4m3)
+    result.update(quantize=args.quantize, e4m3_products=e4m3)
     roofline_ms = step_bytes / bandwidth * 1e3 if bandwidth else None
     if on_gpu:
         log(f"{step_bytes / 1e9:.2f} GB per step -> roofline {roofline_ms:.3f} ms")

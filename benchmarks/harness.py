@@ -14,7 +14,7 @@ from distmk.kernels.autotune import launch_times
 
 def decode_step(model: str, batch: int, context: int, *, comm=None, backend: str = "triton", device=None,
                 workers: int | None = None, trace: bool = False, block_size: int = 16, graph: dict | None = None,
-                **kernel_options) -> tuple[object, Callable[[], object]]:
+                quantize: str | None = None, **kernel_options) -> tuple[object, Callable[[], object]]:
     """An Engine (one rank of `comm`'s, or alone) whose `batch` rows sit at position `context - 1` of their
     own sequences, with random KV-cache contents, after its first step (for triton: compiled, captured,
     watchdog checked, so executor.launch() replays it); and a function that runs that step again.
@@ -29,7 +29,7 @@ def decode_step(model: str, batch: int, context: int, *, comm=None, backend: str
     engine = Engine(model, tp=comm.world if comm else 1, rank=comm.rank if comm else 0, comm=comm,
                     backend=backend, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                     config=config, max_context=max_context, block_size=block_size,
-                    kernel_options={"trace": trace, **kernel_options}, autotune=not kernel_options)
+                    kernel_options={"trace": trace, **kernel_options}, autotune=not kernel_options, quantize=quantize)
     engine.kv.k.normal_()
     engine.kv.v.normal_()
     blocks = [engine.kv.allocate([], context) for _ in range(batch)]

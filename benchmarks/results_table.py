@@ -139,8 +139,8 @@ def allreduce_table(folder: str) -> str:
 
 def overlap_table(folder: str) -> str:
     """overlap.py's runs: µs a layer of the o_proj tiles alone and with their all-reduce, by tp."""
-    runs = sorted((load(folder, os.path.basename(p)) for p in glob.glob(os.path.join(RESULTS, folder, "overlap_*.json"))),
-                  key=lambda r: r["world"])
+    paths = glob.glob(os.path.join(RESULTS, folder, "overlap_*.json"))
+    runs = sorted((load(folder, os.path.basename(p)) for p in paths), key=lambda r: r["world"])
     rows = [[f"{r['world']} ({r['launcher']})", f"{r['gemv_us']:.2f}", f"{r['fused_us']:.2f}",
              f"**{r['fused_over_gemv']:.2f}**", fmt(r["cublas_us"]), fmt(r["cublas_nccl_us"])] for r in runs]
     return table(["tp", "o_proj tiles alone", "with their all-reduce", "x", "cuBLAS", "cuBLAS + NCCL"], rows)

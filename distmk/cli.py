@@ -42,6 +42,12 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
                            help=f"triton backend: {f.metadata['help']} (default: {f.default})")
 
 
+def add_quantize_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", choices=["fp8"], default=None,
+                   help="fp8: the layers' products' weights quantized at load to e4m3 in 128 x 128 blocks (the FP8 "
+                        "twin of a bf16 checkpoint or preset; an FP8 checkpoint needs no flag)")
+
+
 def kernel_options_of(args) -> dict:
     """The KernelOptions that add_kernel_args' flags set."""
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(KernelOptions)
@@ -65,9 +71,7 @@ def add_engine_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str
     p.add_argument("--max-context", type=COUNT, default=None,
                    help="tokens per sequence, prompt + output (default: the model's, at most 2048)")
     p.add_argument("--seed", type=SEED, default=0, help="seed of a preset's random weights")
-    p.add_argument("--quantize", choices=["fp8"], default=None,
-                   help="fp8: the layers' products' weights quantized at load to e4m3 in 128 x 128 blocks (the FP8 "
-                        "twin of a bf16 checkpoint or preset; an FP8 checkpoint needs no flag)")
+    add_quantize_arg(p)
     p.add_argument("--step-batches", type=step_batches, default=step_batches(step_batches_default),
                    metavar="auto|none|B,B,...",
                    help=f"row counts of smaller step tables, compiled beside the full one: a step runs the smallest "

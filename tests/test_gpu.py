@@ -354,16 +354,33 @@ def test_ring_at_virtual_tp_equals_the_float32_reference(name, tp, batch, tp_rea
     bit-identical, and each position's logits against the float32 model of the same bf16 weights
     (float32_reference.py, routed as distmk routed): within 2e-2, and the same greedy token unless the reference's
     top two are a tie within that rounding."""
+    ring_against_float32(tp_ready_checkpoints[name], tp, batch)
+
+
+FP8_RING = [(name, 1, batch) for name in TINY + TINY_MOE for batch in (1, 8)] + [(name, 2, 8) for name in TINY]
+
+
+@pytest.mark.skipif(not hopper(), reason="the ring megakernel needs a Hopper GPU")
+@pytest.mark.parametrize("name, tp, batch", FP8_RING)
+def test_ring_streaming_e4m3_weights_equals_the_float32_reference(name, tp, batch):
+    """--quantize fp8 on the ring: the products whose rank slices hold whole 128 x 128 blocks stream in e4m3
+    (device/ring.py mma_block_fp8), checked as the bf16 ring is, against the float32 model of the same dequantized
+    weights."""
+    streamed = ring_against_float32(name, tp, batch, quantize="fp8")
+    assert streamed and set(streamed) <= {"wqkv", "wo", "w_gate", "w_up", "w_down"}
+
+
+def ring_against_float32(model: str, tp: int, batch: int, **engine_options) -> list[str]:
+    """The ring megakernel at `tp` (virtual ranks where > 1) through a 24-token sequence `batch` rows a step against
+    the float32 model of the same weights (see test_ring_at_virtual_tp_equals_the_float32_reference); returns the
+    products rank 0 streamed in e4m3."""
     from float32_reference import float32_logits
-    from distmk.models.shard import load_shard, plan_shard
-    from distmk.models.weights import open_model
-    path = tp_ready_checkpoints[name]
     seq = [(7 * i + 3) % 500 for i in range(24)]
 
     def rank(r, comm):
-        engine = Engine(path, tp=tp, rank=r, comm=comm, backend="triton", device="cuda", dtype=torch.bfloat16,
+        engine = Engine(model, tp=tp, rank=r, comm=comm, backend="triton", device="cuda", dtype=torch.bfloat16,
                         max_context=64, autotune=False, kernel_options={"kernel": "ring"},
-                        config=GraphConfig(batch=batch, workers=sms() // tp))
+                        config=GraphConfig(batch=batch, workers=sms() // tp), **engine_options)
         blocks = engine.kv.allocate([], len(seq))
         tokens, logits, routes, same = [], [], [], True
         for start in range(0, len(seq), batch):
@@ -375,20 +392,24 @@ def test_ring_at_virtual_tp_equals_the_float32_reference(name, tp, batch, tp_rea
             routes.append(buf["route_history"][:, :n].clone())
             same &= all(torch.equal(x, buf["x"][:n]) for x in comm.gather(buf["x"][:n]))
             same &= all(torch.equal(t, buf["next_token"][:n]) for t in comm.gather(buf["next_token"][:n]))
-        return engine.executor.kernel_name, tokens, torch.cat(logits), torch.cat(routes, dim=1), same
+        reference = engine if tp == 1 else None     # its weights are the float32 model's (dequantized: fp8)
+        return (engine.executor.kernel_name, tokens, torch.cat(logits), torch.cat(routes, dim=1), same,
+                sorted(engine.weights.fp8), reference)
 
     results = virtual_ranks(tp, rank)
-    kernel, tokens, logits, routes, _ = results[0]
+    kernel, tokens, logits, routes, _, streamed, engine = results[0]
     assert kernel == "ring" and all(r[4] for r in results)
-    spec, source, _ = open_model(path)
-    weights = load_shard(spec, source, plan_shard(spec, 1, 0), dtype=torch.bfloat16, device="cuda")
-    ref = float32_logits(spec, weights, seq, routes=routes if spec.moe_layers else None)
+    if engine is None:
+        engine = Engine(model, backend="reference", device="cuda", dtype=torch.bfloat16, max_context=64,
+                        **engine_options)
+    ref = float32_logits(engine.spec, engine.weights, seq, routes=routes if engine.spec.moe_layers else None)
     rounding = (logits - ref).abs().max(dim=-1).values
     rel = ((logits - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
     assert rel < 2e-2, rel
     chosen = ref.gather(1, torch.tensor(tokens, device=ref.device)[:, None])[:, 0]
     gap = ref.max(dim=-1).values - chosen
     assert (gap <= 2 * rounding).all(), (tokens, ref.argmax(dim=-1).tolist())
+    return streamed
 
 
 VIRTUAL_WATCHDOG_SCRIPT = """

@@ -131,6 +131,39 @@ def _claim_slot(ready, empty, c, first, NBUF: gl.constexpr, INFLIGHT: gl.constex
 
 
 @gluon.jit
+def weight_view(ring, w_desc):
+    """The ring (allocated for bf16 weights: make_rings) as slots of w_desc's element type: an e4m3 slot holds the
+    same bytes, twice the columns."""
+    if w_desc.dtype == ring.dtype:
+        view = ring
+    else:
+        view = ring._reinterpret(w_desc.dtype, [ring.type.shape[0], ring.type.shape[1],
+                                                ring.type.shape[2] * ring.dtype.itemsize // w_desc.dtype.itemsize],
+                                 w_desc.layout)
+    return view
+
+
+@gluon.jit
+def layer_scales(w_scale, layer, ROWS: gl.constexpr, K: gl.constexpr):
+    """Layer `layer`'s block scales of a stacked [layers, ROWS, K] weight (kernels/layout.py: [layers, ROWS / 128,
+    K / 128])."""
+    return w_scale + layer * ((ROWS + 127) // 128) * ((K + 127) // 128)
+
+
+@gluon.jit
+def mma_rows(w_desc, w_scale, w_row, rows, x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready, c, cx,
+             primed, chained, num_warps: gl.constexpr):
+    """A block of rows w_row.. of a matrix (of `rows` left) times the input, by mma_block, or by mma_block_fp8 where
+    w_desc streams e4m3 weights (w_scale: the matrix's block scales)."""
+    if w_desc.dtype.itemsize == 1:
+        acc, c, cx = mma_block_fp8(x_desc, x_row, K, w_scale, w_row, rows, weight_view(ring, w_desc), ready, empty,
+                                   xring, xready, c, cx, primed, chained, num_warps)
+    else:
+        acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, primed, chained, num_warps)
+    return acc, c, cx
+
+
+@gluon.jit
 def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, INFLIGHT: gl.constexpr):
     """Producer: the ring slots of one block of `rows` (<= BN) weight rows from row0, BK columns at a time, in
     boxes of the descriptor's rows, each copied as soon as the consumer frees its slot (and, while the ring
@@ -139,6 +172,7 @@ def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, 
     store them. The descriptor's box is [16 rows, one 128-byte swizzle line of columns], one TMA copy, all issued
     from one loop: boxes as wide as the slot were a copy per 128 bytes, unrolled at every call (96 copy sites, 22 KB
     of qwen3-30b-a3b's kernel; a kernel's code is time of its latency-bound tasks: benchmarks/code_size.py)."""
+    ring = weight_view(ring, desc)
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
     BK: gl.constexpr = ring.type.shape[2]
@@ -288,13 +322,12 @@ def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready
     valid = rn < rows
     scales = scale + ((row0 + rn) // 128) * (K // 128)      # each row's scales, one an input slice
     low = gl.load(scales, mask=valid, other=0.0)
-    high = gl.load(scales + 1, mask=valid, other=0.0)
+    high = gl.load(scales + 1, mask=valid & (KT > 1), other=0.0)
     zero = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
     acc = zero
-    for jt in range(KT // 2):
-        more = valid & (jt * 2 + 2 < KT)
-        next_low = gl.load(scales + jt * 2 + 2, mask=more, other=0.0)
-        next_high = gl.load(scales + jt * 2 + 3, mask=more, other=0.0)
+    for jt in range((KT + 1) // 2):         # an odd K / 128 leaves the last slot's second half out
+        next_low = gl.load(scales + jt * 2 + 2, mask=valid & (jt * 2 + 2 < KT), other=0.0)
+        next_high = gl.load(scales + jt * 2 + 3, mask=valid & (jt * 2 + 3 < KT), other=0.0)
         s = c % NBUF
         mbarrier.wait(ready.index(s), (c // NBUF) & 1)
         first = _weight_half(ring, s, 0, operand)
@@ -303,10 +336,11 @@ def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready
         second = _weight_half(ring, s, 1, operand)
         part, first = warpgroup_mma_wait(num_outstanding=0, deps=[part, first])
         acc += part * low[:, None]
-        xs = _next_slice(x_desc, x_row, KT, xring, xready, cx, jt * 2 + 1, chained, CHAIN)
-        part = warpgroup_mma(second, xring.index(xs).permute((1, 0)), zero, use_acc=False, is_async=True)
-        part, second = warpgroup_mma_wait(num_outstanding=0, deps=[part, second])
-        acc += part * high[:, None]
+        if jt * 2 + 1 < KT:
+            xs = _next_slice(x_desc, x_row, KT, xring, xready, cx, jt * 2 + 1, chained, CHAIN)
+            part = warpgroup_mma(second, xring.index(xs).permute((1, 0)), zero, use_acc=False, is_async=True)
+            part, second = warpgroup_mma_wait(num_outstanding=0, deps=[part, second])
+            acc += part * high[:, None]
         mbarrier.arrive(empty.index(s), count=1)
         low = next_low
         high = next_high
@@ -495,13 +529,15 @@ def store_residual_ring(x, xs, offs, mask, values, next_norm_w):
 
 
 @gluon.jit
-def row_parallel_rows(x_desc, x_row, K: gl.constexpr, row0, rows, n, x, xs, next_norm_w, partial, H: gl.constexpr,
-                      PARTIAL: gl.constexpr, ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr):
+def row_parallel_rows(w_desc, w_scale, x_desc, x_row, K: gl.constexpr, row0, rows, n, x, xs, next_norm_w, partial,
+                      H: gl.constexpr, PARTIAL: gl.constexpr, ring, ready, empty, xring, xready, c, cx,
+                      num_warps: gl.constexpr):
     """Rows [row0, row0 + rows) of x_in @ W^T over the slots load_rows filled: the row-parallel o_proj and down
     tiles. At tp=1 added to the residual stream x[:n] and the scaled stream's columns with it (next_norm_w: the next
     RMSNorm's weight; tasks/base.py store_residual), the residual and the norm's weight loaded before the products
     so that their round trip overlaps them; at tp > 1 (PARTIAL: the lowering's WRITE_PARTIAL, graph/lowering.py)
-    stored as this rank's partial sum for the all-reduce tiles."""
+    stored as this rank's partial sum for the all-reduce tiles. The weights are w_desc's rows of one layer's matrix
+    (w_scale: its block scales, e4m3 weights; mma_rows)."""
     BN: gl.constexpr = ring.type.shape[1]
     rn, rb = block_index(ring, xring, num_warps)
     for j in range(0, rows, BN):
@@ -511,8 +547,8 @@ def row_parallel_rows(x_desc, x_row, K: gl.constexpr, row0, rows, n, x, xs, next
         if not PARTIAL:
             residual = gl.load(x + offs, mask=mask, other=0.0).to(gl.float32)
             g = gl.load(next_norm_w + cols, mask=rn < rows - j, other=0.0).to(gl.float32)
-        acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, j > 0, j + BN < rows,
-                               num_warps)
+        acc, c, cx = mma_rows(w_desc, w_scale, row0 + j, rows - j, x_desc, x_row, K, ring, ready, empty, xring,
+                              xready, c, cx, j > 0, j + BN < rows, num_warps)
         if PARTIAL:
             gl.store(partial + offs, acc, mask=mask)
         else:

@@ -83,8 +83,8 @@ STARTUP_TIMEOUT_S = 300     # the bound of a tensor-parallel executor's first la
 
 def choose_kernel(requested: str, device, interpret: bool, unsupported: str | None) -> str:
     """Which megakernel runs the table: the weight ring (ring_megakernel.py: Gluon, wgmma, TMA) on a Hopper GPU
-    where it supports the step, else the tl one (any CUDA GPU, Triton's interpreter, NVSHMEM's put-with-signal). `unsupported`:
-    why the ring cannot run this step, or None. Asking for "ring" where it cannot run is an error; on the meta
+    where it supports the step, else the tl one (any CUDA GPU, Triton's interpreter, NVSHMEM's put-with-signal).
+    `unsupported`: why the ring cannot run this step, or None. Asking for "ring" where it cannot run is an error; on the meta
     device it compiles ahead of time."""
     if requested not in KERNELS:
         raise DistmkError(f"unknown kernel {requested!r}: use auto, ring or tl")
@@ -216,9 +216,10 @@ class TritonExecutor:
         self.args = launch_arguments(launch, control, tensors)
         self.kernel_name = choose_kernel(o.kernel, device, self.interpret,
                                          ring_unsupported(spec, plan, config, dtype, self.transport,
-                                                          set(kinds.values())))
+                                                          set(kinds.values()), weights.fp8))
         if self.kernel_name == "ring":
-            self.args = ring_arguments(self.args, config.batch, o.ring_block_k, o.ring_slots, o.ring_inputs)
+            self.args = ring_arguments(self.args, config.batch, o.ring_block_k, o.ring_slots, o.ring_inputs,
+                                       weights.fp8)
             self.launch_options = {}
             self.kernel = load_ring_megakernel(kinds)
         else:

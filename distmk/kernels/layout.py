@@ -12,9 +12,11 @@ import torch
 from distmk.models.shard import RankWeights
 
 
+# the dense products the weight ring may stream in e4m3 (RankWeights.fp8), each with its scales `<name>_scale`
+FP8_PRODUCTS = ("wqkv", "wo", "w_gate", "w_up", "w_down")
 # the tensors stack_layers returns, by name (kernels/interface.py declares them as kernel arguments)
 STACKED = ("embed", "wqkv", "bqkv", "qk_norm", "wo", "w_gate", "w_up", "w_down", "norms", "lm_head", "router",
-           "expert_gate", "expert_up", "expert_down")
+           "expert_gate", "expert_up", "expert_down", *(f"{name}_scale" for name in FP8_PRODUCTS))
 
 
 def stack_layers(weights: RankWeights) -> dict[str, torch.Tensor]:
@@ -61,6 +63,9 @@ def _stack(weights: RankWeights) -> dict[str, torch.Tensor]:
         out["qk_norm"] = placeholder
     out["norms"] = torch.stack([n for lw in layers for n in (lw.input_norm, lw.post_norm)] + [weights.final_norm])
     out.update(embed=weights.embed, lm_head=weights.lm_head)
+    scale_placeholder = torch.zeros(1, dtype=torch.float32, device=weights.embed.device)
+    for name in FP8_PRODUCTS:
+        out[f"{name}_scale"] = weights.fp8[name][1] if name in weights.fp8 else scale_placeholder
     return out
 
 

@@ -204,7 +204,7 @@ def compile_ahead(kernel, args: dict, options: dict, arch: int = 90):
     from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     type_names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-                  torch.int64: "i64"}
+                  torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
     signature, constexprs, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
         value = args[name]

@@ -37,7 +37,8 @@ class KernelOptions:
                                     "is reachable by one, else NVSHMEM put-with-signal)",
                             choices=("auto", "pointer", "nvshmem"))
     kernel: str = option("auto", "the megakernel: the Gluon weight ring (Hopper, bf16, exchanges through "
-                                 "peer pointers), the tl one, or the ring where it runs", choices=("auto", "ring", "tl"))
+                                 "peer pointers), the tl one, or the ring where it runs",
+                         choices=("auto", "ring", "tl"))
     ring_block_k: int = option(0, "ring: columns of a slot (0: the widest of 256/128/64 dividing every K)")
     ring_slots: int = option(0, "ring: weight slots (0: as many as its shared memory holds)")
     ring_inputs: int = option(4, "ring: input slices in flight")

@@ -127,7 +127,7 @@ def _tasks({tasks_params}):
 
 @gluon.jit(do_not_specialize={scalars!r})
 def ring_megakernel({kernel_params}):
-    ring, ready, empty, xring, xready = make_rings(wqkv_desc, xs_desc, BN, NBUF, XD)
+    ring, ready, empty, xring, xready = make_rings(lm_head_desc, xs_desc, BN, NBUF, XD)     # bf16 slots
     released = make_handoff()
     counted, counted_bar = make_count_handoff()
     gl.warp_specialize([
@@ -230,9 +230,10 @@ def ring_block_k(*widths: int) -> int:
     return next((bk for bk in (256, 128, 64) if all(k % bk == 0 for k in widths)), 0)
 
 
-def ring_unsupported(spec, plan, config, dtype, transport: str, kinds) -> str | None:
+def ring_unsupported(spec, plan, config, dtype, transport: str, kinds, fp8=()) -> str | None:
     """Why the ring megakernel cannot run this step's task `kinds` (None: it can), for an error or the tl
-    kernel instead; `transport`: how exchanges reach peers at tp > 1 (executor.TRANSPORTS)."""
+    kernel instead; `transport`: how exchanges reach peers at tp > 1 (executor.TRANSPORTS); `fp8`: the products
+    it would stream in e4m3 (RankWeights.fp8)."""
     import torch
     missing = sorted({kind.name for kind in kinds if kind.ring is None})
     if missing:
@@ -246,20 +247,31 @@ def ring_unsupported(spec, plan, config, dtype, transport: str, kinds) -> str | 
         return f"it runs batches up to {RING_B_PAD}, not {config.batch}"
     if not ring_block_k(spec.hidden_size, plan.num_heads * spec.head_dim, plan.inter, plan.expert_inter):
         return "hidden size, heads x head_dim and the MLP's and experts' widths must be multiples of 64"
+    widths = {"wqkv": spec.hidden_size, "wo": plan.num_heads * spec.head_dim, "w_gate": spec.hidden_size,
+              "w_up": spec.hidden_size, "w_down": plan.inter}
+    narrow = sorted(name for name in fp8 if widths[name] % 128)
+    if narrow:
+        return f"its e4m3 products' K must be multiples of 128 ({narrow} are not)"
     return None
 
 
-def ring_arguments(args: dict, batch: int, block_k: int = 0, slots: int = 0, input_slots: int = 4) -> dict:
+def ring_arguments(args: dict, batch: int, block_k: int = 0, slots: int = 0, input_slots: int = 4,
+                   fp8: dict | None = None) -> dict:
     """The ring megakernel's arguments from the tl megakernel's: TMA descriptors of the weights it streams and
-    of the tiles' inputs (tensors of `args`), the ring's shape: `slots` weight slots (0: as many as RING_BYTES
-    holds beside the inputs) of `block_k` columns (0: 256 where it divides every K), `input_slots` input slices
-    of as many columns, `batch` rows padded to 8 or 16."""
+    of the tiles' inputs (tensors of `args`; the products of `fp8`, RankWeights.fp8, in e4m3), the ring's shape:
+    `slots` weight slots (0: as many as RING_BYTES holds beside the inputs) of `block_k` columns (0: 256 where it
+    divides every K; 128 with e4m3 products, whose slot is two input slices: device/ring.py mma_block_fp8),
+    `input_slots` input slices of as many columns, `batch` rows padded to 8 or 16."""
+    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from distmk.device.ring import matmul_layouts
+    fp8 = fp8 or {}
     widest = ring_block_k(args["H"], args["HQ"] * args["D"], args["INTER"], args["EXPERT_INTER"])
-    block_k = block_k or widest
+    block_k = block_k or (min(widest, 128) if fp8 else widest)
     if widest % block_k:
         raise DistmkError(f"ring_block_k={block_k} must divide every matmul's K (the widest that does: {widest})")
+    if fp8 and block_k != 128:
+        raise DistmkError(f"ring_block_k={block_k}: e4m3 weights stream with input slices of 128 columns")
     b_pad = 8 if batch <= 8 else RING_B_PAD
     slots = slots or (RING_BYTES - input_slots * b_pad * block_k * 2) // (RING_ROWS * block_k * 2)
     ring_bytes = (slots * RING_ROWS + input_slots * b_pad) * block_k * 2
@@ -269,15 +281,19 @@ def ring_arguments(args: dict, batch: int, block_k: int = 0, slots: int = 0, inp
                           f"least 2 each and take at most {RING_BYTES_LIMIT // 1024} KB (they take "
                           f"{ring_bytes // 1024} KB)")
     w_layout, x_layout = matmul_layouts(block_k, b_pad)
+    fp8_layout = gl.NVMMASharedLayout.get_default_for([16, 128], gl.float8e4nv)
 
     def matrix(t):
         """t's rows; a model's placeholder for what it has not (a dense model's experts, a MoE model's dense MLP:
         kernels/layout.py) becomes one box of zeros, which a TMA descriptor can address."""
         return t.reshape(-1, t.shape[-1]) if t.shape[-1] % block_k == 0 else t.new_zeros(RING_B_PAD, block_k)
 
-    def weights(t):
-        """Boxes of 16 rows and one 128-byte swizzle line (device/ring.py load_block)."""
-        return TensorDescriptor.from_tensor(matrix(t), [16, 64], w_layout)
+    def weights(name):
+        """Boxes of 16 rows and one 128-byte swizzle line (device/ring.py load_block), of bf16 or e4m3 weights."""
+        if name in fp8:
+            values = fp8[name][0]
+            return TensorDescriptor.from_tensor(values.reshape(-1, values.shape[-1]), [16, 128], fp8_layout)
+        return TensorDescriptor.from_tensor(matrix(args[name]), [16, 64], w_layout)
 
     def inputs(t):
         return TensorDescriptor.from_tensor(matrix(t), [b_pad, block_k], x_layout)
@@ -285,7 +301,7 @@ def ring_arguments(args: dict, batch: int, block_k: int = 0, slots: int = 0, inp
     ring_args = {k: v for k, v in args.items() if k not in ("INTERPRET", "tasks")}
     ring_args.update(
         queued=args["tasks"][args["queue"].long()].contiguous(),    # the rows in queue order: one load a row
-        **{f"{name}_desc": weights(args[name]) for name in STREAMED},
+        **{f"{name}_desc": weights(name) for name in STREAMED},
         **{f"{name}_desc": inputs(args[name]) for name in INPUTS},
         BN=RING_ROWS, NBUF=slots, XD=input_slots, num_warps=4)
     return ring_args

@@ -5,8 +5,10 @@
 - Per tensor or per output channel: a float32 `<name>_scale` of one value or one a row (AutoFP8, compressed-tensors).
   A static `input_scale` of the activations is not used: activations stay in the model's dtype (weights only).
 
-A weight's value is its e4m3 value times its block's scale, rounded to the model's dtype: what every executor
-multiplies (the reference is the spec). The embeddings, the lm_head, the norms and the routers stay in the model's
+A weight's value is its e4m3 value times its block's scale, rounded to the model's dtype: what the reference and
+the tl kernel multiply (the reference is the spec). The weight ring streams the e4m3 values themselves where they
+come in 128 x 128 blocks that a rank's slices hold whole (`read_fp8`; device/ring.py mma_block_fp8: its products
+are scaled in float32, unrounded). The embeddings, the lm_head, the norms and the routers stay in the model's
 dtype unless the checkpoint stores them in FP8."""
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from distmk.errors import ModelError
 
 E4M3_MAX = 448.0                    # the largest finite e4m3 value
 DEFAULT_BLOCK = (128, 128)
+KERNEL_BLOCK = 128                  # the blocks the ring streams (device/ring.py mma_block_fp8)
 
 
 def scale_name(names, weight: str) -> str | None:
@@ -46,6 +49,11 @@ def scale_range(name: str, dim: int, start: int, stop: int, size: int, per: int)
                          f"FP8 blocks of {per}: a tensor-parallel rank must hold whole blocks (use a tp that divides "
                          f"the blocks, or the bf16 checkpoint)")
     return start // per, -(-stop // per)
+
+
+def whole_blocks(start: int, stop: int, size: int, per: int = KERNEL_BLOCK) -> bool:
+    """Whether rows or columns start..stop of `size` hold whole blocks of `per` (the last block may be short)."""
+    return start % per == 0 and (stop % per == 0 or stop == size)
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, per: tuple[int, int]) -> torch.Tensor:
@@ -94,3 +102,11 @@ class QuantizedAtLoad:
         first, last = start // per * per, min(size, -(-stop // per) * per)
         w = dequantize(*quantize(self.source.read(name, dim, first, last), self.block), self.block)
         return w[start - first:stop - first] if dim == 0 else w[:, start - first:stop - first]
+
+    def read_fp8(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None):
+        """(e4m3 values, float32 scale grid) of the slice, where it holds whole kernel blocks; else None."""
+        size = self.shapes[name][dim]
+        stop = size if stop is None else stop
+        if name not in self.quantized or self.block != DEFAULT_BLOCK or not whole_blocks(start, stop, size):
+            return None
+        return quantize(self.source.read(name, dim, start, stop), self.block)

@@ -103,15 +103,27 @@ class RankWeights:
     lm_head: torch.Tensor         # [V_local, H], zero rows past vocab_valid
     inv_freq: torch.Tensor = field(default=None)  # [D/2] float32
     stacked: dict | None = None   # per-kind tensors stacked over layers for the megakernel (kernels/layout.py)
+    # the dense products' e4m3 values [layers, rows, K] and 128 x 128 block scales [layers, rows / 128, K / 128] by
+    # name, where the source has them and this rank's slices hold whole blocks: what the weight ring streams
+    fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, device="cpu",
-               progress: bool = False) -> RankWeights:
-    """Read this rank's slices from `source` (CheckpointWeights or RandomWeights)."""
+               progress: bool = False, keep_fp8: bool = False) -> RankWeights:
+    """Read this rank's slices from `source` (CheckpointWeights, RandomWeights or models/fp8.py QuantizedAtLoad);
+    with `keep_fp8`, also the dense products' e4m3 values and scales where the source has them (RankWeights.fp8)."""
     d = spec.head_dim
 
     def rd(name, dim=0, start=0, stop=None):
         return source.read(name, dim, start, stop).to(device=device, dtype=dtype)
+
+    def rd8(*pieces):
+        """(values, scales) of the (name, dim, start, stop) pieces, concatenated over rows; None unless every piece
+        is stored in e4m3 kernel blocks."""
+        got = [source.read_fp8(*piece) for piece in pieces] if hasattr(source, "read_fp8") else [None]
+        if any(g is None for g in got):
+            return None
+        return tuple(torch.cat([g[i] for g in got]).to(device) for i in (0, 1))
 
     q_rows = (plan.head0 * d, (plan.head0 + plan.num_heads) * d)
     kv_rows = (plan.kv_head0 * d, (plan.kv_head0 + plan.num_kv_heads) * d)
@@ -130,6 +142,25 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
                     expert_up=torch.stack([rd(up, 0, *expert_inter) for _, _, up, _ in names]),
                     expert_down=torch.stack([rd(down, 1, *expert_inter) for *_, down in names]))
 
+    def products_fp8(i: int) -> dict:
+        """Layer i's dense products in e4m3 (those stored so), by RankWeights.fp8's names."""
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        pieces = {"wqkv": [(a + "q_proj.weight", 0, *q_rows), (a + "k_proj.weight", 0, *kv_rows),
+                           (a + "v_proj.weight", 0, *kv_rows)],
+                  "wo": [(a + "o_proj.weight", 1, *q_rows)]}
+        if i not in spec.moe_layers:
+            pieces.update(w_gate=[(p + "mlp.gate_proj.weight", 0, *inter)],
+                          w_up=[(p + "mlp.up_proj.weight", 0, *inter)],
+                          w_down=[(p + "mlp.down_proj.weight", 1, *inter)])
+        return {name: rd8(*piece) for name, piece in pieces.items()}
+
+    fp8 = {}
+    if keep_fp8:
+        per_layer = [products_fp8(i) for i in range(spec.num_layers)]
+        names = ("wqkv", "wo") if spec.moe_layers else ("wqkv", "wo", "w_gate", "w_up", "w_down")
+        fp8 = {name: tuple(torch.stack([layer[name][i] for layer in per_layer]) for i in (0, 1)) for name in names
+               if all(layer.get(name) is not None for layer in per_layer)}
+        del per_layer
     layers = []
     for i in tqdm(range(spec.num_layers), desc="loading layers", disable=not progress, leave=False):
         p = f"model.layers.{i}."
@@ -153,4 +184,4 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
         lm_head[:plan.vocab_valid] = rd(head_name, 0, plan.vocab0, plan.vocab0 + plan.vocab_valid)
     return RankWeights(plan=plan, embed=rd("model.embed_tokens.weight"), layers=layers,
                        final_norm=rd("model.norm.weight"), lm_head=lm_head,
-                       inv_freq=spec.inv_freq().to(device))
+                       inv_freq=spec.inv_freq().to(device), fp8=fp8)

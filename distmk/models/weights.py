@@ -13,7 +13,7 @@ import zlib
 import torch
 
 from distmk.errors import ModelError
-from distmk.models.fp8 import DEFAULT_BLOCK, dequantize, scale_block, scale_name, scale_range
+from distmk.models.fp8 import DEFAULT_BLOCK, dequantize, scale_block, scale_name, scale_range, whole_blocks
 from distmk.models.presets import preset
 from distmk.models.spec import ModelSpec, spec_from_hf_config, with_generation_config
 
@@ -75,6 +75,10 @@ class CheckpointWeights:
 
     def _dequantized(self, name: str, shape, dim: int, start: int, stop: int, part: torch.Tensor) -> torch.Tensor:
         """An FP8 weight's slice times the scales of its rows or columns."""
+        return dequantize(part, *self._scales(name, shape, dim, start, stop))
+
+    def _scales(self, name: str, shape, dim: int, start: int, stop: int) -> tuple[torch.Tensor, tuple[int, int]]:
+        """The scale grid of an FP8 weight's slice, and the rows and columns each value covers."""
         scale = scale_name(self.file_of, name)
         if scale is None:
             raise ModelError(f"{self.path}: {name} is FP8 but the checkpoint has no {name}_scale_inv or "
@@ -83,7 +87,20 @@ class CheckpointWeights:
         per = scale_block(tuple(values.shape), shape, self.fp8_block)
         grid = values.reshape(-(-shape[0] // per[0]), -(-shape[1] // per[1]))
         first, last = scale_range(name, dim, start, stop, shape[dim], per[dim])
-        return dequantize(part, grid[first:last] if dim == 0 else grid[:, first:last], per)
+        return (grid[first:last] if dim == 0 else grid[:, first:last]), per
+
+    def read_fp8(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None):
+        """(e4m3 values, float32 scale grid) of an FP8 weight's slice stored in 128 x 128 blocks that the slice holds
+        whole; else None."""
+        sl = self._open(self.file_of[name]).get_slice(name)
+        shape = tuple(sl.get_shape())
+        stop = shape[dim] if stop is None else stop
+        if sl.get_dtype() not in ("F8_E4M3", "F8_E4M3FN") or not whole_blocks(start, stop, shape[dim]):
+            return None
+        grid, per = self._scales(name, shape, dim, start, stop)
+        if per != DEFAULT_BLOCK:
+            return None
+        return (sl[start:stop] if dim == 0 else sl[:, start:stop]), grid.contiguous()
 
 
 class RandomWeights:

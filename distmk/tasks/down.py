@@ -33,11 +33,13 @@ def down_weights(layer, row0, nrows, w_down_desc, ring, ready, empty, c, H: gl.c
 
 
 @gluon.jit
-def down_ring(layer, row0, nrows, n, x, xs, norms, partial, h_desc, ring, ready, empty, xring, xready, c, cx,
-              H: gl.constexpr, INTER: gl.constexpr, WORLD: gl.constexpr, num_warps: gl.constexpr):
+def down_ring(layer, row0, nrows, n, x, xs, norms, partial, w_down_scale, w_down_desc, h_desc, ring, ready, empty,
+              xring, xready, c, cx, H: gl.constexpr, INTER: gl.constexpr, WORLD: gl.constexpr,
+              num_warps: gl.constexpr):
     """Added to the residual stream at tp=1, this rank's partial sum at tp > 1 (the lowering's mode)."""
-    return rg.row_parallel_rows(h_desc, 0, INTER, row0, nrows, n, x, xs, norms + (2 * layer + 2) * H, partial, H,
-                                WORLD > 1, ring, ready, empty, xring, xready, c, cx, num_warps)
+    return rg.row_parallel_rows(w_down_desc, rg.layer_scales(w_down_scale, layer, H, INTER), h_desc, 0, INTER, row0,
+                                nrows, n, x, xs, norms + (2 * layer + 2) * H, partial, H, WORLD > 1, ring, ready,
+                                empty, xring, xready, c, cx, num_warps)
 
 
 class Down(TaskKind):

@@ -53,16 +53,20 @@ def gate_up_weights(layer, row0, nrows, w_gate_desc, w_up_desc, ring, ready, emp
 
 
 @gluon.jit
-def gate_up_ring(row0, nrows, n, x, h, xs_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr,
-                 INTER: gl.constexpr, EPS: gl.constexpr, num_warps: gl.constexpr):
+def gate_up_ring(layer, row0, nrows, n, x, h, w_gate_scale, w_up_scale, w_gate_desc, w_up_desc, xs_desc, ring, ready,
+                 empty, xring, xready, c, cx, H: gl.constexpr, INTER: gl.constexpr, EPS: gl.constexpr,
+                 num_warps: gl.constexpr):
     BN: gl.constexpr = ring.type.shape[1]
     rg.prime_inputs(xs_desc, 0, H, xring, xready, cx)
     rstd = rg.norm_rstd(x, n, H, EPS, ring, xring, num_warps)[None, :]     # the post-attention RMSNorm's scale
     rn, rb = rg.block_index(ring, xring, num_warps)
+    gate_scales = rg.layer_scales(w_gate_scale, layer, INTER, H)
+    up_scales = rg.layer_scales(w_up_scale, layer, INTER, H)
     for j in range(0, nrows, BN):
-        gate, c, cx = rg.mma_block(xs_desc, 0, H, ring, ready, empty, xring, xready, c, cx, True, True, num_warps)
-        up, c, cx = rg.mma_block(xs_desc, 0, H, ring, ready, empty, xring, xready, c, cx, True, j + BN < nrows,
-                                 num_warps)
+        gate, c, cx = rg.mma_rows(w_gate_desc, gate_scales, row0 + j, nrows - j, xs_desc, 0, H, ring, ready, empty,
+                                  xring, xready, c, cx, True, True, num_warps)
+        up, c, cx = rg.mma_rows(w_up_desc, up_scales, row0 + j, nrows - j, xs_desc, 0, H, ring, ready, empty, xring,
+                                xready, c, cx, True, j + BN < nrows, num_warps)
         gate, up = gate * rstd, up * rstd
         mask = (rn < nrows - j)[:, None] & (rb < n)[None, :]
         value = gate / (1.0 + gl.exp(-gate)) * up

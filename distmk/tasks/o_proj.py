@@ -53,7 +53,7 @@ def o_proj_weights(layer, row0, nrows, wo_desc, ring, ready, empty, c, H: gl.con
 @gluon.jit
 def o_proj_ring(layer, row0, nrows, router_layer, n, x, xs, partial, norms, router, router_logits, router_partial,
                 router_sumsq, route_arrivals, route_expert, route_weight, route_slot, route_unique, route_count,
-                route_history, attn_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr,
+                route_history, wo_scale, wo_desc, attn_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr,
                 HQ: gl.constexpr, D: gl.constexpr, EPS: gl.constexpr, EXPERTS: gl.constexpr,
                 EXPERTS_PAD: gl.constexpr, TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr, SLOTS_PAD: gl.constexpr,
                 NORM_TOPK: gl.constexpr, BATCH: gl.constexpr, ROUTER_PARTS: gl.constexpr,
@@ -62,8 +62,9 @@ def o_proj_ring(layer, row0, nrows, router_layer, n, x, xs, partial, norms, rout
     if EXPERTS > 0:
         share_weights = router_share_weights(layer, router_layer, row0, nrows, norms, router, H, EXPERTS, EXPERTS_PAD,
                                              O_PROJ_ROWS, num_warps)
-    c, cx = rg.row_parallel_rows(attn_desc, 0, HQ * D, row0, nrows, n, x, xs, norms + (2 * layer + 1) * H, partial, H,
-                                 WORLD > 1, ring, ready, empty, xring, xready, c, cx, num_warps)
+    c, cx = rg.row_parallel_rows(wo_desc, rg.layer_scales(wo_scale, layer, H, HQ * D), attn_desc, 0, HQ * D, row0,
+                                 nrows, n, x, xs, norms + (2 * layer + 1) * H, partial, H, WORLD > 1, ring, ready,
+                                 empty, xring, xready, c, cx, num_warps)
     if EXPERTS > 0:
         if router_layer >= 0:
             router_share_ring(row0, nrows, n, x, router_partial, router_sumsq, share_weights, H, EXPERTS,

@@ -65,10 +65,10 @@ def qkv_weights(layer, row0, nrows, wqkv_desc, ring, ready, empty, c, H: gl.cons
 
 
 @gluon.jit
-def qkv_ring(layer, row0, nrows, n, x, bqkv, positions, block_table, qk_raw, v_cache, xs_desc, ring, ready, empty,
-             xring, xready, c, cx, H: gl.constexpr, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
-             MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr, EPS: gl.constexpr, HAS_BIAS: gl.constexpr,
-             num_warps: gl.constexpr):
+def qkv_ring(layer, row0, nrows, n, x, bqkv, positions, block_table, qk_raw, v_cache, wqkv_scale, wqkv_desc, xs_desc,
+             ring, ready, empty, xring, xready, c, cx, H: gl.constexpr, D: gl.constexpr, HQ: gl.constexpr,
+             HKV: gl.constexpr, MAXB: gl.constexpr, BS: gl.constexpr, NBLK: gl.constexpr, EPS: gl.constexpr,
+             HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
     """qkv_gpu on the weight ring, a block of BN rows at a time ([rows, batch] accumulators)."""
     BN: gl.constexpr = ring.type.shape[1]
     ROWS: gl.constexpr = (HQ + 2 * HKV) * D
@@ -80,9 +80,10 @@ def qkv_ring(layer, row0, nrows, n, x, bqkv, positions, block_table, qk_raw, v_c
     page = gl.load(block_table + rb * MAXB + pos // BS, mask=rb < n, other=0).to(gl.int64)
     values = ((layer.to(gl.int64) * NBLK + page) * BS + pos % BS) * (HKV * D)     # _value_slots
     rows = (rb < n)[None, :]
+    scales = rg.layer_scales(wqkv_scale, layer, ROWS, H)
     for j in range(0, nrows, BN):
-        out, c, cx = rg.mma_block(xs_desc, 0, H, ring, ready, empty, xring, xready, c, cx, True, j + BN < nrows,
-                                  num_warps)
+        out, c, cx = rg.mma_rows(wqkv_desc, scales, row0 + j, nrows - j, xs_desc, 0, H, ring, ready, empty, xring,
+                                 xready, c, cx, True, j + BN < nrows, num_warps)
         out = out * rstd
         cols = row0 + j + rn
         valid = rn < nrows - j
