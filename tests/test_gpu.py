@@ -72,19 +72,23 @@ def hopper() -> bool:
 
 
 @pytest.mark.skipif(not hopper(), reason="the ring megakernel needs a Hopper GPU")
-@pytest.mark.parametrize("name, batch, fused", [("tiny-llama", 16, 0), ("tiny-qwen3", 4, 0), ("tiny-qwen2", 1, 0),
-                                                ("tiny-mistral", 8, 0), ("qwen3-0.6b", 8, 0), ("llama-3.2-1b", 1, 0),
-                                                ("tiny-qwen3-moe", 1, 0), ("tiny-mixtral", 4, 0),
-                                                ("qwen3-0.6b", 8, 1), ("tiny-qwen3-moe", 1, 1)])
-def test_ring_megakernel_matches_tl_megakernel(name, batch, fused):
+@pytest.mark.parametrize("name, batch, fused, quantize", [
+    ("tiny-llama", 16, 0, None), ("tiny-qwen3", 4, 0, None), ("tiny-qwen2", 1, 0, None), ("tiny-mistral", 8, 0, None),
+    ("qwen3-0.6b", 8, 0, None), ("llama-3.2-1b", 1, 0, None), ("tiny-qwen3-moe", 1, 0, None),
+    ("tiny-mixtral", 4, 0, None), ("qwen3-0.6b", 8, 1, None), ("tiny-qwen3-moe", 1, 1, None),
+    ("llama-3.2-1b", 1, 0, "fp8"), ("qwen3-0.6b", 8, 0, "fp8")])
+def test_ring_megakernel_matches_tl_megakernel(name, batch, fused, quantize):
     """The weight-ring megakernel against the tl one: the same table, weights and KV cache, one bf16 step of
     `batch` rows at different positions. Mixture-of-experts steps route alike on both (batch 1: the o_proj tiles'
     shares of the gate's logits, batch 4: router tiles and rows that share experts). `fused`: the attention
     groups combined by their last split, the route by the o_proj tile that adds the last share of the gate's logits
-    (GraphConfig.fused_attn_reduce, fused_route; 0: attn_reduce and route tasks)."""
+    (GraphConfig.fused_attn_reduce, fused_route; 0: attn_reduce and route tasks). `quantize` fp8: the ring streams
+    every product in e4m3, the tl kernel reads the same weights dequantized."""
     from distmk.kernels.executor import TritonExecutor
     engine = Engine(name, backend="triton", device="cuda", dtype=torch.bfloat16, max_context=256, autotune=False,
-                    config=GraphConfig(batch=batch, workers=sms(), fused_attn_reduce=fused, fused_route=fused))
+                    config=GraphConfig(batch=batch, workers=sms(), fused_attn_reduce=fused, fused_route=fused),
+                    quantize=quantize)
+    assert len(engine.weights.fp8) == (5 if quantize else 0)
     assert engine.executor.kernel_name == "ring"
     tl_kernel = TritonExecutor(engine.table, engine.spec, engine.weights, engine.kv, engine.comm, engine.dtype,
                                kernel="tl")
@@ -357,7 +361,9 @@ def test_ring_at_virtual_tp_equals_the_float32_reference(name, tp, batch, tp_rea
     ring_against_float32(tp_ready_checkpoints[name], tp, batch)
 
 
-FP8_RING = [(name, 1, batch) for name in TINY + TINY_MOE for batch in (1, 8)] + [(name, 2, 8) for name in TINY]
+# at tp=2 the tiny models' slices hold whole blocks of these two's MLP and o_proj
+FP8_RING = [(name, 1, batch) for name in TINY + TINY_MOE for batch in (1, 8)] + [("tiny-llama", 2, 8),
+                                                                                ("tiny-qwen3", 2, 8)]
 
 
 @pytest.mark.skipif(not hopper(), reason="the ring megakernel needs a Hopper GPU")

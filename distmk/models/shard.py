@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from distmk.errors import ShardingError
+from distmk.models.fp8 import KERNEL_BLOCK
 from distmk.models.spec import ModelSpec
 
 
@@ -119,9 +120,10 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
 
     def rd8(*pieces):
         """(values, scales) of the (name, dim, start, stop) pieces, concatenated over rows; None unless every piece
-        is stored in e4m3 kernel blocks."""
+        is stored in e4m3 kernel blocks, and all but the last hold whole blocks of rows (so that the scales of row r
+        stay row r // 128 of the concatenated grid)."""
         got = [source.read_fp8(*piece) for piece in pieces] if hasattr(source, "read_fp8") else [None]
-        if any(g is None for g in got):
+        if any(g is None for g in got) or any(len(values) % KERNEL_BLOCK for values, _ in got[:-1]):
             return None
         return tuple(torch.cat([g[i] for g in got]).to(device) for i in (0, 1))
 
