@@ -103,3 +103,31 @@ def test_quantize_fp8_gives_a_preset_its_fp8_twin():
     logits = [Engine("tiny-qwen3", max_context=64, **q).generate(PROMPT, 1, stop_on_eos=False, return_logits=True)[1]
               for q in ({}, {"quantize": "fp8"})]
     assert not torch.equal(*logits)
+
+
+@pytest.mark.parametrize("source, tp, streamed", [
+    ("twin", 1, {"wqkv", "wo", "w_gate", "w_up", "w_down"}), ("twin", 2, {"wo", "w_gate", "w_up", "w_down"}),
+    ("blocks of 128", 1, {"wqkv", "wo", "w_gate", "w_up", "w_down"}), ("blocks of 16", 1, set()),
+    ("channel", 1, set())])
+def test_the_products_the_ring_streams_in_e4m3_are_the_weights_the_reference_multiplies(tmp_path, source, tp,
+                                                                                       streamed):
+    """What the weight ring streams (RankWeights.fp8: e4m3 values and a scale a 128 x 128 block, kept on the triton
+    backend) where a product's rank slices hold whole blocks of 128, dequantized, are the weights the reference
+    multiplies. At tp=2 tiny-qwen3's q, k and v slices are 64 rows: its wqkv stays dequantized only; blocks of
+    another size and per-channel scales are not streamed."""
+    from distmk.models.fp8 import QuantizedAtLoad
+    from distmk.models.shard import load_shard, plan_shard
+    from distmk.models.weights import CheckpointWeights
+    spec = preset("tiny-qwen3")
+    if source == "twin":
+        weights = QuantizedAtLoad(RandomWeights(spec), spec)
+    else:
+        block = (128, 128) if source == "blocks of 128" else (16, 16)
+        write_fp8(tmp_path / "fp8", "tiny-qwen3", "channel" if source == "channel" else "block", block=block)
+        weights = CheckpointWeights(str(tmp_path / "fp8"), spec, fp8_block=block)
+    shard = load_shard(spec, weights, plan_shard(spec, tp, 0), keep_fp8=True)
+    assert set(shard.fp8) == streamed
+    for name, (values, scales) in shard.fp8.items():
+        assert values.dtype == torch.float8_e4m3fn
+        for layer, lw in enumerate(shard.layers):
+            assert torch.equal(dequantize(values[layer], scales[layer], (128, 128)), getattr(lw, name)), (name, layer)
