@@ -131,15 +131,31 @@ def _claim_slot(ready, empty, c, first, NBUF: gl.constexpr, INFLIGHT: gl.constex
 
 
 @gluon.jit
+def _slots_old(ring, w_desc):
+    return ring._reinterpret(w_desc.dtype, [ring.type.shape[0], ring.type.shape[1],
+                                            ring.type.shape[2] * ring.dtype.itemsize // w_desc.dtype.itemsize],
+                             w_desc.layout)
+
+
+@gluon.jit
+def _slots_new(ring, w_desc):
+    return ring.reinterpret(w_desc.dtype, [ring.type.shape[0], ring.type.shape[1],
+                                           ring.type.shape[2] * ring.dtype.itemsize // w_desc.dtype.itemsize],
+                            w_desc.layout)
+
+
+# the ring's slots as another element type's (weight_view): as_boxes' reinterpret, by release
+_slots_of = _slots_new if hasattr(gl.shared_memory_descriptor, "reinterpret") else _slots_old
+
+
+@gluon.jit
 def weight_view(ring, w_desc):
     """The ring (allocated for bf16 weights: make_rings) as slots of w_desc's element type: an e4m3 slot holds the
     same bytes, twice the columns."""
     if w_desc.dtype == ring.dtype:
         view = ring
     else:
-        view = ring._reinterpret(w_desc.dtype, [ring.type.shape[0], ring.type.shape[1],
-                                                ring.type.shape[2] * ring.dtype.itemsize // w_desc.dtype.itemsize],
-                                 w_desc.layout)
+        view = _slots_of(ring, w_desc)
     return view
 
 
