@@ -14,8 +14,10 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from distmk.device.ring import (_acquire64, acc_layout, cta_barrier, load_rows, make_rings, matmul_layouts,
-                                mma_block, mma_block_fp8, task_row)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+
+from distmk.device.ring import (_acquire64, _first_inputs, _next_slice, acc_layout, cta_barrier, load_rows, make_rings,
+                                matmul_layouts, mma_block, mma_block_fp8, task_row)
 from distmk.graph.table import COLUMNS
 
 ROW_WIDTH = gl.constexpr(len(COLUMNS))
@@ -31,17 +33,66 @@ def _acquire(ptr):
 
 
 @gluon.jit
+def mma_block_w8a8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready, empty, xring, xready, xq, c, cx,
+                   primed, chained, num_warps: gl.constexpr):
+    """mma_block_fp8's product with e4m3 activations too (W8A8): each bf16 input slice quantized to e4m3 with a
+    scale a row (its largest magnitude at e4m3's largest) into `xq`, then the e4m3 wgmma straight from the weight
+    slot, added times the weight rows' and the input rows' scales. No conversion of the weights in registers."""
+    NBUF: gl.constexpr = ring.type.shape[0]
+    BN: gl.constexpr = ring.type.shape[1]
+    XD: gl.constexpr = xring.type.shape[0]
+    B_PAD: gl.constexpr = xring.type.shape[1]
+    BK: gl.constexpr = xring.type.shape[2]
+    KT: gl.constexpr = K // BK
+    CHAIN: gl.constexpr = KT >= XD - 1
+    _first_inputs(x_desc, x_row, KT, xring, xready, cx, (primed == 0) | (not CHAIN))
+    layout: gl.constexpr = acc_layout(BN, B_PAD, num_warps)
+    # the e4m3 wgmma's accumulator: instructions of K 32 (the same registers as acc_layout's)
+    layout8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, B_PAD, 32])
+    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
+    valid = rn < rows
+    scales = scale + ((row0 + rn) // 128) * (K // 128)
+    zero = gl.zeros([BN, B_PAD], gl.float32, layout=layout8)
+    acc = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
+    for jt in range((KT + 1) // 2):
+        s = c % NBUF
+        mbarrier.wait(ready.index(s), (c // NBUF) & 1)
+        for h in gl.static_range(2):
+            it = jt * 2 + h
+            if it < KT:
+                w_row_scale = gl.load(scales + it, mask=valid, other=0.0)
+                xs = _next_slice(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
+                xv = xring.index(xs).load(x_layout).to(gl.float32)
+                x_scale = gl.maximum(gl.max(gl.abs(xv), axis=1), 1e-30) / 448.0
+                xq.store((xv / x_scale[:, None]).to(gl.float8e4nv))
+                fence_async_shared()
+                cta_barrier()
+                part = warpgroup_mma(ring.index(s).slice(h * BK, BK, dim=1), xq.permute((1, 0)), zero,
+                                     use_acc=False)
+                x_scale = gl.convert_layout(x_scale, gl.SliceLayout(0, layout))
+                acc += gl.convert_layout(part, layout) * w_row_scale[:, None] * x_scale[None, :]
+        mbarrier.arrive(empty.index(s), count=1)
+        c += 1
+    return acc, c, cx + KT
+
+
+@gluon.jit
 def _consume(x_desc, x_row, out, OUT_STRIDE: gl.constexpr, col0, rows, n, K: gl.constexpr, SCALE: gl.constexpr,
-             w_scale, ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr):
+             w_scale, ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr, xq=None):
     """out[:n, col0:col0 + rows] = SCALE * x[x_row:x_row + n] @ W^T over the slots _produce filled (e4m3 weights
-    with the block scales `w_scale` where the ring holds e4m3)."""
+    with the block scales `w_scale` where the ring holds e4m3; with `xq`, e4m3 activations too)."""
     BN: gl.constexpr = ring.type.shape[1]
     B_PAD: gl.constexpr = xring.type.shape[1]
     layout: gl.constexpr = acc_layout(BN, B_PAD, num_warps)
     rn = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
     rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(0, layout))
     for j in range(0, rows, BN):
-        if ring.dtype.itemsize == 1:
+        if xq is not None:
+            acc, c, cx = mma_block_w8a8(x_desc, x_row, K, w_scale, col0 + j, rows - j, ring, ready, empty, xring,
+                                        xready, xq, c, cx, j > 0, j + BN < rows, num_warps)
+        elif ring.dtype.itemsize == 1:
             acc, c, cx = mma_block_fp8(x_desc, x_row, K, w_scale, col0 + j, rows - j, ring, ready, empty, xring,
                                        xready, c, cx, j > 0, j + BN < rows, num_warps)
         else:
@@ -63,9 +114,9 @@ def _stream_producer(w_desc, ring, ready, empty, layers, ROWS: gl.constexpr, N: 
 
 
 @gluon.jit
-def _stream_consumer(x_desc, y, w_scale, counters, ring, ready, empty, xring, xready, layers, ROWS: gl.constexpr,
-                     N: gl.constexpr, K: gl.constexpr, NPROG: gl.constexpr, MODE: gl.constexpr,
-                     num_warps: gl.constexpr):
+def _stream_consumer(x_desc, y, w_scale, counters, ring, ready, empty, xring, xready, xq, layers,
+                     ROWS: gl.constexpr, N: gl.constexpr, K: gl.constexpr, NPROG: gl.constexpr, MODE: gl.constexpr,
+                     A8: gl.constexpr, num_warps: gl.constexpr):
     """y[(layer + 1) % 2][:, rows] = STREAM_SCALE * y[layer % 2] @ W_layer[rows]^T for every layer, after a
     full-grid barrier (MODE 1)."""
     B_PAD: gl.constexpr = xring.type.shape[1]
@@ -81,9 +132,14 @@ def _stream_consumer(x_desc, y, w_scale, counters, ring, ready, empty, xring, xr
                     seen = _acquire(counters + layer - 1)
                     polls += 1
                 cta_barrier()
-        c, cx = _consume(x_desc, (layer % 2) * B_PAD, y + ((layer + 1) % 2) * B_PAD * N, N, row0, ROWS, B_PAD, K,
-                         STREAM_SCALE, w_scale + layer * (N // 128) * (K // 128), ring, ready, empty, xring, xready,
-                         c, cx, num_warps)
+        out = y + ((layer + 1) % 2) * B_PAD * N
+        scales = w_scale + layer * (N // 128) * (K // 128)
+        if A8:
+            c, cx = _consume(x_desc, (layer % 2) * B_PAD, out, N, row0, ROWS, B_PAD, K, STREAM_SCALE, scales, ring,
+                             ready, empty, xring, xready, c, cx, num_warps, xq)
+        else:
+            c, cx = _consume(x_desc, (layer % 2) * B_PAD, out, N, row0, ROWS, B_PAD, K, STREAM_SCALE, scales, ring,
+                             ready, empty, xring, xready, c, cx, num_warps)
         if MODE == 1:
             cta_barrier()
             gl.atomic_add(counters + layer, 1, sem="release", scope="gpu")
@@ -91,13 +147,17 @@ def _stream_consumer(x_desc, y, w_scale, counters, ring, ready, empty, xring, xr
 
 @gluon.jit
 def ring_stream(w_desc, x_desc, y, w_scale, counters, layers, ROWS: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
-                NBUF: gl.constexpr, XD: gl.constexpr, NPROG: gl.constexpr, MODE: gl.constexpr,
+                NBUF: gl.constexpr, XD: gl.constexpr, NPROG: gl.constexpr, MODE: gl.constexpr, A8: gl.constexpr,
                 num_warps: gl.constexpr):
-    """w_scale: the e4m3 weights' block scales [layers * N / 128, K / 128] (bf16 weights: unused)."""
+    """w_scale: the e4m3 weights' block scales [layers * N / 128, K / 128] (bf16 weights: unused); A8: e4m3
+    activations too (mma_block_w8a8)."""
     ring, ready, empty, xring, xready = make_rings(w_desc, x_desc, w_desc.block_type.shape[0], NBUF, XD)
+    B_PAD: gl.constexpr = x_desc.block_type.shape[0]
+    xq = gl.allocate_shared_memory(gl.float8e4nv, [B_PAD, 128],
+                                   gl.NVMMASharedLayout.get_default_for([B_PAD, 128], gl.float8e4nv))
     gl.warp_specialize([
-        (_stream_consumer, (x_desc, y, w_scale, counters, ring, ready, empty, xring, xready, layers, ROWS, N, K,
-                            NPROG, MODE, num_warps)),
+        (_stream_consumer, (x_desc, y, w_scale, counters, ring, ready, empty, xring, xready, xq, layers, ROWS, N, K,
+                            NPROG, MODE, A8, num_warps)),
         (_stream_producer, (w_desc, ring, ready, empty, layers, ROWS, N, K)),
     ], [1], [24])
 
@@ -156,7 +216,8 @@ def stream_descriptors(w, y, block_n: int, block_k: int, b_pad: int):
 
 
 def compile_ring_stream(rows: int, n: int, k: int, block_n: int, block_k: int, stages: int, x_stages: int,
-                        programs: int, mode: int, b_pad: int = 16, arch: int = 90, fp8: bool = False):
+                        programs: int, mode: int, b_pad: int = 16, arch: int = 90, fp8: bool = False,
+                        a8: bool = False):
     """ring_stream compiled for CUDA compute capability `arch` without a GPU (CI's check that the Gluon path
     still builds on the Triton it installs); `fp8`: e4m3 weights (weight boxes of 128 columns, input slices of
     block_k = 128)."""
@@ -168,7 +229,7 @@ def compile_ring_stream(rows: int, n: int, k: int, block_n: int, block_k: int, s
     signature = {"w_desc": f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}[{block_n}, {w_cols}],{w_layout!r}>",
                  "x_desc": f"tensordesc<bf16[{b_pad}, {block_k}],{x_layout!r}>", "y": "*bf16", "w_scale": "*fp32",
                  "counters": "*i32", "layers": "i32"}
-    constants = dict(ROWS=rows, N=n, K=k, NBUF=stages, XD=x_stages, NPROG=programs, MODE=mode, num_warps=4)
+    constants = dict(ROWS=rows, N=n, K=k, NBUF=stages, XD=x_stages, NPROG=programs, MODE=mode, A8=a8, num_warps=4)
     signature.update({name: "constexpr" for name in constants})
     names = list(ring_stream.arg_names)
     source = GluonASTSource(ring_stream, signature, {(names.index(c),): v for c, v in constants.items()}, {})

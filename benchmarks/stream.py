@@ -198,8 +198,9 @@ def run_ring_matmuls(engine, tables: dict, ceiling: float, iters: int, layers: i
 
 def run_ring(device, iters: int, log) -> list[dict]:
     """The weight ring against its tl twin over 32 layers of [SMs * rows, 4096] bf16 (2.2 GB at 64 rows), and the
-    ring over the same weights in e4m3 with 128 x 128 block scales (models/fp8.py), barrier off and on; a few tile
-    shapes each. Each Gluon configuration is checked against torch first."""
+    ring over the same weights in e4m3 with 128 x 128 block scales (models/fp8.py): bf16 activations (gluon-fp8),
+    or e4m3 ones with a scale a row an input slice (gluon-w8a8); barrier off and on; a few tile shapes each. Each
+    Gluon configuration is checked against torch first (the e4m3 ones against the dequantized weights)."""
     import ring_probe as ring
     from distmk.models.fp8 import DEFAULT_BLOCK, dequantize, quantize
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -215,10 +216,12 @@ def run_ring(device, iters: int, log) -> list[dict]:
         configs += [("gluon", bn, bk, stages, xd) for bn, bk, stages, xd in
                     ((64, 256, 4, 3), (64, 256, 4, 4), (64, 128, 8, 4), (64, 128, 8, 6), (128, 128, 6, 4))
                     if rows % bn == 0]
-        configs += [("gluon-fp8", 64, 128, stages, xd) for stages, xd in ((8, 4), (10, 4), (10, 6))]
+        configs += [(kernel, 64, 128, stages, xd) for kernel in ("gluon-fp8", "gluon-w8a8")
+                    for stages, xd in ((8, 4), (10, 4), (10, 6))]
         for kernel, bn, bk, stages, xd in configs:
-            weights = w8 if kernel == "gluon-fp8" else w
-            nbytes = weights.numel() * weights.element_size() + (w_scale.numel() * 4 if kernel == "gluon-fp8" else 0)
+            e4m3 = kernel in ("gluon-fp8", "gluon-w8a8")
+            weights = w8 if e4m3 else w
+            nbytes = weights.numel() * weights.element_size() + (w_scale.numel() * 4 if e4m3 else 0)
             if kernel == "tl":
                 def launch(layer_count, mode):
                     ring.tl_stream[(sms,)](weights, y, counters, layer_count, rows, n, k, bn, bk, b_pad, sms, stages,
@@ -228,12 +231,11 @@ def run_ring(device, iters: int, log) -> list[dict]:
 
                 def launch(layer_count, mode):
                     ring.ring_stream[(sms,)](w_desc, x_desc, y, w_scale, counters, layer_count, rows, n, k, stages,
-                                             xd, sms, mode, num_warps=4)
+                                             xd, sms, mode, kernel == "gluon-w8a8", num_warps=4)
             y.copy_(torch.randn_like(y) * 0.1)
             before = y.clone()
             launch(1, 0)
-            first = dequantize(w8[:n], w_scale[:n // DEFAULT_BLOCK[0]], DEFAULT_BLOCK) if kernel == "gluon-fp8" \
-                else w[:n].float()
+            first = dequantize(w8[:n], w_scale[:n // DEFAULT_BLOCK[0]], DEFAULT_BLOCK) if e4m3 else w[:n].float()
             expected = before[0].float()[:, :k] @ first.t() * ring.STREAM_SCALE.value
             error = float((y[1].float() - expected).abs().max() / expected.abs().max())
             for mode in (0, 1):
