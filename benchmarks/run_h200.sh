@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU: the GPU tests, the decode benchmarks (JSON for benchmarks/results/) and start-up times. STAGES picks
-# among "tests decode overlap startup" (default all but overlap; they run in that order); run_h200x2.sh runs them on its
+# among "tests decode overlap fp8 startup" (default tests, decode and startup; they run in that order); run_h200x2.sh runs them on its
 # two GPUs side by side. DEADLINE (seconds, default 590: a device call's limit) bounds the decode runs: each
 # gets at most the time left (and at most 300 s: qwen3-30b-a3b's compiled baseline takes ~250 s to autotune on a
 # cold inductor cache), and one with less than 100 s left is skipped, said so.
@@ -52,6 +52,28 @@ if [[ $STAGES == *" overlap "* ]]; then
     timeout 200 python3 benchmarks/overlap.py --virtual-tp "$tp" --out "$OUT/overlap_vtp$tp.json" 2>&1 \
         | grep -v "Warn\|warn(" > "$OUT/overlap_vtp$tp.log"
     tail -n 1 "$OUT/overlap_vtp$tp.log" | cut -c1-300
+  done
+fi
+
+if [[ $STAGES == *" fp8 "* ]]; then
+  # the ring streaming e4m3 products (kernel option ring_e4m3): its GPU tests, stream.py's probe (bf16, W8A16, W8A8),
+  # then decode.py --quantize fp8 for FP8_MODELS (MODEL:BATCH; default llama-3-8b:1 llama-3-8b:8 qwen3-8b:1)
+  stamp "GPU tests (e4m3 products)"
+  timeout 300 python3 -m pytest -q -s tests/test_gpu.py -k "e4m3 or (matches_tl and fp8)" 2>&1 | grep -v Warn \
+      > "$OUT/gpu_tests_fp8.log"
+  tail -n 4 "$OUT/gpu_tests_fp8.log"
+  stamp "stream.py --probe-only"
+  timeout 150 python3 benchmarks/stream.py --probe-only --iters 20 --json --out "$OUT/stream_probe.json" 2>&1 \
+      | grep "\[stream\]" | grep "rows 64" | grep "fp8\|w8a8\|BK 256 stages 4 x 4"
+  for one in ${FP8_MODELS:-llama-3-8b:1 llama-3-8b:8 qwen3-8b:1}; do
+    IFS=: read -r model batch <<< "$one"
+    stamp "decode $one, e4m3 products"
+    timeout 200 python3 benchmarks/decode.py --model "$model" --batch "$batch" --context 512 --iters 100 --skip-hf \
+        --quantize fp8 --ring-e4m3 1 --json --out "$OUT/decode_${model}_b${batch}_fp8.json" 2>&1 \
+        | grep -v "Warn\|warn(" > "$OUT/decode_${model}_b${batch}_fp8.log"
+    python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('step_ms', \
+'roofline_ms', 'efficiency', 'e4m3_products', 'cudagraph_ms')})" "$OUT/decode_${model}_b${batch}_fp8.json" \
+        2>/dev/null || tail -n 3 "$OUT/decode_${model}_b${batch}_fp8.log"
   done
 fi
 
