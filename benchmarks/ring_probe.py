@@ -14,10 +14,8 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
-
-from distmk.device.ring import (_acquire64, _first_inputs, _next_slice, acc_layout, cta_barrier, load_rows, make_rings,
-                                matmul_layouts, mma_block, mma_block_fp8, task_row)
+from distmk.device.ring import (_acquire64, acc_layout, cta_barrier, load_rows, make_rings, matmul_layouts, mma_block,
+                                mma_block_fp8, task_row)
 from distmk.graph.table import COLUMNS
 
 ROW_WIDTH = gl.constexpr(len(COLUMNS))
@@ -33,52 +31,6 @@ def _acquire(ptr):
 
 
 @gluon.jit
-def mma_block_w8a8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready, empty, xring, xready, xq, c, cx,
-                   primed, chained, num_warps: gl.constexpr):
-    """mma_block_fp8's product with e4m3 activations too (W8A8): each bf16 input slice quantized to e4m3 with a
-    scale a row (its largest magnitude at e4m3's largest) into `xq`, then the e4m3 wgmma straight from the weight
-    slot, added times the weight rows' and the input rows' scales. No conversion of the weights in registers."""
-    NBUF: gl.constexpr = ring.type.shape[0]
-    BN: gl.constexpr = ring.type.shape[1]
-    XD: gl.constexpr = xring.type.shape[0]
-    B_PAD: gl.constexpr = xring.type.shape[1]
-    BK: gl.constexpr = xring.type.shape[2]
-    KT: gl.constexpr = K // BK
-    CHAIN: gl.constexpr = KT >= XD - 1
-    _first_inputs(x_desc, x_row, KT, xring, xready, cx, (primed == 0) | (not CHAIN))
-    layout: gl.constexpr = acc_layout(BN, B_PAD, num_warps)
-    # the e4m3 wgmma's accumulator: instructions of K 32 (the same registers as acc_layout's)
-    layout8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, B_PAD, 32])
-    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
-    valid = rn < rows
-    scales = scale + ((row0 + rn) // 128) * (K // 128)
-    zero = gl.zeros([BN, B_PAD], gl.float32, layout=layout8)
-    acc = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
-    for jt in range((KT + 1) // 2):
-        s = c % NBUF
-        mbarrier.wait(ready.index(s), (c // NBUF) & 1)
-        for h in gl.static_range(2):
-            it = jt * 2 + h
-            if it < KT:
-                w_row_scale = gl.load(scales + it, mask=valid, other=0.0)
-                xs = _next_slice(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
-                xv = xring.index(xs).load(x_layout).to(gl.float32)
-                x_scale = gl.maximum(gl.max(gl.abs(xv), axis=1), 1e-30) / 448.0
-                xq.store((xv / x_scale[:, None]).to(gl.float8e4nv))
-                fence_async_shared()
-                cta_barrier()
-                part = warpgroup_mma(ring.index(s).slice(h * BK, BK, dim=1), xq.permute((1, 0)), zero,
-                                     use_acc=False)
-                x_scale = gl.convert_layout(x_scale, gl.SliceLayout(0, layout))
-                acc += gl.convert_layout(part, layout) * w_row_scale[:, None] * x_scale[None, :]
-        mbarrier.arrive(empty.index(s), count=1)
-        c += 1
-    return acc, c, cx + KT
-
-
-@gluon.jit
 def _consume(x_desc, x_row, out, OUT_STRIDE: gl.constexpr, col0, rows, n, K: gl.constexpr, SCALE: gl.constexpr,
              w_scale, ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr, xq=None):
     """out[:n, col0:col0 + rows] = SCALE * x[x_row:x_row + n] @ W^T over the slots _produce filled (e4m3 weights
@@ -89,12 +41,9 @@ def _consume(x_desc, x_row, out, OUT_STRIDE: gl.constexpr, col0, rows, n, K: gl.
     rn = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
     rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(0, layout))
     for j in range(0, rows, BN):
-        if xq is not None:
-            acc, c, cx = mma_block_w8a8(x_desc, x_row, K, w_scale, col0 + j, rows - j, ring, ready, empty, xring,
-                                        xready, xq, c, cx, j > 0, j + BN < rows, num_warps)
-        elif ring.dtype.itemsize == 1:
+        if ring.dtype.itemsize == 1:
             acc, c, cx = mma_block_fp8(x_desc, x_row, K, w_scale, col0 + j, rows - j, ring, ready, empty, xring,
-                                       xready, c, cx, j > 0, j + BN < rows, num_warps)
+                                       xready, c, cx, j > 0, j + BN < rows, num_warps, xq)
         else:
             acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, j > 0, j + BN < rows,
                                    num_warps)

@@ -170,11 +170,13 @@ def test_weight_ring_compiles_for_sm90():
                  DOWN_ID=TYPE_ID["down"])
     probe = ring.compile_ring_stream(rows=64, n=DEFAULT_WORKERS * 64, k=4096, block_n=64, block_k=256, stages=4,
                                      x_stages=3, programs=DEFAULT_WORKERS, mode=1)
-    # e4m3 weights (device/ring.py mma_block_fp8): converted to bf16 in registers, by moving their bits
-    fp8 = ring.compile_ring_stream(rows=64, n=DEFAULT_WORKERS * 64, k=4096, block_n=64, block_k=128, stages=8,
-                                   x_stages=4, programs=DEFAULT_WORKERS, mode=1, fp8=True)
-    assert "mul.rn.bf16x2" in fp8.asm["ptx"]
-    for compiled in (probe, fp8, ring.compile_ring_matmuls(shape)):
+    # e4m3 weights (device/ring.py mma_block_fp8): converted to bf16 in registers by moving their bits (W8A16), or
+    # multiplied by e4m3 activations (W8A8)
+    fp8, w8a8 = (ring.compile_ring_stream(rows=64, n=DEFAULT_WORKERS * 64, k=4096, block_n=64, block_k=128, stages=8,
+                                          x_stages=4, programs=DEFAULT_WORKERS, mode=1, fp8=True, a8=a8)
+                 for a8 in (False, True))
+    assert "mul.rn.bf16x2" in fp8.asm["ptx"] and "e4m3.e4m3" in w8a8.asm["ptx"]
+    for compiled in (probe, fp8, w8a8, ring.compile_ring_matmuls(shape)):
         assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
         ptx = compiled.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx

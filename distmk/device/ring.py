@@ -317,13 +317,15 @@ def _next_slice(x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, chained,
 
 @gluon.jit
 def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready, empty, xring, xready, c, cx, primed,
-                  chained, num_warps: gl.constexpr):
+                  chained, num_warps: gl.constexpr, xq=None):
     """mma_block over e4m3 weights whose 128 x 128 blocks each have a float32 scale (models/fp8.py; `scale`: the
     matrix's grid [ceil(R / 128), K / 128], `row0`: the block's first row, of `rows`). A slot holds two input slices'
-    columns (make_rings); each slice's product is taken from the slot's half, converted to bf16 in registers (exactly:
-    every e4m3 value is a bf16 one), and added to the accumulator times its rows' scales, the scales of a slot loaded
-    a slot ahead; the second half is converted while the first one's wgmma runs."""
-    NBUF: gl.constexpr = ring.type.shape[0]
+    columns (make_rings); each slice's product is taken from the slot's half and added to the accumulator times its
+    rows' scales. W8A16: the half converted to bf16 in registers (exactly: every e4m3 value is a bf16 one), the
+    scales of a slot loaded a slot ahead, the second half converted while the first one's wgmma runs. With `xq`
+    (e4m3 shared memory of an input slice's shape), W8A8: each input slice quantized to e4m3 with a scale a row (its
+    largest magnitude at e4m3's largest) into xq, then the e4m3 wgmma straight from the slot, times the input rows'
+    scales too."""
     BN: gl.constexpr = ring.type.shape[1]
     XD: gl.constexpr = xring.type.shape[0]
     B_PAD: gl.constexpr = xring.type.shape[1]
@@ -333,10 +335,26 @@ def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready
     CHAIN: gl.constexpr = KT >= XD - 1
     _first_inputs(x_desc, x_row, KT, xring, xready, cx, (primed == 0) | (not CHAIN))
     layout: gl.constexpr = acc_layout(BN, B_PAD, num_warps)
-    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
     rn = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
     valid = rn < rows
     scales = scale + ((row0 + rn) // 128) * (K // 128)      # each row's scales, one an input slice
+    if xq is None:
+        acc, c = _w8a16_block(x_desc, x_row, KT, scales, valid, ring, ready, empty, xring, xready, c, cx, chained,
+                              CHAIN, layout)
+    else:
+        acc, c = _w8a8_block(x_desc, x_row, KT, scales, valid, ring, ready, empty, xring, xready, xq, c, cx, chained,
+                             CHAIN, layout, num_warps)
+    return acc, c, cx + KT
+
+
+@gluon.jit
+def _w8a16_block(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, empty, xring, xready, c, cx, chained,
+                 CHAIN: gl.constexpr, layout: gl.constexpr):
+    """mma_block_fp8's loop, the weights converted to bf16 in registers."""
+    NBUF: gl.constexpr = ring.type.shape[0]
+    BN: gl.constexpr = ring.type.shape[1]
+    B_PAD: gl.constexpr = xring.type.shape[1]
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
     low = gl.load(scales, mask=valid, other=0.0)
     high = gl.load(scales + 1, mask=valid & (KT > 1), other=0.0)
     zero = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
@@ -361,7 +379,43 @@ def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready
         low = next_low
         high = next_high
         c += 1
-    return acc, c, cx + KT
+    return acc, c
+
+
+@gluon.jit
+def _w8a8_block(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, empty, xring, xready, xq, c, cx, chained,
+                CHAIN: gl.constexpr, layout: gl.constexpr, num_warps: gl.constexpr):
+    """mma_block_fp8's loop with e4m3 activations: the e4m3 wgmma (instructions of K 32: its accumulator layout,
+    the same registers as `layout`'s) straight from the slot."""
+    NBUF: gl.constexpr = ring.type.shape[0]
+    BN: gl.constexpr = ring.type.shape[1]
+    B_PAD: gl.constexpr = xring.type.shape[1]
+    BK: gl.constexpr = xring.type.shape[2]
+    layout8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, B_PAD, 32])
+    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    zero = gl.zeros([BN, B_PAD], gl.float32, layout=layout8)
+    acc = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
+    for jt in range((KT + 1) // 2):
+        s = c % NBUF
+        mbarrier.wait(ready.index(s), (c // NBUF) & 1)
+        for h in gl.static_range(2):
+            it = jt * 2 + h
+            if it < KT:
+                w_row_scale = gl.load(scales + it, mask=valid, other=0.0)
+                xs = _next_slice(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
+                xv = xring.index(xs).load(x_layout).to(gl.float32)
+                x_scale = gl.maximum(gl.max(gl.abs(xv), axis=1), 1e-30) / 448.0
+                xq.store((xv / x_scale[:, None]).to(gl.float8e4nv))
+                fence_async_shared()
+                cta_barrier()
+                part = warpgroup_mma(ring.index(s).slice(h * BK, BK, dim=1), xq.permute((1, 0)), zero,
+                                     use_acc=False)
+                x_scale = gl.convert_layout(x_scale, gl.SliceLayout(0, layout))
+                acc += gl.convert_layout(part, layout) * w_row_scale[:, None] * x_scale[None, :]
+        mbarrier.arrive(empty.index(s), count=1)
+        c += 1
+    return acc, c
 
 
 @gluon.constexpr_function
