@@ -56,7 +56,7 @@ if [[ $STAGES == *" overlap "* ]]; then
 fi
 
 if [[ $STAGES == *" fp8 "* ]]; then
-  # the ring streaming e4m3 products (kernel option ring_e4m3): its GPU tests, stream.py's probe (bf16, W8A16, W8A8),
+  # the ring streaming e4m3 products (kernel option stream_e4m3): its GPU tests, stream.py's probe (bf16, W8A16, W8A8),
   # then decode.py --quantize fp8 for FP8_MODELS (MODEL:BATCH; default llama-3-8b:1 llama-3-8b:8 qwen3-8b:1)
   stamp "GPU tests (e4m3 products)"
   timeout 300 python3 -m pytest -q -s tests/test_gpu.py -k "e4m3 or (matches_tl and fp8)" 2>&1 | grep -v Warn \
@@ -69,7 +69,7 @@ if [[ $STAGES == *" fp8 "* ]]; then
     IFS=: read -r model batch <<< "$one"
     stamp "decode $one, e4m3 products"
     timeout 200 python3 benchmarks/decode.py --model "$model" --batch "$batch" --context 512 --iters 100 --skip-hf \
-        --quantize fp8 --ring-e4m3 1 --json --out "$OUT/decode_${model}_b${batch}_fp8.json" 2>&1 \
+        --quantize fp8 --stream-e4m3 1 --json --out "$OUT/decode_${model}_b${batch}_fp8.json" 2>&1 \
         | grep -v "Warn\|warn(" > "$OUT/decode_${model}_b${batch}_fp8.log"
     python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('step_ms', \
 'roofline_ms', 'efficiency', 'e4m3_products', 'cudagraph_ms')})" "$OUT/decode_${model}_b${batch}_fp8.json" \

@@ -87,7 +87,7 @@ def test_ring_megakernel_matches_tl_megakernel(name, batch, fused, quantize):
     from distmk.kernels.executor import TritonExecutor
     engine = Engine(name, backend="triton", device="cuda", dtype=torch.bfloat16, max_context=256, autotune=False,
                     config=GraphConfig(batch=batch, workers=sms(), fused_attn_reduce=fused, fused_route=fused),
-                    quantize=quantize, kernel_options={"ring_e4m3": int(quantize == "fp8")})
+                    quantize=quantize, kernel_options={"stream_e4m3": int(quantize == "fp8")})
     assert len(engine.weights.fp8) == (5 if quantize else 0)
     assert engine.executor.kernel_name == "ring"
     tl_kernel = TritonExecutor(engine.table, engine.spec, engine.weights, engine.kv, engine.comm, engine.dtype,
@@ -372,11 +372,11 @@ def test_ring_streaming_e4m3_weights_equals_the_float32_reference(name, tp, batc
     """--quantize fp8 on the ring: the products whose rank slices hold whole 128 x 128 blocks stream in e4m3
     (device/ring.py mma_block_fp8), checked as the bf16 ring is, against the float32 model of the same dequantized
     weights."""
-    streamed = ring_against_float32(name, tp, batch, quantize="fp8", ring_e4m3=1)
+    streamed = ring_against_float32(name, tp, batch, quantize="fp8", stream_e4m3=1)
     assert streamed and set(streamed) <= {"wqkv", "wo", "w_gate", "w_up", "w_down"}
 
 
-def ring_against_float32(model: str, tp: int, batch: int, quantize: str | None = None, ring_e4m3: int = 0) -> list[str]:
+def ring_against_float32(model: str, tp: int, batch: int, quantize: str | None = None, stream_e4m3: int = 0) -> list[str]:
     """The ring megakernel at `tp` (virtual ranks where > 1) through a 24-token sequence `batch` rows a step against
     the float32 model of the same weights (see test_ring_at_virtual_tp_equals_the_float32_reference); returns the
     products rank 0 streamed in e4m3."""
@@ -385,7 +385,7 @@ def ring_against_float32(model: str, tp: int, batch: int, quantize: str | None =
 
     def rank(r, comm):
         engine = Engine(model, tp=tp, rank=r, comm=comm, backend="triton", device="cuda", dtype=torch.bfloat16,
-                        max_context=64, autotune=False, kernel_options={"kernel": "ring", "ring_e4m3": ring_e4m3},
+                        max_context=64, autotune=False, kernel_options={"kernel": "ring", "stream_e4m3": stream_e4m3},
                         config=GraphConfig(batch=batch, workers=sms() // tp), quantize=quantize)
         blocks = engine.kv.allocate([], len(seq))
         tokens, logits, routes, same = [], [], [], True

@@ -42,7 +42,7 @@ def test_ring_megakernel_compiles_for_sm90(name, batch, fused_route, quantize):
     e4m3 products (--quantize fp8)."""
     engine = Engine(name, backend="triton", device="meta", dtype=torch.bfloat16, max_context=1024,
                     config=GraphConfig(batch=batch, workers=DEFAULT_WORKERS, fused_route=fused_route),
-                    kernel_options={"kernel": "ring", "ring_e4m3": int(quantize == "fp8")}, quantize=quantize)
+                    kernel_options={"kernel": "ring", "stream_e4m3": int(quantize == "fp8")}, quantize=quantize)
     assert len(engine.weights.fp8) == (5 if quantize else 0)
     compiled = engine.executor.compile_ahead(arch=90)
     assert compiled.metadata.shared <= HOPPER_SHARED_BYTES

@@ -18,7 +18,7 @@ SCRIPT = """
 import json, sys
 from distmk.graph import GraphConfig
 from distmk.runtime.engine import Engine
-name, router_partials = sys.argv[1], int(sys.argv[2])
+name, router_partials, quantize = sys.argv[1], int(sys.argv[2]), (sys.argv[3:] or [None])[0]
 # matmul tiles of 24 rows, not a multiple of the kernels' row blocks (QKV tiles that end inside a head: attention
 # finishes the heads); the one-row decode steps run a table of their own (BATCH 1: the expert tiles' path where
 # every slot leads; the tensor-parallel test below runs one-row steps on a four-row table); router_partials 0 gives
@@ -27,7 +27,11 @@ name, router_partials = sys.argv[1], int(sys.argv[2])
 # fused_attn_reduce, fused_route)
 config = GraphConfig(batch=4, kv_splits=3, tile_rows=24, lm_tile_rows=48, workers=1,
                      router_partials=router_partials, fused_attn_reduce=router_partials, fused_route=router_partials)
-engines = [Engine(name, backend=b, config=config, step_batches=(1,)) for b in ("reference", "triton")]
+# quantize fp8: the triton backend's tiles read the e4m3 products (stream_e4m3), the reference their dequantized copies
+engines = [Engine(name, backend=b, config=config, step_batches=(1,), quantize=quantize,
+                  kernel_options={"stream_e4m3": 1} if b == "triton" and quantize else None)
+           for b in ("reference", "triton")]
+assert bool(engines[1].weights.fp8) == bool(quantize)
 runs = [e.generate([1, 2, 3, 4, 5, 6, 7], 5, return_logits=True) for e in engines]
 (ref_tokens, ref_logits), (tokens, logits) = runs
 err = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
@@ -66,6 +70,26 @@ def test_interpreted_megakernel_matches_reference(models):
         assert history == ref_history, r
         if models == TINY_MOE:       # the route tasks' choices of each sparse layer (a dense model keeps none)
             assert all(len(set(layer[0])) == len(layer[0]) > 1 for layer in history), r
+
+
+def test_interpreted_megakernel_reads_e4m3_products():
+    """--quantize fp8 with kernel option stream_e4m3: the tl tiles load the e4m3 products (their stacked values and
+    block scales, what the ring streams too) and dequantize them as they load them, with the tokens and logits of the
+    reference on the dequantized weights (tiny-llama's wqkv stays dequantized: its 64-row k slice holds no whole
+    block)."""
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, name, "0", "fp8"], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=INTERPRETED)
+             for name in ("tiny-qwen3", "tiny-llama")]
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=900)
+            assert proc.returncode == 0, err
+            r = json.loads(out.splitlines()[-1])
+            assert r["equal"] and r["rel_err"] < 1e-4, r
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 TOY_TASK_SCRIPT = """

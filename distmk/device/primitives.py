@@ -29,9 +29,27 @@ def norm_rstd(x, n, H: tl.constexpr, EPS: tl.constexpr, B_PAD: tl.constexpr, NOR
 
 
 @triton.jit
+def layer_scales(scale, layer, ROWS: tl.constexpr, K: tl.constexpr):
+    """Layer `layer`'s block scales of a stacked [layers, ROWS, K] e4m3 weight (kernels/layout.py: [layers,
+    ROWS / 128, K / 128])."""
+    return scale + layer.to(tl.int64) * tl.cdiv(ROWS, 128) * tl.cdiv(K, 128)
+
+
+@triton.jit
+def dequantized(wt, scale, rows, kk, K: tl.constexpr, mask, dtype: tl.constexpr):
+    """A tile of e4m3 weights (rows `rows`, columns `kk` of the matrix) times their 128 x 128 blocks' scales, rounded
+    to `dtype` as the reference's dequantized weights are (models/fp8.py); other weights as they are."""
+    if wt.dtype == tl.float8e4nv:
+        s = tl.load(scale + (rows // 128)[:, None] * tl.cdiv(K, 128) + (kk // 128)[None, :], mask=mask, other=0.0)
+        wt = (wt.to(tl.float32) * s).to(dtype)
+    return wt
+
+
+@triton.jit
 def matmul_block(inp, w, n, row0, rows_valid, K: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc[B_PAD, BLOCK_N] = inp[:n, :K] @ w[row0:row0 + BLOCK_N, :K]^T in float32.
+                 BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, scale=None):
+    """acc[B_PAD, BLOCK_N] = inp[:n, :K] @ w[row0:row0 + BLOCK_N, :K]^T in float32 (e4m3 weights: `scale`, their
+    block scales, dequantized).
 
     Batch rows >= n and weight rows >= rows_valid read as zero. Weights stream once, K-contiguous, so
     each thread issues wide coalesced loads; the batch (padded to the mma minimum) rides along."""
@@ -43,14 +61,16 @@ def matmul_block(inp, w, n, row0, rows_valid, K: tl.constexpr, B_PAD: tl.constex
     for k in range(0, K, BLOCK_K):
         kk = k + rk
         x = tl.load(inp + rb[:, None] * K + kk[None, :], mask=(rb[:, None] < n) & (kk[None, :] < K), other=0.0)
-        wt = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < rows_valid) & (kk[None, :] < K), other=0.0)
+        wmask = (rn[:, None] < rows_valid) & (kk[None, :] < K)
+        wt = dequantized(tl.load(w_rows + kk[None, :], mask=wmask, other=0.0), scale, row0 + rn, kk, K, wmask,
+                         x.dtype)
         acc += tl.dot(x.to(wt.dtype), tl.trans(wt), input_precision=DOT_PRECISION)
     return acc
 
 
 @triton.jit
 def matmul_pair(inp, w1, w2, n, row0, rows_valid, K: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, scale1=None, scale2=None):
     """Two matmul_blocks over the same input in one K loop (gate and up; the two halves of a head): twice
     the weight bytes in flight per step, one pipeline fill instead of two."""
     rb = tl.arange(0, B_PAD)
@@ -63,8 +83,10 @@ def matmul_pair(inp, w1, w2, n, row0, rows_valid, K: tl.constexpr, B_PAD: tl.con
         kk = k + rk
         x = tl.load(inp + rb[:, None] * K + kk[None, :], mask=(rb[:, None] < n) & (kk[None, :] < K), other=0.0)
         wmask = (rn[:, None] < rows_valid) & (kk[None, :] < K)
-        wt1 = tl.load(w1 + rows + kk[None, :], mask=wmask, other=0.0)
-        wt2 = tl.load(w2 + rows + kk[None, :], mask=wmask, other=0.0)
+        wt1 = dequantized(tl.load(w1 + rows + kk[None, :], mask=wmask, other=0.0), scale1, row0 + rn, kk, K, wmask,
+                          x.dtype)
+        wt2 = dequantized(tl.load(w2 + rows + kk[None, :], mask=wmask, other=0.0), scale2, row0 + rn, kk, K, wmask,
+                          x.dtype)
         acc1 += tl.dot(x.to(wt1.dtype), tl.trans(wt1), input_precision=DOT_PRECISION)
         acc2 += tl.dot(x.to(wt1.dtype), tl.trans(wt2), input_precision=DOT_PRECISION)
     return acc1, acc2

@@ -222,7 +222,8 @@ class TritonExecutor:
                                        weights.fp8)
             self.launch_options = {}
             self.kernel = load_ring_megakernel(kinds)
-        else:
+        else:       # e4m3 products: dequantized as the tiles load them (device/primitives.py dequantized)
+            self.args.update({name: values for name, (values, _) in weights.fp8.items()})
             self.kernel = load_megakernel(kinds, prefetched)
         if comm.world > 1:
             self._start_together(comm)

@@ -40,9 +40,10 @@ class KernelOptions:
                                  "peer pointers), the tl one, or the ring where it runs",
                          choices=("auto", "ring", "tl"))
     ring_block_k: int = option(0, "ring: columns of a slot (0: the widest of 256/128/64 dividing every K)")
-    ring_e4m3: int = option(0, "ring: 1 = the products a model holds in e4m3 (--quantize fp8, FP8 checkpoints) stream "
-                               "so, converted to bf16 in registers (device/ring.py mma_block_fp8; not yet checked on a "
-                               "GPU), 0 = their dequantized bf16 weights stream")
+    stream_e4m3: int = option(0, "1 = the products a model holds in e4m3 (--quantize fp8, FP8 checkpoints) stream so: "
+                                 "the ring converts them to bf16 in registers (device/ring.py mma_block_fp8; not yet "
+                                 "run in a decode step on a GPU), the tl kernel as it loads them; 0 = their "
+                                 "dequantized bf16 copies stream")
     ring_slots: int = option(0, "ring: weight slots (0: as many as its shared memory holds)")
     ring_inputs: int = option(4, "ring: input slices in flight")
     ring_attention_keys: int = option(0, "ring: consecutive keys a thread of an attention task holds a pass, a "
@@ -70,8 +71,8 @@ class KernelOptions:
         for name in ("prefetch_kb", "ring_block_k", "ring_slots", "ring_inflight", "block_n"):
             if getattr(self, name) < 0:
                 raise DistmkError(f"kernel option {name} must be >= 0, got {getattr(self, name)}")
-        if self.ring_e4m3 not in (0, 1):
-            raise DistmkError(f"kernel option ring_e4m3 must be 0 or 1, got {self.ring_e4m3}")
+        if self.stream_e4m3 not in (0, 1):
+            raise DistmkError(f"kernel option stream_e4m3 must be 0 or 1, got {self.stream_e4m3}")
 
     @classmethod
     def of(cls, options: dict) -> "KernelOptions":

@@ -118,10 +118,10 @@ class Engine:
         self.dtype, self.device, self.max_context = dtype, torch.device(device), max_context
         # the stream its steps run on (serve/lockstep.py on_engine_device): virtual ranks each have their own
         self.stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        # with kernel option ring_e4m3 the megakernel's ring streams e4m3 products where the source has them (the
-        # dequantized weights stay for the reference, the tl kernel and prefill)
+        # with kernel option stream_e4m3 the megakernel streams e4m3 products where the source has them (the
+        # dequantized weights stay for the reference and prefill)
         self.weights = load_shard(self.spec, source, self.plan, dtype=dtype, device=device, progress=progress,
-                                  keep_fp8=backend == "triton" and (kernel_options or {}).get("ring_e4m3") == 1)
+                                  keep_fp8=backend == "triton" and (kernel_options or {}).get("stream_e4m3") == 1)
         self.table = compile_step(self.spec, self.plan, config)
         self.config = self.table.config
         # KV-cache room: max_seqs sequences of max_context tokens (default: one per row of a step)

@@ -92,13 +92,14 @@ def store_residual_gpu(x, xs, offs, mask, values, next_norm_w):
 
 @triton.jit
 def row_parallel_gpu(inp, w, row0, nrows, mode, n, x, xs, next_norm_w, partial, K: tl.constexpr, H: tl.constexpr,
-                     B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     scale=None):
     """GPU twin of row_parallel_tile: rows [row0, row0 + nrows) of inp @ w^T, by `mode` (next_norm_w: the weight
-    of the residual stream's next RMSNorm)."""
+    of the residual stream's next RMSNorm; `scale`: e4m3 weights' block scales)."""
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, BLOCK_N)
     for j in range(0, nrows, BLOCK_N):
-        acc = matmul_block(inp, w, n, row0 + j, nrows - j, K, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        acc = matmul_block(inp, w, n, row0 + j, nrows - j, K, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION, scale)
         cols = row0 + j + rn
         offs = rb[:, None] * H + cols[None, :]
         mask = (rb < n)[:, None] & (rn < nrows - j)[None, :]

@@ -6,18 +6,19 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from distmk.device import ring as rg
-from distmk.device.primitives import prefetch_l2
+from distmk.device.primitives import layer_scales, prefetch_l2
 from distmk.tasks.base import TaskKind, row_parallel_gpu, row_parallel_tile
 
 
 # noinline: see TaskKind.gpu (tasks/base.py)
 @triton.jit(noinline=True)
-def down_gpu(layer, row0, nrows, mode, n, h, w_down, x, xs, norms, partial, H: tl.constexpr, INTER: tl.constexpr,
-             B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def down_gpu(layer, row0, nrows, mode, n, h, w_down, w_down_scale, x, xs, norms, partial, H: tl.constexpr,
+             INTER: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             DOT_PRECISION: tl.constexpr):
     w = w_down + layer.to(tl.int64) * H * INTER
     next_norm = norms + (2 * layer + 2) * H             # the next layer's input norm, or the final one
     row_parallel_gpu(h, w, row0, nrows, mode, n, x, xs, next_norm, partial, INTER, H, B_PAD, BLOCK_N, BLOCK_K,
-                     DOT_PRECISION)
+                     DOT_PRECISION, layer_scales(w_down_scale, layer, H, INTER))
 
 
 @triton.jit

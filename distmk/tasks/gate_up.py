@@ -9,15 +9,15 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from distmk.device import ring as rg
-from distmk.device.primitives import matmul_pair, norm_rstd, prefetch_l2
+from distmk.device.primitives import layer_scales, matmul_pair, norm_rstd, prefetch_l2
 from distmk.tasks.base import TaskKind, normed_stream
 
 
 # noinline: see TaskKind.gpu (tasks/base.py)
 @triton.jit(noinline=True)
-def gate_up_gpu(layer, row0, nrows, n, x, xs, w_gate, w_up, h, H: tl.constexpr, INTER: tl.constexpr,
-                B_PAD: tl.constexpr, EPS: tl.constexpr, NORM_BLOCK: tl.constexpr, MLP_BLOCK_N: tl.constexpr,
-                MLP_BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def gate_up_gpu(layer, row0, nrows, n, x, xs, w_gate, w_up, w_gate_scale, w_up_scale, h, H: tl.constexpr,
+                INTER: tl.constexpr, B_PAD: tl.constexpr, EPS: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                MLP_BLOCK_N: tl.constexpr, MLP_BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offset = layer.to(tl.int64) * INTER * H
     act = h.dtype.element_ty
     rb = tl.arange(0, B_PAD)
@@ -25,7 +25,8 @@ def gate_up_gpu(layer, row0, nrows, n, x, xs, w_gate, w_up, h, H: tl.constexpr, 
     rstd = norm_rstd(x, n, H, EPS, B_PAD, NORM_BLOCK)[:, None]
     for j in range(0, nrows, MLP_BLOCK_N):
         gate, up = matmul_pair(xs, w_gate + offset, w_up + offset, n, row0 + j, nrows - j, H, B_PAD, MLP_BLOCK_N,
-                               MLP_BLOCK_K, DOT_PRECISION)
+                               MLP_BLOCK_K, DOT_PRECISION, layer_scales(w_gate_scale, layer, INTER, H),
+                               layer_scales(w_up_scale, layer, INTER, H))
         gate, up = gate * rstd, up * rstd
         mask = (rb < n)[:, None] & (rn < nrows - j)[None, :]
         tl.store(h + rb[:, None] * INTER + (row0 + j + rn)[None, :], (gate * tl.sigmoid(gate) * up).to(act),

@@ -8,7 +8,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from distmk.device import ring as rg
-from distmk.device.primitives import prefetch_l2
+from distmk.device.primitives import layer_scales, prefetch_l2
 from distmk.tasks.base import TaskKind, row_parallel_gpu, row_parallel_tile
 from distmk.tasks.route import route_if_last, route_if_last_gpu, route_if_last_ring
 from distmk.tasks.router import router_share, router_share_gpu, router_share_ring, router_share_weights
@@ -16,7 +16,8 @@ from distmk.tasks.router import router_share, router_share_gpu, router_share_rin
 
 # noinline: see TaskKind.gpu (tasks/base.py)
 @triton.jit(noinline=True)
-def o_proj_gpu(layer, row0, nrows, mode, router_layer, n, attn, wo, x, xs, partial, norms, router, router_logits,
+def o_proj_gpu(layer, row0, nrows, mode, router_layer, n, attn, wo, wo_scale, x, xs, partial, norms, router,
+               router_logits,
                router_partial, router_sumsq, route_arrivals, route_expert, route_weight, route_slot, route_unique,
                route_count, route_history, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr,
                EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
@@ -26,7 +27,7 @@ def o_proj_gpu(layer, row0, nrows, mode, router_layer, n, attn, wo, x, xs, parti
     w = wo + layer.to(tl.int64) * H * HQ * D
     next_norm = norms + (2 * layer + 1) * H             # the post-attention norm
     row_parallel_gpu(attn, w, row0, nrows, mode, n, x, xs, next_norm, partial, HQ * D, H, B_PAD, BLOCK_N, BLOCK_K,
-                     DOT_PRECISION)
+                     DOT_PRECISION, layer_scales(wo_scale, layer, H, HQ * D))
     if EXPERTS > 0:
         if router_layer >= 0:
             router_share_gpu(layer, router_layer, row0, nrows, n, x, norms, router, router_partial, router_sumsq,

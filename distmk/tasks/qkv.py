@@ -12,7 +12,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from distmk.device import ring as rg
-from distmk.device.primitives import matmul_block, norm_rstd, prefetch_l2
+from distmk.device.primitives import layer_scales, matmul_block, norm_rstd, prefetch_l2
 from distmk.tasks.base import TaskKind, normed_stream, rms_norm, rope
 
 
@@ -27,7 +27,8 @@ def _value_slots(layer, rb, n, positions, block_table, D: tl.constexpr, HKV: tl.
 
 # noinline: see TaskKind.gpu (tasks/base.py)
 @triton.jit(noinline=True)
-def qkv_gpu(layer, row0, nrows, n, x, xs, wqkv, bqkv, positions, block_table, qk_raw, v_cache, H: tl.constexpr,
+def qkv_gpu(layer, row0, nrows, n, x, xs, wqkv, wqkv_scale, bqkv, positions, block_table, qk_raw, v_cache,
+            H: tl.constexpr,
             D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, B_PAD: tl.constexpr, MAXB: tl.constexpr,
             BS: tl.constexpr, NBLK: tl.constexpr, EPS: tl.constexpr, HAS_BIAS: tl.constexpr,
             NORM_BLOCK: tl.constexpr, QKV_BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -41,7 +42,8 @@ def qkv_gpu(layer, row0, nrows, n, x, xs, wqkv, bqkv, positions, block_table, qk
     values = _value_slots(layer, rb, n, positions, block_table, D, HKV, MAXB, BS, NBLK)
     rows = (rb < n)[:, None]
     for j in range(0, nrows, QKV_BLOCK_N):
-        out = matmul_block(xs, w, n, row0 + j, nrows - j, H, B_PAD, QKV_BLOCK_N, BLOCK_K, DOT_PRECISION) * rstd
+        out = matmul_block(xs, w, n, row0 + j, nrows - j, H, B_PAD, QKV_BLOCK_N, BLOCK_K, DOT_PRECISION,
+                           layer_scales(wqkv_scale, layer, ROWS, H)) * rstd
         cols = row0 + j + rn
         valid = rn < nrows - j
         if HAS_BIAS:
