@@ -127,7 +127,9 @@ def test_the_products_the_ring_streams_in_e4m3_are_the_weights_the_reference_mul
         weights = CheckpointWeights(str(tmp_path / "fp8"), spec, fp8_block=block)
     shard = load_shard(spec, weights, plan_shard(spec, tp, 0), keep_fp8=True)
     assert set(shard.fp8) == streamed
+    read = load_shard(spec, weights, plan_shard(spec, tp, 0))         # every weight read dequantized
     for name, (values, scales) in shard.fp8.items():
         assert values.dtype == torch.float8_e4m3fn
-        for layer, lw in enumerate(shard.layers):
-            assert torch.equal(dequantize(values[layer], scales[layer], (128, 128)), getattr(lw, name)), (name, layer)
+        for layer, (lw, lw_read) in enumerate(zip(shard.layers, read.layers)):
+            assert torch.equal(dequantize(values[layer], scales[layer], (128, 128)), getattr(lw_read, name))
+            assert torch.equal(getattr(lw, name), getattr(lw_read, name)), (name, layer)

@@ -84,8 +84,8 @@ STARTUP_TIMEOUT_S = 300     # the bound of a tensor-parallel executor's first la
 def choose_kernel(requested: str, device, interpret: bool, unsupported: str | None) -> str:
     """Which megakernel runs the table: the weight ring (ring_megakernel.py: Gluon, wgmma, TMA) on a Hopper GPU
     where it supports the step, else the tl one (any CUDA GPU, Triton's interpreter, NVSHMEM's put-with-signal).
-    `unsupported`: why the ring cannot run this step, or None. Asking for "ring" where it cannot run is an error; on the meta
-    device it compiles ahead of time."""
+    `unsupported`: why the ring cannot run this step, or None. Asking for "ring" where it cannot run is an error;
+    on the meta device it compiles ahead of time."""
     if requested not in KERNELS:
         raise DistmkError(f"unknown kernel {requested!r}: use auto, ring or tl")
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from distmk.errors import ShardingError
-from distmk.models.fp8 import KERNEL_BLOCK
+from distmk.models.fp8 import DEFAULT_BLOCK, KERNEL_BLOCK, dequantize
 from distmk.models.spec import ModelSpec
 
 
@@ -105,7 +105,8 @@ class RankWeights:
     inv_freq: torch.Tensor = field(default=None)  # [D/2] float32
     stacked: dict | None = None   # per-kind tensors stacked over layers for the megakernel (kernels/layout.py)
     # the dense products' e4m3 values [layers, rows, K] and 128 x 128 block scales [layers, rows / 128, K / 128] by
-    # name, where the source has them and this rank's slices hold whole blocks: what the weight ring streams
+    # name, where the source has them and this rank's slices hold whole blocks: what the megakernels stream with
+    # kernel option stream_e4m3
     fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -132,12 +133,20 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
     inter = (plan.inter0, plan.inter0 + plan.inter)
     expert_inter = (plan.expert_inter0, plan.expert_inter0 + plan.expert_inter)
 
+    def product(name: str, i: int, read):
+        """Layer i's product `name` in the model's dtype: its e4m3 values dequantized where they are kept (not read
+        twice), else read()."""
+        if name not in fp8:
+            return read()
+        return dequantize(fp8[name][0][i], fp8[name][1][i], DEFAULT_BLOCK).to(device=device, dtype=dtype)
+
     def mlp(i: int) -> dict:
         """Layer i's MLP weights: this rank's rows of the dense MLP, or the router and every expert's rows."""
         p = f"model.layers.{i}."
         if i not in spec.moe_layers:
-            return dict(w_gate=rd(p + "mlp.gate_proj.weight", 0, *inter), w_up=rd(p + "mlp.up_proj.weight", 0, *inter),
-                        w_down=rd(p + "mlp.down_proj.weight", 1, *inter))
+            return dict(w_gate=product("w_gate", i, lambda: rd(p + "mlp.gate_proj.weight", 0, *inter)),
+                        w_up=product("w_up", i, lambda: rd(p + "mlp.up_proj.weight", 0, *inter)),
+                        w_down=product("w_down", i, lambda: rd(p + "mlp.down_proj.weight", 1, *inter)))
         names = [spec.moe_names(i, j) for j in range(spec.num_experts)]
         return dict(w_gate=None, w_up=None, w_down=None, router=rd(names[0][0]),
                     expert_gate=torch.stack([rd(gate, 0, *expert_inter) for _, gate, _, _ in names]),
@@ -167,8 +176,9 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
     for i in tqdm(range(spec.num_layers), desc="loading layers", disable=not progress, leave=False):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        wqkv = torch.cat([rd(a + "q_proj.weight", 0, *q_rows), rd(a + "k_proj.weight", 0, *kv_rows),
-                          rd(a + "v_proj.weight", 0, *kv_rows)])
+        wqkv = product("wqkv", i, lambda: torch.cat([rd(a + "q_proj.weight", 0, *q_rows),
+                                                     rd(a + "k_proj.weight", 0, *kv_rows),
+                                                     rd(a + "v_proj.weight", 0, *kv_rows)]))
         bqkv = torch.cat([rd(a + "q_proj.bias", 0, *q_rows), rd(a + "k_proj.bias", 0, *kv_rows),
                           rd(a + "v_proj.bias", 0, *kv_rows)]) if spec.qkv_bias else None
         layers.append(LayerWeights(
@@ -176,7 +186,7 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
             wqkv=wqkv, bqkv=bqkv,
             q_norm=rd(a + "q_norm.weight") if spec.qk_norm else None,
             k_norm=rd(a + "k_norm.weight") if spec.qk_norm else None,
-            wo=rd(a + "o_proj.weight", 1, *q_rows),
+            wo=product("wo", i, lambda: rd(a + "o_proj.weight", 1, *q_rows)),
             post_norm=rd(p + "post_attention_layernorm.weight"),
             **mlp(i),
         ))
