@@ -376,7 +376,8 @@ def test_ring_streaming_e4m3_weights_equals_the_float32_reference(name, tp, batc
     assert streamed and set(streamed) <= {"wqkv", "wo", "w_gate", "w_up", "w_down"}
 
 
-def ring_against_float32(model: str, tp: int, batch: int, quantize: str | None = None, stream_e4m3: int = 0) -> list[str]:
+def ring_against_float32(model: str, tp: int, batch: int, quantize: str | None = None,
+                         stream_e4m3: int = 0) -> list[str]:
     """The ring megakernel at `tp` (virtual ranks where > 1) through a 24-token sequence `batch` rows a step against
     the float32 model of the same weights (see test_ring_at_virtual_tp_equals_the_float32_reference); returns the
     products rank 0 streamed in e4m3."""

@@ -26,18 +26,15 @@ cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
-@gluon.jit
-def _boxes_old(smem, desc, N: gl.constexpr):
-    return smem._reinterpret(smem.dtype, [N] + desc.block_type.shape, desc.layout)
+# and shared memory seen as another type and shape is _reinterpret on 3.6, reinterpret from 3.7 on: one name here
+if not hasattr(gl.shared_memory_descriptor, "reinterpret"):
+    gl.shared_memory_descriptor.reinterpret = gl.shared_memory_descriptor._reinterpret
 
 
 @gluon.jit
-def _boxes_new(smem, desc, N: gl.constexpr):
+def as_boxes(smem, desc, N: gl.constexpr):
+    """Shared memory seen as N boxes of a descriptor's."""
     return smem.reinterpret(smem.dtype, [N] + desc.block_type.shape, desc.layout)
-
-
-# and shared memory seen as N boxes of a descriptor's (as_boxes) is _reinterpret on 3.6, reinterpret from 3.7 on
-as_boxes = _boxes_new if hasattr(gl.shared_memory_descriptor, "reinterpret") else _boxes_old
 
 
 @gluon.jit
@@ -131,31 +128,15 @@ def _claim_slot(ready, empty, c, first, NBUF: gl.constexpr, INFLIGHT: gl.constex
 
 
 @gluon.jit
-def _slots_old(ring, w_desc):
-    return ring._reinterpret(w_desc.dtype, [ring.type.shape[0], ring.type.shape[1],
-                                            ring.type.shape[2] * ring.dtype.itemsize // w_desc.dtype.itemsize],
-                             w_desc.layout)
-
-
-@gluon.jit
-def _slots_new(ring, w_desc):
-    return ring.reinterpret(w_desc.dtype, [ring.type.shape[0], ring.type.shape[1],
-                                           ring.type.shape[2] * ring.dtype.itemsize // w_desc.dtype.itemsize],
-                            w_desc.layout)
-
-
-# the ring's slots as another element type's (weight_view): as_boxes' reinterpret, by release
-_slots_of = _slots_new if hasattr(gl.shared_memory_descriptor, "reinterpret") else _slots_old
-
-
-@gluon.jit
 def weight_view(ring, w_desc):
     """The ring (allocated for bf16 weights: make_rings) as slots of w_desc's element type: an e4m3 slot holds the
     same bytes, twice the columns."""
     if w_desc.dtype == ring.dtype:
         view = ring
     else:
-        view = _slots_of(ring, w_desc)
+        view = ring.reinterpret(w_desc.dtype, [ring.type.shape[0], ring.type.shape[1],
+                                               ring.type.shape[2] * ring.dtype.itemsize // w_desc.dtype.itemsize],
+                                w_desc.layout)
     return view
 
 
