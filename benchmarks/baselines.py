@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, replace
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from distmk.models.fp8 import DEFAULT_BLOCK, dequantize
 from distmk.models.shard import RankWeights, ShardPlan, load_shard, plan_shard
 from distmk.models.spec import ModelSpec
 from distmk.tasks.base import rope_angles as distmk_rope_angles
@@ -157,11 +158,25 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, dtype) -> tuple
     return cos.to(dtype), sin.to(dtype)
 
 
+class E4M3(NamedTuple):
+    """A product's e4m3 values and 128 x 128 block scales (RankWeights.fp8), as the FP8 decoder holds it."""
+    values: torch.Tensor
+    scales: torch.Tensor
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear of a weight in x's dtype or in e4m3 (E4M3): the latter dequantized within the step, torchao's
+    float8 weight-only way, which torch.compile fuses into the product so that it reads the e4m3 bytes."""
+    if isinstance(weight, E4M3):
+        weight = dequantize(weight.values, weight.scales, DEFAULT_BLOCK).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
 def rotated_qkv(spec: ModelSpec, lw, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int):
     """A layer's q, k, v [B, heads, D] of the residual rows x [B, H]: input RMSNorm, the fused projection
     (+bias), q/k-norm where the model has it, RoPE of q and k."""
     d, eps, b = spec.head_dim, spec.rms_norm_eps, x.shape[0]
-    qkv = F.linear(rms_norm(x, lw.input_norm, eps), lw.wqkv, lw.bqkv)
+    qkv = linear(rms_norm(x, lw.input_norm, eps), lw.wqkv, lw.bqkv)
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
     if spec.qk_norm:
@@ -216,14 +231,23 @@ def sparse_mlp(spec: ModelSpec, lw, h: torch.Tensor, rows: torch.Tensor, path: s
 
 
 def build_torch_decoder(spec: ModelSpec, weights: RankWeights, device, dtype, max_batch: int,
-                        max_context: int, sparse: str = "auto", record_experts: bool = False) -> TorchDecoder:
+                        max_context: int, sparse: str = "auto", record_experts: bool = False,
+                        fp8: bool = False) -> TorchDecoder:
     """The decode step as plain per-op PyTorch kernels over one rank's shard, the way a well-written
     PyTorch server runs it (gpt-fast style): the baseline a CUDA graph or torch.compile can make of it.
     All state lives in static buffers, so `step` can be captured in a CUDA graph. The KV cache is one
     tensor per layer (not one [layers, ...] tensor) so that torch.compile sees no aliased inputs mutated.
     Sparse layers run sparse_mlp (`sparse`: its path); with record_experts the step also stores their
-    choices in the decoder's `experts` (a copy per layer, so the timed steps leave it out)."""
+    choices in the decoder's `experts` (a copy per layer, so the timed steps leave it out). With fp8 the products
+    that the weights hold in e4m3 (RankWeights.fp8) are multiplied from those bytes (linear)."""
     plan, d, eps = weights.plan, spec.head_dim, spec.rms_norm_eps
+    layers = weights.layers
+    if fp8:
+        if not weights.fp8:
+            raise ValueError("an FP8 decoder needs weights with e4m3 products (load_shard(keep_fp8=True) of an FP8 "
+                             "checkpoint or --quantize fp8)")
+        layers = [replace(lw, **{name: E4M3(values[i], scales[i]) for name, (values, scales) in weights.fp8.items()})
+                  for i, lw in enumerate(layers)]
     world, _ = tp_rank()
     hq, hkv = plan.num_heads, plan.num_kv_heads
     cache_shape = (max_batch, hkv, max_context, d)
@@ -250,17 +274,17 @@ def build_torch_decoder(spec: ModelSpec, weights: RankWeights, device, dtype, ma
             visible &= key_positions > positions[:, None] - spec.sliding_window
         mask = visible[:, None, None, :]                                   # [B, 1, 1, T]
         x = F.embedding(tokens, weights.embed)
-        for layer, (lw, k_layer, v_layer) in enumerate(zip(weights.layers, k_cache, v_cache)):
+        for layer, (lw, k_layer, v_layer) in enumerate(zip(layers, k_cache, v_cache)):
             q, k, v = rotated_qkv(spec, lw, x, cos, sin, hq, hkv)
             k_layer[rows, :, positions] = k
             v_layer[rows, :, positions] = v
             # GQA without copying the cache: the query heads sharing a KV head become its query rows.
             attn = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k_layer[:b], v_layer[:b],
                                                   attn_mask=mask)
-            x = x + all_reduce(F.linear(attn.reshape(b, hq * d), lw.wo))
+            x = x + all_reduce(linear(attn.reshape(b, hq * d), lw.wo))
             h = rms_norm(x, lw.post_norm, eps)
             if lw.router is None:
-                x = x + all_reduce(F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down))
+                x = x + all_reduce(linear(F.silu(linear(h, lw.w_gate)) * linear(h, lw.w_up), lw.w_down))
             else:
                 out, chosen = sparse_mlp(spec, lw, h, rows, sparse)
                 if experts is not None:
@@ -328,20 +352,21 @@ COMPILE_MODES = {"max-autotune": {"mode": "max-autotune-no-cudagraphs"},
 
 def cudagraph_step_ms(spec: ModelSpec, source, batch: int, context: int, dtype=torch.bfloat16,
                       compile: bool = False, iters: int = 200, weights: RankWeights | None = None, state=None,
-                      compile_mode: str = "max-autotune") -> float:
+                      compile_mode: str = "max-autotune", fp8: bool = False) -> float:
     """Median ms of one decode step of the PyTorch decoder replayed as a single CUDA graph: `batch` rows at
     position `context - 1`, so each attends to `context` keys of a KV cache filled by `state` (random values by
     default: random_state; paged_state takes distmk's), each replay timed alone as harness.py times distmk's
     (distmk.timing.cuda_times). The graph removes launch overhead, which is what a megakernel must beat on top
     of it. With compile=True the step is first torch.compile'd (COMPILE_MODES[compile_mode], no CUDA graphs of
     its own), which fuses the small ops. `weights`: this rank's shard on the GPU to run (distmk's engine's, so
-    that no second copy is loaded: mixtral-8x7b is 94 GB in bf16); else it is loaded from `source`.
+    that no second copy is loaded: mixtral-8x7b is 94 GB in bf16); else it is loaded from `source`. fp8: the
+    products the weights hold in e4m3 are multiplied from them (build_torch_decoder).
     (H200, llama-3-8b, batch 1, context 1024, torch 2.11: 7.36 ms, compiled 5.13 ms; tp=2: 6.39, 4.55.)"""
     world, rank = tp_rank()
     device = torch.device("cuda", torch.cuda.current_device())
     if weights is None:
         weights = load_shard(spec, source, plan_shard(spec, world, rank), dtype, device)
-    decoder = build_torch_decoder(spec, weights, device, dtype, batch, max_context=-(-context // 16) * 16)
+    decoder = build_torch_decoder(spec, weights, device, dtype, batch, max_context=-(-context // 16) * 16, fp8=fp8)
     tokens, positions = (state or random_state(spec, batch, context))(decoder)
     step = torch.compile(decoder.step, **COMPILE_MODES[compile_mode]) if compile else decoder.step
     with torch.inference_mode():

@@ -14,6 +14,10 @@ With --virtual-tp N (one GPU, no torchrun) distmk's step runs at tp=1 and then a
 (threads, SMs // N workers each, exchanging through peer pointers as ranks of one node do): step_ms is the
 virtual ranks' step, tp1_step_ms the tp=1 one of the same process, and the roofline and baselines are the tp=1
 ones (the same GPU reads every shard). A measurement of what the exchanges cost, not of a multi-GPU speed-up.
+Where distmk streams e4m3 products (--quantize fp8 or an FP8 checkpoint, with --stream-e4m3 1), the same process
+also times its step on the same weights in bf16 (bf16_step_ms) and, with --compile-baseline, the compiled decoder
+multiplying the e4m3 products (cudagraph_compiled_fp8_ms: dequantized within the step, which torch.compile fuses
+into the products); cudagraph_compiled_ms stays the compiled decoder on the bf16 weights.
 On the CPU (--device cpu, the reference backend, float32, gloo between ranks) the HBM roofline and the
 CUDA-graph baselines do not apply and are recorded as null; distmk and transformers are timed by wall clock.
 
@@ -102,14 +106,16 @@ def git_commit() -> str | None:
     return commit + ("+" if dirty else "")
 
 
-def time_distmk(args, device, log, keep: dict | None, virtual_tp: int = 1) -> dict:
-    """distmk's own step timing (of `virtual_tp` virtual ranks where > 1); if it cannot be imported or fails, the
-    error instead, so that the baselines still come out. `keep` receives the engine (harness.distmk_step_ms)."""
+def time_distmk(args, device, log, keep: dict | None, virtual_tp: int = 1, **kernel_options) -> dict:
+    """distmk's own step timing (of `virtual_tp` virtual ranks where > 1; `kernel_options` over the flags'); if it
+    cannot be imported or fails, the error instead, so that the baselines still come out. `keep` receives the engine
+    (harness.distmk_step_ms)."""
     try:
         from harness import distmk_step_ms, virtual_tp_step_ms
         options = dict(backend=args.backend, device=device,
                        breakdown=args.backend == "triton" and not args.no_breakdown,
-                       graph=tiling_of(args), workers=args.workers, quantize=args.quantize, **kernel_options_of(args))
+                       graph=tiling_of(args), workers=args.workers, quantize=args.quantize,
+                       **{**kernel_options_of(args), **kernel_options})
         if virtual_tp > 1:
             return virtual_tp_step_ms(args.model, args.batch, args.context, virtual_tp, args.iters, **options)
         return distmk_step_ms(args.model, args.batch, args.context, args.iters, keep=keep, **options)
@@ -225,7 +231,7 @@ def run(args, launcher: str, log) -> dict:
     if on_gpu:
         log(f"{step_bytes / 1e9:.2f} GB per step -> roofline {roofline_ms:.3f} ms")
 
-    cudagraph_ms = compiled_ms = None
+    cudagraph_ms = compiled_ms = compiled_fp8_ms = None
     if on_gpu:
         t1 = time.perf_counter()
         cudagraph_ms = attempt("cudagraph", lambda: cudagraph_step_ms(
@@ -241,6 +247,14 @@ def run(args, launcher: str, log) -> dict:
             log(f"torch.compile'd ({args.compile_mode}) ops in a CUDA graph: {compiled_ms} ms")
             phase_s["compiled"] = round(time.perf_counter() - t1, 1)
             release()
+        if args.compile_baseline and e4m3:     # the same, multiplying the e4m3 products (FP8 weight-only)
+            t1 = time.perf_counter()
+            compiled_fp8_ms = attempt("compiled_fp8", lambda: cudagraph_step_ms(
+                spec, source, args.batch, args.context, compile=True, iters=args.iters, weights=weights, state=state,
+                compile_mode=args.compile_mode, fp8=True))
+            log(f"torch.compile'd ({args.compile_mode}) ops on the e4m3 products in a CUDA graph: {compiled_fp8_ms} ms")
+            phase_s["compiled_fp8"] = round(time.perf_counter() - t1, 1)
+            release()
         peaks["baselines"] = peak_gb()
     else:
         log("no HBM roofline and no CUDA-graph baselines on the CPU: recorded as null")
@@ -249,6 +263,14 @@ def run(args, launcher: str, log) -> dict:
     keep.clear()
     gc.collect()
     release()
+
+    bf16 = None
+    if e4m3:                        # distmk's step on the same weights in bf16: what streaming e4m3 gains
+        t1 = time.perf_counter()
+        bf16 = time_distmk(args, device, log, None, stream_e4m3=0)
+        bf16.pop("breakdown", None)
+        phase_s["distmk_bf16"] = round(time.perf_counter() - t1, 1)
+        release()
 
     virtual = None
     if args.virtual_tp > 1:         # the tp=1 engine is gone: the GPU is the virtual ranks' alone
@@ -294,6 +316,11 @@ def run(args, launcher: str, log) -> dict:
         "speedup_vs_hf": hf_ms / step_ms if step_ms and hf_ms else None,
         "speedup_vs_cudagraph": cudagraph_ms / step_ms if step_ms and cudagraph_ms else None,
         "speedup_vs_compiled": compiled_ms / step_ms if step_ms and compiled_ms else None,     # the yardstick
+        "cudagraph_compiled_fp8_ms": compiled_fp8_ms,
+        "speedup_vs_compiled_fp8": compiled_fp8_ms / step_ms if step_ms and compiled_fp8_ms else None,
+        "bf16_step_ms": bf16["step_ms"] if bf16 else None,
+        "speedup_vs_bf16": bf16["step_ms"] / step_ms if bf16 and bf16["step_ms"] and step_ms else None,
+        "bf16_distmk": bf16,
         "baseline_errors": errors or None,
         "distmk": distmk,
         "phase_s": {**phase_s, "total": round(time.perf_counter() - t0, 1)},

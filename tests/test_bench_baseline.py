@@ -61,6 +61,23 @@ def test_torch_decoder_runs_the_experts_either_way(name, sparse):
     assert tokens[1] == hf_greedy(name, tuple(short), NEW_TOKENS)[0]
 
 
+def test_fp8_decoder_multiplies_the_e4m3_products_as_the_weights_they_dequantize_to():
+    """The compiled FP8 baseline's decoder (fp8=True) reads the e4m3 products and their block scales, and steps as
+    the decoder on their dequantized weights does; without e4m3 products it refuses."""
+    from distmk.models.fp8 import QuantizedAtLoad
+    spec = preset("tiny-qwen3")
+    weights = load_shard(spec, QuantizedAtLoad(RandomWeights(spec), spec), plan_shard(spec, 1, 0), keep_fp8=True)
+    assert set(weights.fp8) == {"wqkv", "wo", "w_gate", "w_up", "w_down"}
+    tokens, positions = torch.tensor([5, 9]), torch.tensor([0, 0])
+    steps = [build_torch_decoder(spec, weights, "cpu", torch.float32, max_batch=2, max_context=16, fp8=fp8).step
+             for fp8 in (False, True)]
+    with torch.inference_mode():
+        assert torch.equal(steps[0](tokens, positions), steps[1](tokens, positions))
+    weights.fp8.clear()
+    with pytest.raises(ValueError, match="needs weights with e4m3 products"):
+        build_torch_decoder(spec, weights, "cpu", torch.float32, max_batch=2, max_context=16, fp8=True)
+
+
 def test_torch_decoder_refuses_an_unknown_sparse_path():
     with pytest.raises(ValueError, match="unknown sparse MLP path 'each'"):
         greedy_rows("tiny-mixtral", [PROMPT], lags=[0], sparse="each")
