@@ -13,6 +13,11 @@ STAGES=" ${STAGES:-tests decode startup} "
 DEADLINE=${DEADLINE:-590}
 mkdir -p "$OUT"
 stamp() { echo "[$(date +%T)] $*"; }
+# NO_COMPILE=1 leaves decode.py's torch.compile'd baselines out (max-autotune takes 60-250 s a run)
+compiled=--compile-baseline
+[ -n "${NO_COMPILE:-}" ] && compiled=
+# what decode.py's logs leave out: warnings and inductor's autotuning tables (the JSON keeps the traced step)
+noise="Warn\|warn(\|AUTOTUNE\|^  [a-z_]*mm[_ ]\|^  decompose_k\|^strides:\|^dtypes:\|Autotune Choices\|num_choices"
 
 if [[ $STAGES == *" tests "* ]]; then
   # TESTS picks them (-k; default: all but the two-GPU ones); virtual ranks' first
@@ -23,12 +28,8 @@ if [[ $STAGES == *" tests "* ]]; then
 fi
 
 if [[ $STAGES == *" decode "* ]]; then
-  # against the torch.compile'd CUDA graph (max-autotune), the yardstick; the log leaves out warnings and
-  # inductor's autotuning tables (the JSON keeps the traced step's breakdown)
-  # MODEL:BATCH, or MODEL:BATCH:vN for N virtual ranks on this GPU beside the tp=1 step (decode.py --virtual-tp);
-  # NO_COMPILE=1 leaves the torch.compile'd baseline out (its max-autotune takes 60-250 s a run)
-  compiled=--compile-baseline
-  [ -n "${NO_COMPILE:-}" ] && compiled=
+  # against the torch.compile'd CUDA graph (max-autotune), the yardstick
+  # MODEL:BATCH, or MODEL:BATCH:vN for N virtual ranks on this GPU beside the tp=1 step (decode.py --virtual-tp)
   for one in ${@:-llama-3-8b:1 llama-3-8b:8 qwen3-8b:1 qwen3-8b:8 llama-3.2-1b:1}; do
     IFS=: read -r model batch virtual <<< "$one"
     tp=${virtual#v} left=$((DEADLINE - SECONDS))
@@ -37,7 +38,7 @@ if [[ $STAGES == *" decode "* ]]; then
     name=decode_${model}_b${batch}_${virtual:+v}tp${tp:-1}
     timeout $((left < 300 ? left : 300)) python3 benchmarks/decode.py --model "$model" --batch "$batch" \
         --virtual-tp "${tp:-1}" --context 512 --iters 100 --skip-hf $compiled --json --out "$OUT/$name.json" 2>&1 \
-        | grep -v "Warn\|warn(\|AUTOTUNE\|^  [a-z_]*mm[_ ]\|^  decompose_k\|^strides:\|^dtypes:\|Autotune Choices\|num_choices" \
+        | grep -v "$noise" \
         > "$OUT/$name.log"
     python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('step_ms', \
 'tp1_step_ms', 'step_vs_tp1', 'cudagraph_compiled_ms', 'speedup_vs_compiled', 'efficiency')})" "$OUT/$name.json" \
@@ -57,7 +58,8 @@ fi
 
 if [[ $STAGES == *" fp8 "* ]]; then
   # the ring streaming e4m3 products (kernel option stream_e4m3): its GPU tests, stream.py's probe (bf16, W8A16, W8A8),
-  # then decode.py --quantize fp8 for FP8_MODELS (MODEL:BATCH; default llama-3-8b:1 llama-3-8b:8 qwen3-8b:1)
+  # then decode.py --quantize fp8 for FP8_MODELS (MODEL:BATCH; default llama-3-8b:1 llama-3-8b:8 qwen3-8b:1), each
+  # with distmk's bf16 step and the compiled bf16 and FP8 baselines from the same process
   stamp "GPU tests (e4m3 products)"
   timeout 300 python3 -m pytest -q -s tests/test_gpu.py -k "e4m3 or (matches_tl and fp8)" 2>&1 | grep -v Warn \
       > "$OUT/gpu_tests_fp8.log"
@@ -68,11 +70,15 @@ if [[ $STAGES == *" fp8 "* ]]; then
   for one in ${FP8_MODELS:-llama-3-8b:1 llama-3-8b:8 qwen3-8b:1}; do
     IFS=: read -r model batch <<< "$one"
     stamp "decode $one, e4m3 products"
-    timeout 200 python3 benchmarks/decode.py --model "$model" --batch "$batch" --context 512 --iters 100 --skip-hf \
-        --quantize fp8 --stream-e4m3 1 --json --out "$OUT/decode_${model}_b${batch}_fp8.json" 2>&1 \
-        | grep -v "Warn\|warn(" > "$OUT/decode_${model}_b${batch}_fp8.log"
+    left=$((DEADLINE - SECONDS))
+    [ $left -lt 100 ] && { stamp "decode $one skipped: ${left} s left"; continue; }
+    timeout $((left < 400 ? left : 400)) python3 benchmarks/decode.py --model "$model" --batch "$batch" --context 512 \
+        --iters 100 --skip-hf $compiled --quantize fp8 --stream-e4m3 1 --json \
+        --out "$OUT/decode_${model}_b${batch}_fp8.json" 2>&1 | grep -v "$noise" \
+        > "$OUT/decode_${model}_b${batch}_fp8.log"
     python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('step_ms', \
-'roofline_ms', 'efficiency', 'e4m3_products', 'cudagraph_ms')})" "$OUT/decode_${model}_b${batch}_fp8.json" \
+'roofline_ms', 'efficiency', 'bf16_step_ms', 'cudagraph_compiled_ms', 'cudagraph_compiled_fp8_ms')})" \
+        "$OUT/decode_${model}_b${batch}_fp8.json" \
         2>/dev/null || tail -n 3 "$OUT/decode_${model}_b${batch}_fp8.log"
   done
 fi
