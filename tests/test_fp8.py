@@ -105,31 +105,41 @@ def test_quantize_fp8_gives_a_preset_its_fp8_twin():
     assert not torch.equal(*logits)
 
 
-@pytest.mark.parametrize("source, tp, streamed", [
-    ("twin", 1, {"wqkv", "wo", "w_gate", "w_up", "w_down"}), ("twin", 2, {"wo", "w_gate", "w_up", "w_down"}),
-    ("blocks of 128", 1, {"wqkv", "wo", "w_gate", "w_up", "w_down"}), ("blocks of 16", 1, set()),
-    ("channel", 1, set())])
-def test_the_products_the_ring_streams_in_e4m3_are_the_weights_the_reference_multiplies(tmp_path, source, tp,
+@pytest.mark.parametrize("name, source, tp, streamed", [
+    ("tiny-qwen3", "twin", 1, {"wqkv", "wo", "w_gate", "w_up", "w_down"}),
+    ("tiny-qwen3", "twin", 2, {"wo", "w_gate", "w_up", "w_down"}),
+    ("tiny-qwen3", "blocks of 128", 1, {"wqkv", "wo", "w_gate", "w_up", "w_down"}),
+    ("tiny-qwen3", "blocks of 16", 1, set()), ("tiny-qwen3", "channel", 1, set()),
+    ("tiny-qwen3-moe", "twin", 1, {"wo", "expert_gate", "expert_up", "expert_down"}),
+    ("tiny-qwen3-moe", "twin", 2, {"wo", "expert_gate", "expert_up", "expert_down"})])
+def test_the_products_the_ring_streams_in_e4m3_are_the_weights_the_reference_multiplies(tmp_path, name, source, tp,
                                                                                        streamed):
     """What the weight ring streams (RankWeights.fp8: e4m3 values and a scale a 128 x 128 block, kept on the triton
     backend) where a product's rank slices hold whole blocks of 128, dequantized, are the weights the reference
-    multiplies. At tp=2 tiny-qwen3's q, k and v slices are 64 rows: its wqkv stays dequantized only; blocks of
-    another size and per-channel scales are not streamed."""
+    multiplies. At tp=2 tiny-qwen3's q, k and v slices are 64 rows (tiny-qwen3-moe's k and v at tp=1): its wqkv
+    stays dequantized only; blocks of
+    another size and per-channel scales are not streamed. A MoE model's experts are streamed ([sparse layers,
+    experts, ...]); its dense MLP (tiny-qwen3-moe's layer 1) is not."""
     from distmk.models.fp8 import QuantizedAtLoad
     from distmk.models.shard import load_shard, plan_shard
     from distmk.models.weights import CheckpointWeights
-    spec = preset("tiny-qwen3")
+    spec = preset(name)
     if source == "twin":
         weights = QuantizedAtLoad(RandomWeights(spec), spec)
     else:
         block = (128, 128) if source == "blocks of 128" else (16, 16)
-        write_fp8(tmp_path / "fp8", "tiny-qwen3", "channel" if source == "channel" else "block", block=block)
+        write_fp8(tmp_path / "fp8", name, "channel" if source == "channel" else "block", block=block)
         weights = CheckpointWeights(str(tmp_path / "fp8"), spec, fp8_block=block)
     shard = load_shard(spec, weights, plan_shard(spec, tp, 0), keep_fp8=True)
     assert set(shard.fp8) == streamed
     read = load_shard(spec, weights, plan_shard(spec, tp, 0))         # every weight read dequantized
-    for name, (values, scales) in shard.fp8.items():
+    for product, (values, scales) in shard.fp8.items():
         assert values.dtype == torch.float8_e4m3fn
-        for layer, (lw, lw_read) in enumerate(zip(shard.layers, read.layers)):
-            assert torch.equal(dequantize(values[layer], scales[layer], (128, 128)), getattr(lw_read, name))
-            assert torch.equal(getattr(lw, name), getattr(lw_read, name)), (name, layer)
+        layers = spec.moe_layers if product.startswith("expert") else range(spec.num_layers)
+        assert len(values) == len(scales) == len(layers)
+        for i, layer in enumerate(layers):
+            lw, lw_read = shard.layers[layer], read.layers[layer]
+            dequantized = [dequantize(v, s, (128, 128)) for v, s in zip(values[i].view(-1, *values.shape[-2:]),
+                                                                         scales[i].view(-1, *scales.shape[-2:]))]
+            assert torch.equal(torch.stack(dequantized).view_as(getattr(lw_read, product)), getattr(lw_read, product))
+            assert torch.equal(getattr(lw, product), getattr(lw_read, product)), (product, layer)

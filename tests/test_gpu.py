@@ -361,6 +361,7 @@ def test_ring_at_virtual_tp_equals_the_float32_reference(name, tp, batch, tp_rea
     ring_against_float32(tp_ready_checkpoints[name], tp, batch)
 
 
+EXPERTS = {"expert_gate", "expert_up", "expert_down"}
 # at tp=2 the tiny models' slices hold whole blocks of these two's MLP and o_proj
 FP8_RING = [(name, 1, batch) for name in TINY + TINY_MOE for batch in (1, 8)] + [("tiny-llama", 2, 8),
                                                                                 ("tiny-qwen3", 2, 8)]
@@ -373,7 +374,8 @@ def test_ring_streaming_e4m3_weights_equals_the_float32_reference(name, tp, batc
     (device/ring.py mma_block_fp8), checked as the bf16 ring is, against the float32 model of the same dequantized
     weights."""
     streamed = ring_against_float32(name, tp, batch, quantize="fp8", stream_e4m3=1)
-    assert streamed and set(streamed) <= {"wqkv", "wo", "w_gate", "w_up", "w_down"}
+    assert streamed and set(streamed) <= {"wqkv", "wo", "w_gate", "w_up", "w_down", *EXPERTS}
+    assert EXPERTS <= set(streamed) if name in TINY_MOE else True       # the experts' tiles stream e4m3 too
 
 
 def ring_against_float32(model: str, tp: int, batch: int, quantize: str | None = None,

@@ -38,7 +38,8 @@ err = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
 # every sparse layer's choices of the last step (one row, on the one-row table), as the route tasks kept them
 history = [(e.last_executor.buf if hasattr(e.last_executor, "buf") else e.last_executor.ctx.buf)["route_history"]
            [:, :1].tolist() for e in engines]
-print(json.dumps({"model": name, "equal": tokens == ref_tokens, "rel_err": err, "history": history}))
+print(json.dumps({"model": name, "equal": tokens == ref_tokens, "rel_err": err, "history": history,
+                  "e4m3": sorted(engines[1].weights.fp8)}))
 """
 
 
@@ -75,17 +76,19 @@ def test_interpreted_megakernel_matches_reference(models):
 def test_interpreted_megakernel_reads_e4m3_products():
     """--quantize fp8 with kernel option stream_e4m3: the tl tiles load the e4m3 products (their stacked values and
     block scales, what the ring streams too) and dequantize them as they load them, with the tokens and logits of the
-    reference on the dequantized weights (tiny-llama's wqkv stays dequantized: its 64-row k slice holds no whole
-    block)."""
+    reference on the dequantized weights; tiny-qwen3-moe's experts too (its wqkv stays dequantized: its 64-row k
+    slice holds no whole block)."""
     procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, name, "0", "fp8"], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=INTERPRETED)
-             for name in ("tiny-qwen3", "tiny-llama")]
+             for name in ("tiny-qwen3", "tiny-qwen3-moe")]
     try:
         for proc in procs:
             out, err = proc.communicate(timeout=900)
             assert proc.returncode == 0, err
             r = json.loads(out.splitlines()[-1])
             assert r["equal"] and r["rel_err"] < 1e-4, r
+            assert {"wo", "expert_gate", "expert_up", "expert_down"} <= set(r["e4m3"]) if "moe" in r["model"] else \
+                {"wqkv", "wo", "w_gate", "w_up", "w_down"} == set(r["e4m3"]), r
     finally:
         for proc in procs:
             proc.kill()

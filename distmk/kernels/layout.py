@@ -12,8 +12,8 @@ import torch
 from distmk.models.shard import RankWeights
 
 
-# the dense products the megakernels may stream in e4m3 (RankWeights.fp8), each with its scales `<name>_scale`
-FP8_PRODUCTS = ("wqkv", "wo", "w_gate", "w_up", "w_down")
+# the products the megakernels may stream in e4m3 (RankWeights.fp8), each with its scales `<name>_scale`
+FP8_PRODUCTS = ("wqkv", "wo", "w_gate", "w_up", "w_down", "expert_gate", "expert_up", "expert_down")
 # the tensors stack_layers returns, by name (kernels/interface.py declares them as kernel arguments)
 STACKED = ("embed", "wqkv", "bqkv", "qk_norm", "wo", "w_gate", "w_up", "w_down", "norms", "lm_head", "router",
            "expert_gate", "expert_up", "expert_down", *(f"{name}_scale" for name in FP8_PRODUCTS))

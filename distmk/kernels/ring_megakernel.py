@@ -248,7 +248,8 @@ def ring_unsupported(spec, plan, config, dtype, transport: str, kinds, fp8=()) -
     if not ring_block_k(spec.hidden_size, plan.num_heads * spec.head_dim, plan.inter, plan.expert_inter):
         return "hidden size, heads x head_dim and the MLP's and experts' widths must be multiples of 64"
     widths = {"wqkv": spec.hidden_size, "wo": plan.num_heads * spec.head_dim, "w_gate": spec.hidden_size,
-              "w_up": spec.hidden_size, "w_down": plan.inter}
+              "w_up": spec.hidden_size, "w_down": plan.inter, "expert_gate": spec.hidden_size,
+              "expert_up": spec.hidden_size, "expert_down": plan.expert_inter}
     narrow = sorted(name for name in fp8 if widths[name] % 128)
     if narrow:
         return f"its e4m3 products' K must be multiples of 128 ({narrow} are not)"

@@ -104,16 +104,16 @@ class RankWeights:
     lm_head: torch.Tensor         # [V_local, H], zero rows past vocab_valid
     inv_freq: torch.Tensor = field(default=None)  # [D/2] float32
     stacked: dict | None = None   # per-kind tensors stacked over layers for the megakernel (kernels/layout.py)
-    # the dense products' e4m3 values [layers, rows, K] and 128 x 128 block scales [layers, rows / 128, K / 128] by
-    # name, where the source has them and this rank's slices hold whole blocks: what the megakernels stream with
-    # kernel option stream_e4m3
+    # the products' e4m3 values [layers, rows, K] and 128 x 128 block scales [layers, rows / 128, K / 128] by name
+    # (the experts': [sparse layers, experts, ...]), where the source has them and this rank's slices hold whole
+    # blocks: what the megakernels stream with kernel option stream_e4m3
     fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, device="cpu",
                progress: bool = False, keep_fp8: bool = False) -> RankWeights:
     """Read this rank's slices from `source` (CheckpointWeights, RandomWeights or models/fp8.py QuantizedAtLoad);
-    with `keep_fp8`, also the dense products' e4m3 values and scales where the source has them (RankWeights.fp8)."""
+    with `keep_fp8`, also the products' e4m3 values and scales where the source has them (RankWeights.fp8)."""
     d = spec.head_dim
 
     def rd(name, dim=0, start=0, stop=None):
@@ -140,6 +140,14 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
             return read()
         return dequantize(fp8[name][0][i], fp8[name][1][i], DEFAULT_BLOCK).to(device=device, dtype=dtype)
 
+    def experts(name: str, i: int, pieces: list) -> torch.Tensor:
+        """Sparse layer i's experts' slices of `name` ([experts, rows, K]) in the model's dtype, as product()."""
+        if name not in fp8:
+            return torch.stack([rd(*piece) for piece in pieces])
+        values, scales = (t[spec.moe_layers.index(i)] for t in fp8[name])
+        return torch.stack([dequantize(v, s, DEFAULT_BLOCK) for v, s in zip(values, scales)]).to(device=device,
+                                                                                                  dtype=dtype)
+
     def mlp(i: int) -> dict:
         """Layer i's MLP weights: this rank's rows of the dense MLP, or the router and every expert's rows."""
         p = f"model.layers.{i}."
@@ -149,12 +157,12 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
                         w_down=product("w_down", i, lambda: rd(p + "mlp.down_proj.weight", 1, *inter)))
         names = [spec.moe_names(i, j) for j in range(spec.num_experts)]
         return dict(w_gate=None, w_up=None, w_down=None, router=rd(names[0][0]),
-                    expert_gate=torch.stack([rd(gate, 0, *expert_inter) for _, gate, _, _ in names]),
-                    expert_up=torch.stack([rd(up, 0, *expert_inter) for _, _, up, _ in names]),
-                    expert_down=torch.stack([rd(down, 1, *expert_inter) for *_, down in names]))
+                    expert_gate=experts("expert_gate", i, [(gate, 0, *expert_inter) for _, gate, _, _ in names]),
+                    expert_up=experts("expert_up", i, [(up, 0, *expert_inter) for _, _, up, _ in names]),
+                    expert_down=experts("expert_down", i, [(down, 1, *expert_inter) for *_, down in names]))
 
     def products_fp8(i: int) -> dict:
-        """Layer i's dense products in e4m3 (those stored so), by RankWeights.fp8's names."""
+        """Layer i's products in e4m3 (those stored so), by RankWeights.fp8's names."""
         p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         pieces = {"wqkv": [(a + "q_proj.weight", 0, *q_rows), (a + "k_proj.weight", 0, *kv_rows),
                            (a + "v_proj.weight", 0, *kv_rows)],
@@ -163,14 +171,24 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
             pieces.update(w_gate=[(p + "mlp.gate_proj.weight", 0, *inter)],
                           w_up=[(p + "mlp.up_proj.weight", 0, *inter)],
                           w_down=[(p + "mlp.down_proj.weight", 1, *inter)])
-        return {name: rd8(*piece) for name, piece in pieces.items()}
+        got = {name: rd8(*piece) for name, piece in pieces.items()}
+        if i in spec.moe_layers:       # every expert's, stacked [experts, ...]
+            names = [spec.moe_names(i, j) for j in range(spec.num_experts)]
+            for name, k, dim in (("expert_gate", 1, 0), ("expert_up", 2, 0), ("expert_down", 3, 1)):
+                each = [rd8((moe[k], dim, *expert_inter)) for moe in names]
+                got[name] = None if None in each else tuple(torch.stack([e[j] for e in each]) for j in (0, 1))
+        return got
 
     fp8 = {}
     if keep_fp8:
         per_layer = [products_fp8(i) for i in range(spec.num_layers)]
-        names = ("wqkv", "wo") if spec.moe_layers else ("wqkv", "wo", "w_gate", "w_up", "w_down")
-        fp8 = {name: tuple(torch.stack([layer[name][i] for layer in per_layer]) for i in (0, 1)) for name in names
-               if all(layer.get(name) is not None for layer in per_layer)}
+        # the dense MLP where every layer has it; the experts over the sparse layers ([sparse layers, experts, ...])
+        names = ("wqkv", "wo", "w_gate", "w_up", "w_down") if not spec.moe_layers else ("wqkv", "wo")
+        layers_of = {name: range(spec.num_layers) for name in names}
+        if spec.moe_layers:
+            layers_of.update(dict.fromkeys(("expert_gate", "expert_up", "expert_down"), spec.moe_layers))
+        fp8 = {name: tuple(torch.stack([per_layer[i][name][j] for i in layers]) for j in (0, 1))
+               for name, layers in layers_of.items() if all(per_layer[i].get(name) is not None for i in layers)}
         del per_layer
     layers = []
     for i in tqdm(range(spec.num_layers), desc="loading layers", disable=not progress, leave=False):

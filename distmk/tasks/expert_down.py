@@ -10,7 +10,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from distmk.device import ring as rg
-from distmk.device.primitives import matmul_block
+from distmk.device.primitives import layer_scales, matmul_block
 from distmk.tasks.base import TaskKind
 from distmk.tasks.route import (flat_range, flat_segment, flat_segments, load_routed_blocks, ring_flat_range,
                                 ring_flat_segment, tile_rows_at_most)
@@ -18,8 +18,8 @@ from distmk.tasks.route import (flat_range, flat_segment, flat_segments, load_ro
 
 # noinline: its shared memory is not added to the other tasks' (see tasks/router.py)
 @triton.jit(noinline=True)
-def expert_down_gpu(layer, part, parts, sparse_layer, n, expert_h, expert_down, route_expert, route_slot,
-                    route_unique, route_count, expert_out, H: tl.constexpr, EXPERTS: tl.constexpr,
+def expert_down_gpu(layer, part, parts, sparse_layer, n, expert_h, expert_down, expert_down_scale, route_expert,
+                    route_slot, route_unique, route_count, expert_out, H: tl.constexpr, EXPERTS: tl.constexpr,
                     EXPERT_INTER: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BATCH: tl.constexpr,
                     B_PAD: tl.constexpr, EXPERT_BLOCK_N: tl.constexpr, EXPERT_BLOCK_K: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
@@ -29,7 +29,9 @@ def expert_down_gpu(layer, part, parts, sparse_layer, n, expert_h, expert_down, 
     rn = tl.arange(0, EXPERT_BLOCK_N)
     for u in range(u0, u1):
         slot, expert, row0, nrows = flat_segment(u, lo, hi, route_unique, route_expert, H, BATCH)
-        w = expert_down + (sparse_layer.to(tl.int64) * EXPERTS + expert) * H * EXPERT_INTER
+        matrix = sparse_layer.to(tl.int64) * EXPERTS + expert
+        w = expert_down + matrix * H * EXPERT_INTER
+        scales = layer_scales(expert_down_scale, matrix, H, EXPERT_INTER)
         inp = expert_h + slot * BATCH * EXPERT_INTER
         # the rows whose choice this slot runs, and which of their choices it is
         mine = tl.load(route_slot + rb[:, None] * TOP_K + rk[None, :], mask=(rb < n)[:, None] & (rk < TOP_K)[None, :],
@@ -38,7 +40,7 @@ def expert_down_gpu(layer, part, parts, sparse_layer, n, expert_h, expert_down, 
         chose = tl.sum(mine.to(tl.int32), axis=1) > 0
         for j in range(0, nrows, EXPERT_BLOCK_N):
             acc = matmul_block(inp, w, n, row0 + j, nrows - j, EXPERT_INTER, B_PAD, EXPERT_BLOCK_N, EXPERT_BLOCK_K,
-                               DOT_PRECISION)
+                               DOT_PRECISION, scales)
             offs = (rb * TOP_K + choice)[:, None] * H + (row0 + j + rn)[None, :]
             tl.store(expert_out + offs, acc, mask=chose[:, None] & (rn < nrows - j)[None, :])
 
@@ -53,16 +55,18 @@ def expert_down_weights(part, parts, sparse_layer, routed_count, route_unique, r
 
 
 @gluon.jit
-def expert_down_ring(part, parts, routed_count, n, route_unique, route_expert, route_slot, expert_out, expert_h_desc,
-                     ring, ready, empty, xring, xready, c, cx, H: gl.constexpr, EXPERT_INTER: gl.constexpr,
-                     TOP_K: gl.constexpr, BATCH: gl.constexpr, num_warps: gl.constexpr):
+def expert_down_ring(part, parts, sparse_layer, routed_count, n, route_unique, route_expert, route_slot, expert_out,
+                     expert_down_scale, expert_down_desc, expert_h_desc, ring, ready, empty, xring, xready, c, cx,
+                     H: gl.constexpr, EXPERTS: gl.constexpr, EXPERT_INTER: gl.constexpr, TOP_K: gl.constexpr,
+                     BATCH: gl.constexpr, num_warps: gl.constexpr):
     """expert_down_gpu on the ring: a segment's blocks read its slot's rows of expert_h (a TMA box of the padded
     batch from row slot * BATCH: rows of other slots beyond n are computed and never stored)."""
     BN: gl.constexpr = ring.type.shape[1]
     lo, hi, u0, u1 = ring_flat_range(part, parts, routed_count, H, TOP_K, BATCH)
     rn, rb = rg.block_index(ring, xring, num_warps)
     for u in range(u0, u1):
-        slot, _, row0, nrows = ring_flat_segment(u, lo, hi, route_unique, route_expert, H, BATCH)
+        slot, expert, row0, nrows = ring_flat_segment(u, lo, hi, route_unique, route_expert, H, BATCH)
+        scales = rg.layer_scales(expert_down_scale, sparse_layer * EXPERTS + expert, H, EXPERT_INTER)
         # the rows whose choice this slot runs, and which of their choices it is
         choice = gl.zeros_like(rb)
         chose = rb < 0
@@ -71,8 +75,9 @@ def expert_down_ring(part, parts, routed_count, n, route_unique, route_expert, r
             choice = gl.where(mine, k, choice)
             chose = chose | mine
         for j in range(0, nrows, BN):
-            acc, c, cx = rg.mma_block(expert_h_desc, (slot * BATCH).to(gl.int32), EXPERT_INTER, ring, ready, empty,
-                                      xring, xready, c, cx, j > 0, j + BN < nrows, num_warps)
+            acc, c, cx = rg.mma_rows(expert_down_desc, scales, row0 + j, nrows - j, expert_h_desc,
+                                     (slot * BATCH).to(gl.int32), EXPERT_INTER, ring, ready, empty, xring, xready, c,
+                                     cx, j > 0, j + BN < nrows, num_warps)
             offs = (rb * TOP_K + choice)[None, :] * H + (row0 + j + rn)[:, None]
             gl.store(expert_out + offs, acc, mask=(rn < nrows - j)[:, None] & chose[None, :])
     return c, cx

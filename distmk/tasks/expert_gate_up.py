@@ -14,7 +14,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from distmk.device import ring as rg
-from distmk.device.primitives import matmul_pair, norm_rstd
+from distmk.device.primitives import layer_scales, matmul_pair, norm_rstd
 from distmk.tasks.base import TaskKind, normed_stream
 from distmk.tasks.route import (flat_range, flat_segment, flat_segments, load_routed_blocks, ring_flat_range,
                                 ring_flat_segment, tile_rows_at_most)
@@ -22,8 +22,9 @@ from distmk.tasks.route import (flat_range, flat_segment, flat_segments, load_ro
 
 # noinline: its shared memory is not added to the other tasks' (see tasks/router.py)
 @triton.jit(noinline=True)
-def expert_gate_up_gpu(part, parts, sparse_layer, n, x, xs, expert_gate, expert_up,
-                       route_expert, route_unique, route_count, expert_h, H: tl.constexpr, EXPERTS: tl.constexpr,
+def expert_gate_up_gpu(part, parts, sparse_layer, n, x, xs, expert_gate, expert_up, expert_gate_scale,
+                       expert_up_scale, route_expert, route_unique, route_count, expert_h, H: tl.constexpr,
+                       EXPERTS: tl.constexpr,
                        EXPERT_INTER: tl.constexpr, TOP_K: tl.constexpr, BATCH: tl.constexpr, B_PAD: tl.constexpr,
                        EPS: tl.constexpr, NORM_BLOCK: tl.constexpr, MLP_BLOCK_N: tl.constexpr,
                        MLP_BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -35,11 +36,14 @@ def expert_gate_up_gpu(part, parts, sparse_layer, n, x, xs, expert_gate, expert_
         rstd = norm_rstd(x, n, H, EPS, B_PAD, NORM_BLOCK)[:, None]     # the post-attention RMSNorm's scale
         for u in range(u0, u1):
             slot, expert, row0, nrows = flat_segment(u, lo, hi, route_unique, route_expert, EXPERT_INTER, BATCH)
-            offset = (sparse_layer.to(tl.int64) * EXPERTS + expert) * EXPERT_INTER * H
+            matrix = sparse_layer.to(tl.int64) * EXPERTS + expert
+            offset = matrix * EXPERT_INTER * H
             out = expert_h + slot * BATCH * EXPERT_INTER
             for j in range(0, nrows, MLP_BLOCK_N):
                 gate, up = matmul_pair(xs, expert_gate + offset, expert_up + offset, n, row0 + j, nrows - j, H,
-                                       B_PAD, MLP_BLOCK_N, MLP_BLOCK_K, DOT_PRECISION)
+                                       B_PAD, MLP_BLOCK_N, MLP_BLOCK_K, DOT_PRECISION,
+                                       layer_scales(expert_gate_scale, matrix, EXPERT_INTER, H),
+                                       layer_scales(expert_up_scale, matrix, EXPERT_INTER, H))
                 gate, up = gate * rstd, up * rstd
                 mask = (rb < n)[:, None] & (rn < nrows - j)[None, :]
                 tl.store(out + rb[:, None] * EXPERT_INTER + (row0 + j + rn)[None, :],
@@ -58,9 +62,11 @@ def expert_gate_up_weights(part, parts, sparse_layer, routed_count, route_unique
 
 
 @gluon.jit
-def expert_gate_up_ring(part, parts, routed_count, n, x, route_unique, route_expert, expert_h, xs_desc, ring, ready,
-                        empty, xring, xready, c, cx, H: gl.constexpr, EXPERT_INTER: gl.constexpr, TOP_K: gl.constexpr,
-                        BATCH: gl.constexpr, EPS: gl.constexpr, num_warps: gl.constexpr):
+def expert_gate_up_ring(part, parts, sparse_layer, routed_count, n, x, route_unique, route_expert, expert_h,
+                        expert_gate_scale, expert_up_scale, expert_gate_desc, expert_up_desc, xs_desc, ring, ready,
+                        empty, xring, xready, c, cx, H: gl.constexpr, EXPERTS: gl.constexpr,
+                        EXPERT_INTER: gl.constexpr, TOP_K: gl.constexpr, BATCH: gl.constexpr, EPS: gl.constexpr,
+                        num_warps: gl.constexpr):
     """gate_up_ring over the tile's segments; every block reads the same input, so each goes on issuing the next
     one's first input slices (mma_block's chaining), across segments too."""
     BN: gl.constexpr = ring.type.shape[1]
@@ -70,14 +76,17 @@ def expert_gate_up_ring(part, parts, routed_count, n, x, route_unique, route_exp
         rstd = rg.norm_rstd(x, n, H, EPS, ring, xring, num_warps)[None, :]     # the post-attention RMSNorm's scale
         rn, rb = rg.block_index(ring, xring, num_warps)
         for u in range(u0, u1):
-            slot, _, row0, nrows = ring_flat_segment(u, lo, hi, route_unique, route_expert, EXPERT_INTER, BATCH)
+            slot, expert, row0, nrows = ring_flat_segment(u, lo, hi, route_unique, route_expert, EXPERT_INTER,
+                                                          BATCH)
             out = expert_h + slot * BATCH * EXPERT_INTER
+            gate_scales = rg.layer_scales(expert_gate_scale, sparse_layer * EXPERTS + expert, EXPERT_INTER, H)
+            up_scales = rg.layer_scales(expert_up_scale, sparse_layer * EXPERTS + expert, EXPERT_INTER, H)
             for j in range(0, nrows, BN):
                 more = (j + BN < nrows) | (u + 1 < u1)
-                gate, c, cx = rg.mma_block(xs_desc, 0, H, ring, ready, empty, xring, xready, c, cx, True, True,
-                                           num_warps)
-                up, c, cx = rg.mma_block(xs_desc, 0, H, ring, ready, empty, xring, xready, c, cx, True, more,
-                                         num_warps)
+                gate, c, cx = rg.mma_rows(expert_gate_desc, gate_scales, row0 + j, nrows - j, xs_desc, 0, H, ring,
+                                          ready, empty, xring, xready, c, cx, True, True, num_warps)
+                up, c, cx = rg.mma_rows(expert_up_desc, up_scales, row0 + j, nrows - j, xs_desc, 0, H, ring, ready,
+                                        empty, xring, xready, c, cx, True, more, num_warps)
                 gate, up = gate * rstd, up * rstd
                 mask = (rn < nrows - j)[:, None] & (rb < n)[None, :]
                 value = gate / (1.0 + gl.exp(-gate)) * up
