@@ -59,7 +59,8 @@ fi
 if [[ $STAGES == *" fp8 "* ]]; then
   # the ring streaming e4m3 products (kernel option stream_e4m3): its GPU tests, stream.py's probe (bf16, W8A16, W8A8),
   # then decode.py --quantize fp8 for FP8_MODELS (MODEL:BATCH; default llama-3-8b:1 llama-3-8b:8 qwen3-8b:1), each
-  # with distmk's bf16 step and the compiled bf16 and FP8 baselines from the same process
+  # with distmk's bf16 step and the compiled bf16 and FP8 baselines from the same process; then fp8_accuracy.py for
+  # FP8_ACCURACY (default llama-3-8b)
   stamp "GPU tests (e4m3 products)"
   timeout 300 python3 -m pytest -q -s tests/test_gpu.py -k "e4m3 or (matches_tl and fp8)" 2>&1 | grep -v Warn \
       > "$OUT/gpu_tests_fp8.log"
@@ -80,6 +81,13 @@ if [[ $STAGES == *" fp8 "* ]]; then
 'roofline_ms', 'efficiency', 'bf16_step_ms', 'cudagraph_compiled_ms', 'cudagraph_compiled_fp8_ms')})" \
         "$OUT/decode_${model}_b${batch}_fp8.json" \
         2>/dev/null || tail -n 3 "$OUT/decode_${model}_b${batch}_fp8.log"
+  done
+  for model in ${FP8_ACCURACY:-llama-3-8b}; do     # the FP8 twin's logits against the bf16 model's
+    left=$((DEADLINE - SECONDS))
+    [ $left -lt 60 ] && { stamp "fp8_accuracy.py $model skipped: ${left} s left"; continue; }
+    stamp "fp8_accuracy.py $model"
+    timeout $((left < 200 ? left : 200)) python3 benchmarks/fp8_accuracy.py --model "$model" --positions 512 \
+        --out "$OUT/fp8_accuracy_$model.json" 2> "$OUT/fp8_accuracy_$model.log" | grep "top1\|rel_err_median\|kl_mean"
   done
 fi
 

@@ -143,3 +143,16 @@ def test_the_products_the_ring_streams_in_e4m3_are_the_weights_the_reference_mul
                                                                          scales[i].view(-1, *scales.shape[-2:]))]
             assert torch.equal(torch.stack(dequantized).view_as(getattr(lw_read, product)), getattr(lw_read, product))
             assert torch.equal(getattr(lw, product), getattr(lw_read, product)), (product, layer)
+
+
+def test_fp8_accuracy_compares_the_fp8_twins_logits_with_the_originals(tmp_path):
+    """benchmarks/fp8_accuracy.py on the CPU: every position's logits of the model and of its FP8 twin, compared:
+    apart by the quantization's error, a few percent on tiny-qwen3's random weights, and no more."""
+    from fp8_accuracy import main
+    assert main(["--model", "tiny-qwen3", "--positions", "40", "--batch", "8", "--device", "cpu",
+                 "--out", str(tmp_path / "acc.json")]) == 0
+    r = json.loads((tmp_path / "acc.json").read_text())
+    assert r["positions"] == 40 and r["kernel"] == "reference"
+    assert 0 < r["rel_err_median"] <= r["rel_err_max"] < 0.3
+    assert 0 < r["kl_mean"] <= r["kl_max"] < 0.05
+    assert r["top1_agreement"] >= 0.8
