@@ -164,12 +164,19 @@ class E4M3(NamedTuple):
     scales: torch.Tensor
 
 
+def in_dtype(weight, dtype, index=None):
+    """A weight (its matrices at `index`, where given: experts) in `dtype`; one in e4m3 (E4M3) dequantized within the
+    step, torchao's float8 weight-only way, which torch.compile fuses into the product that reads it, so that the
+    product reads the e4m3 bytes."""
+    if not isinstance(weight, E4M3):
+        return weight if index is None else weight[index]
+    values, scales = weight if index is None else (weight.values[index], weight.scales[index])
+    return dequantize(values, scales, DEFAULT_BLOCK).to(dtype)
+
+
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear of a weight in x's dtype or in e4m3 (E4M3): the latter dequantized within the step, torchao's
-    float8 weight-only way, which torch.compile fuses into the product so that it reads the e4m3 bytes."""
-    if isinstance(weight, E4M3):
-        weight = dequantize(weight.values, weight.scales, DEFAULT_BLOCK).to(x.dtype)
-    return F.linear(x, weight, bias)
+    """F.linear of a weight in x's dtype or in e4m3 (in_dtype)."""
+    return F.linear(x, in_dtype(weight, x.dtype), bias)
 
 
 def rotated_qkv(spec: ModelSpec, lw, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int):
@@ -218,16 +225,31 @@ def sparse_mlp(spec: ModelSpec, lw, h: torch.Tensor, rows: torch.Tensor, path: s
     if path == "gather":
         slots = experts.reshape(b * top_k)
         x = h[:, None, :].expand(b, top_k, h.shape[1]).reshape(b * top_k, h.shape[1], 1)
-        gate = torch.bmm(lw.expert_gate[slots], x)                      # [B * top_k, I, 1]
-        up = torch.bmm(lw.expert_up[slots], x)
-        outs = torch.bmm(lw.expert_down[slots], F.silu(gate) * up).view(b, top_k, -1)
+        gate = torch.bmm(in_dtype(lw.expert_gate, h.dtype, slots), x)  # [B * top_k, I, 1]
+        up = torch.bmm(in_dtype(lw.expert_up, h.dtype, slots), x)
+        outs = torch.bmm(in_dtype(lw.expert_down, h.dtype, slots), F.silu(gate) * up).view(b, top_k, -1)
     else:
-        inter = lw.expert_gate.shape[1]
-        gate = F.linear(h, lw.expert_gate.reshape(num_experts * inter, -1)).view(b, num_experts, inter)
-        up = F.linear(h, lw.expert_up.reshape(num_experts * inter, -1)).view(b, num_experts, inter)
-        every = torch.bmm((F.silu(gate) * up).transpose(0, 1), lw.expert_down.transpose(1, 2))   # [E, B, H]
+        expert_gate, expert_up, expert_down = (in_dtype(w, h.dtype) for w in (lw.expert_gate, lw.expert_up,
+                                                                              lw.expert_down))
+        inter = expert_gate.shape[1]
+        gate = F.linear(h, expert_gate.reshape(num_experts * inter, -1)).view(b, num_experts, inter)
+        up = F.linear(h, expert_up.reshape(num_experts * inter, -1)).view(b, num_experts, inter)
+        every = torch.bmm((F.silu(gate) * up).transpose(0, 1), expert_down.transpose(1, 2))   # [E, B, H]
         outs = every[experts, rows[:, None]]                            # [B, top_k, H]
     return weighted_sum(weights, outs).to(h.dtype), experts
+
+
+def e4m3_products(spec: ModelSpec, weights: RankWeights, layer: int) -> dict[str, E4M3]:
+    """Layer `layer`'s products that `weights` hold in e4m3 (RankWeights.fp8: the experts' stacked over the sparse
+    layers only)."""
+    def index(name):
+        """Where the layer's matrices sit in fp8[name] (None: the layer has none)."""
+        if not name.startswith("expert"):
+            return layer
+        return spec.moe_layers.index(layer) if layer in spec.moe_layers else None
+
+    return {name: E4M3(values[i], scales[i]) for name, (values, scales) in weights.fp8.items()
+            if (i := index(name)) is not None}
 
 
 def build_torch_decoder(spec: ModelSpec, weights: RankWeights, device, dtype, max_batch: int,
@@ -246,8 +268,7 @@ def build_torch_decoder(spec: ModelSpec, weights: RankWeights, device, dtype, ma
         if not weights.fp8:
             raise ValueError("an FP8 decoder needs weights with e4m3 products (load_shard(keep_fp8=True) of an FP8 "
                              "checkpoint or --quantize fp8)")
-        layers = [replace(lw, **{name: E4M3(values[i], scales[i]) for name, (values, scales) in weights.fp8.items()})
-                  for i, lw in enumerate(layers)]
+        layers = [replace(lw, **e4m3_products(spec, weights, i)) for i, lw in enumerate(layers)]
     world, _ = tp_rank()
     hq, hkv = plan.num_heads, plan.num_kv_heads
     cache_shape = (max_batch, hkv, max_context, d)

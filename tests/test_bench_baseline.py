@@ -61,16 +61,20 @@ def test_torch_decoder_runs_the_experts_either_way(name, sparse):
     assert tokens[1] == hf_greedy(name, tuple(short), NEW_TOKENS)[0]
 
 
-def test_fp8_decoder_multiplies_the_e4m3_products_as_the_weights_they_dequantize_to():
-    """The compiled FP8 baseline's decoder (fp8=True) reads the e4m3 products and their block scales, and steps as
-    the decoder on their dequantized weights does; without e4m3 products it refuses."""
+@pytest.mark.parametrize("name, sparse", [("tiny-qwen3", "auto"), ("tiny-qwen3-moe", "gather"),
+                                          ("tiny-qwen3-moe", "all")])
+def test_fp8_decoder_multiplies_the_e4m3_products_as_the_weights_they_dequantize_to(name, sparse):
+    """The compiled FP8 baseline's decoder (fp8=True) reads the e4m3 products and their block scales (a MoE model's
+    experts too, by either way to run them), and steps as the decoder on their dequantized weights does; without
+    e4m3 products it refuses."""
     from distmk.models.fp8 import QuantizedAtLoad
-    spec = preset("tiny-qwen3")
+    spec = preset(name)
     weights = load_shard(spec, QuantizedAtLoad(RandomWeights(spec), spec), plan_shard(spec, 1, 0), keep_fp8=True)
-    assert set(weights.fp8) == {"wqkv", "wo", "w_gate", "w_up", "w_down"}
+    assert {"wo", "w_gate", "w_up", "w_down"} <= set(weights.fp8) if name == "tiny-qwen3" else \
+        {"wo", "expert_gate", "expert_up", "expert_down"} <= set(weights.fp8)
     tokens, positions = torch.tensor([5, 9]), torch.tensor([0, 0])
-    steps = [build_torch_decoder(spec, weights, "cpu", torch.float32, max_batch=2, max_context=16, fp8=fp8).step
-             for fp8 in (False, True)]
+    steps = [build_torch_decoder(spec, weights, "cpu", torch.float32, max_batch=2, max_context=16, sparse=sparse,
+                                 fp8=fp8).step for fp8 in (False, True)]
     with torch.inference_mode():
         assert torch.equal(steps[0](tokens, positions), steps[1](tokens, positions))
     weights.fp8.clear()

@@ -58,11 +58,11 @@ def whole_blocks(start: int, stop: int, size: int, per: int = KERNEL_BLOCK) -> b
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, per: tuple[int, int]) -> torch.Tensor:
-    """float32 values of an e4m3 slice [rows, cols] whose scales (a grid from its first row and column on) each
-    cover `per` rows and columns."""
-    rows, cols = data.shape
-    scale = scale.float().reshape(-(-rows // per[0]), -(-cols // per[1]))
-    full = scale.repeat_interleave(per[0], 0)[:rows].repeat_interleave(per[1], 1)[:, :cols]
+    """float32 values of an e4m3 slice [..., rows, cols] (a stack of matrices, such as experts, or one) whose
+    scales (each matrix's grid from its first row and column on) each cover `per` rows and columns."""
+    *stack, rows, cols = data.shape
+    scale = scale.float().reshape(*stack, -(-rows // per[0]), -(-cols // per[1]))
+    full = scale.repeat_interleave(per[0], -2)[..., :rows, :].repeat_interleave(per[1], -1)[..., :cols]
     return data.float() * full
 
 

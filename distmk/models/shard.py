@@ -145,8 +145,7 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
         if name not in fp8:
             return torch.stack([rd(*piece) for piece in pieces])
         values, scales = (t[spec.moe_layers.index(i)] for t in fp8[name])
-        return torch.stack([dequantize(v, s, DEFAULT_BLOCK) for v, s in zip(values, scales)]).to(device=device,
-                                                                                                  dtype=dtype)
+        return dequantize(values, scales, DEFAULT_BLOCK).to(device=device, dtype=dtype)
 
     def mlp(i: int) -> dict:
         """Layer i's MLP weights: this rank's rows of the dense MLP, or the router and every expert's rows."""
