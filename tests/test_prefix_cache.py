@@ -79,6 +79,28 @@ def test_a_shared_prefix_is_read_once_and_gives_the_tokens_of_reading_it_whole(e
     assert engine.kv.available == engine.kv.num_blocks
 
 
+@pytest.mark.parametrize("prefill_chunk", [0, 8])
+def test_prompts_sent_together_read_their_shared_prefix_once(engine, monkeypatch, prefill_chunk):
+    """The same prompt three times at once (a request's n choices) and a fourth prompt with the same prefix: the
+    first reads the prefix; the others wait until its blocks are cached, then start after them (a prompt of its
+    own meanwhile starts at once). Every output is transformers' greedy one."""
+    monkeypatch.setattr(engine, "prefill_chunk", prefill_chunk)
+    batcher = Batcher(engine)
+    prompts = [SHARED + [1, 2, 3]] * 3 + [SHARED + [40, 41]]
+    seqs = [Sequence(p, 4) for p in prompts]
+    other = Sequence([9, 8, 7, 6, 5], 4)
+    for seq in (*seqs[:3], other, seqs[3]):
+        batcher.submit(seq)
+    batcher.step()
+    assert batcher.running == [seqs[0], other] and batcher.waiting == [seqs[1], seqs[2], seqs[3]]
+    while batcher.busy:
+        batcher.step()
+    assert [s.output for s in seqs] == [hf_greedy(MODEL, tuple(p), 4)[0] for p in prompts]
+    assert other.output == hf_greedy(MODEL, (9, 8, 7, 6, 5), 4)[0]
+    assert [s.cached_tokens for s in seqs] == [0, 28, 28, 24] and other.cached_tokens == 0
+    assert batcher.prefix_hits == 80 and engine.kv.available == engine.kv.num_blocks
+
+
 def test_a_prompt_arriving_while_its_prefix_is_being_generated_reuses_what_is_written(engine):
     """The first sequence's prompt and generated tokens are offered as their blocks fill: a second whose prompt
     is the first's prompt and output so far starts from them while the first still runs."""

@@ -453,7 +453,8 @@ def test_batched_prompts_give_each_prompts_own_choices(server):
 def test_a_prompt_whose_prefix_is_cached_starts_after_it_and_gets_transformers_tokens(server):
     """Automatic prefix caching through both ranks: a second prompt that shares a 100-token prefix with the first
     reads only what follows its 6 cached blocks of 16 (usage's prompt_tokens_details.cached_tokens, as OpenAI's,
-    and /metrics' prefix-cache counters say so); both get transformers' greedy tokens."""
+    and /metrics' prefix-cache counters say so); both get transformers' greedy tokens. A request's n choices read
+    their prompt once."""
     from openai import OpenAI
     client = OpenAI(base_url=server.url + "/v1", api_key="none")
     shared = [(13 * i + 5) % 200 + 20 for i in range(100)]
@@ -467,6 +468,14 @@ def test_a_prompt_whose_prefix_is_cached_starts_after_it_and_gets_transformers_t
     assert cached == [0, 96]
     assert metric(server, "distmk_prefix_cache_hits_total") - hits == 96
     assert metric(server, "distmk_prefix_cache_queries_total") - queries == 103 + 104
+    # three choices of a new prompt: the first reads it, the other two start after its 6 blocks
+    hits = metric(server, "distmk_prefix_cache_hits_total")
+    prompt = [t + 1 for t in shared] + [9]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, n=3,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert [c.token_ids for c in out.choices] == [hf_greedy(MODEL, tuple(prompt), 4)[0]] * 3
+    assert out.usage.prompt_tokens_details.cached_tokens == 0 and out.usage.prompt_tokens == 101
+    assert metric(server, "distmk_prefix_cache_hits_total") - hits == 2 * 96
 
 
 def test_response_format_holds_the_reply_to_json_and_its_schema(server):

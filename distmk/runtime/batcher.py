@@ -9,8 +9,9 @@ first token. While no sequence decodes the chunks run back to back; while some d
 the prompt too. A sequence's KV blocks are reserved when it is admitted (prompt + max_tokens) and returned the
 moment it finishes or is cancelled. With the prefix cache (on by default) a sequence starts from the longest run of
 full blocks of its prompt that earlier sequences wrote (their tokens and every token before them the same: kv_cache.py),
-and the full blocks it writes are offered to later ones as soon as they are in the cache. A prompt always reads its
-last token: that row gives its first token.
+and the full blocks it writes are offered to later ones as soon as they are in the cache; one whose prompt goes on with
+a block that a running sequence is still writing (a request's n choices) waits until it is. A prompt always reads
+its last token: that row gives its first token.
 
 A step is planned as plain data (StepInputs) and run by a function the caller may replace: under tensor
 parallelism the server's rank 0 plans every step and sends it to the other ranks before running it, so
@@ -167,17 +168,28 @@ class Batcher:
         self.engine.kv.release(seq.blocks)
         seq.blocks = []
 
+    def _caches(self, seq: Sequence) -> bool:
+        """Whether the sequence reads and offers cached blocks (one that records its prompt's log-probabilities
+        reads every prompt token)."""
+        return self.prefix_cache and seq.prompt_logprobs is None
+
     def _admit(self) -> None:
-        """Running sequences are at most one per row, so each decodes every step."""
+        """Running sequences are at most one per row, so each decodes every step. A sequence whose prompt goes on
+        with a block that a running one is still writing (the choices of one request, prompts sent together) waits
+        until it is cached rather than reading it again; those behind it may start meanwhile."""
         kv = self.engine.kv
-        while self.waiting and len(self.running) < self.max_running:
-            seq = self.waiting[0]
-            # a sequence that records its prompt's log-probabilities reads every prompt token
-            caching = self.prefix_cache and seq.prompt_logprobs is None
+        writing = {h for seq in self.running if self._caches(seq) for h in seq.block_hashes[seq.registered:]}
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_running:
+                return
+            caching = self._caches(seq)
             if caching and not seq.block_hashes:
                 seq.block_hashes = block_hashes(seq.prompt, kv.block_size)
             # cached blocks up to the prompt's last token, which is always read
-            cached = kv.match(seq.block_hashes[:(len(seq.prompt) - 1) // kv.block_size]) if caching else []
+            usable = seq.block_hashes[:(len(seq.prompt) - 1) // kv.block_size] if caching else []
+            cached = kv.match(usable)
+            if len(cached) < len(usable) and usable[len(cached)] in writing:
+                continue
             need = -(-(len(seq.prompt) + seq.max_tokens) // kv.block_size) - len(cached)
             if need > kv.available - sum(b in kv.evictable for b in cached):
                 return                                   # wait for running sequences to free blocks
@@ -188,11 +200,13 @@ class Batcher:
             if caching:
                 self.prefix_queried += len(seq.prompt)
                 self.prefix_hits += seq.cached_tokens
-            self.running.append(self.waiting.pop(0))
+                writing.update(seq.block_hashes[seq.registered:])
+            self.waiting.remove(seq)
+            self.running.append(seq)
 
     def _offer_blocks(self, seq: Sequence) -> None:
-        """Offer the prefix cache the sequence's full blocks that the steps so far wrote."""
-        if not self.prefix_cache or seq.prompt_logprobs is not None:
+        """Offer the prefix cache the sequence's full blocks that the steps (and prefill chunks) so far wrote."""
+        if not self._caches(seq):
             return
         kv = self.engine.kv
         full = min(seq.fed // kv.block_size, len(seq.blocks))
@@ -266,6 +280,7 @@ class Batcher:
         if prefill is not None:
             seq, chunk = prefill
             logits = self.prefill(chunk)
+            self._offer_blocks(seq)
             if chunk.logits:            # position p's logits give prompt token p + 1's log-probability
                 n = len(chunk.tokens)
                 try:

@@ -620,8 +620,9 @@ class Reply:
     def usage(self, generations: list[Generation]) -> dict:
         n = 0 if self.hidden else sum(len(generation.tokens) for generation in generations)
         prompt, choices = sum(map(len, self.prompts)), self.req.n
-        # a prompt's tokens that its choices found in the prefix cache (the most any of them found)
-        cached = sum(max(g.seq.cached_tokens for g in generations[i:i + choices])
+        # a prompt's tokens found in the prefix cache as it came (the fewest its choices found: the first choice
+        # reads what no earlier request left, the others then start after it: runtime/batcher.py)
+        cached = sum(min(g.seq.cached_tokens for g in generations[i:i + choices])
                      for i in range(0, len(generations), choices))
         return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
                 "prompt_tokens_details": {"cached_tokens": cached}}
