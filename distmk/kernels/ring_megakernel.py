@@ -239,6 +239,8 @@ def ring_unsupported(spec, plan, config, dtype, transport: str, kinds, fp8=()) -
     if missing:
         return f"task types {missing} have no ring device function"
     if plan.tp > 1 and transport != "pointer":
+        # NVSHMEM's device library links into a Gluon kernel, but its block-scoped put-with-signal syncs the whole
+        # CTA (bar.sync 0), which the ring's producer warp never joins
         return (f"its exchanges store through peer pointers (one node); the {transport} transport's "
                 f"put-with-signal runs on the tl megakernel")
     if dtype != torch.bfloat16:
