@@ -34,8 +34,7 @@ def test_megakernel_compiles_for_sm90(name, dtype, batch, fused_route):
 
 @pytest.mark.parametrize("name, batch, fused_route, quantize", [
     ("tiny-qwen2", 16, 0, None), ("llama-3-8b", 1, 0, None), ("qwen3-8b", 8, 0, None), ("tiny-mixtral", 8, 0, None),
-    ("qwen3-30b-a3b", 1, 0, None), ("qwen3-30b-a3b", 1, 1, None), ("llama-3-8b", 1, 0, "fp8"),
-    ("qwen3-30b-a3b", 8, 0, "fp8")])
+    ("qwen3-30b-a3b", 1, 0, "fp8"), ("qwen3-30b-a3b", 1, 1, None), ("llama-3-8b", 1, 0, "fp8")])
 def test_ring_megakernel_compiles_for_sm90(name, batch, fused_route, quantize):
     """The Gluon megakernel (kernels/ring_megakernel.py) builds on the Triton CI installs: qkv bias, plain
     RoPE, q/k-norm finished by attention; mixture-of-experts steps with router tiles (batch 8) and with the o_proj

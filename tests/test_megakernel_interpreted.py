@@ -49,9 +49,12 @@ def test_interpreted_megakernel_matches_reference(models):
     the router, the route task's distinct experts, the expert tiles that cut their rows at run time (crossing from
     one expert into the next) and the combine (prompt steps of 4 and 3 rows, then one-row steps on a one-row
     table); the gate's logits from router tiles and from the o_proj tiles' shares (the second model's prompt
-    steps too: router_partials 1, which also runs it with fused_attn_reduce and fused_route)."""
+    steps too: router_partials 1, which also runs it with fused_attn_reduce and fused_route). The first MoE model
+    runs its FP8 twin, the tl tiles reading its e4m3 experts and o_proj (the dense products:
+    test_interpreted_megakernel_reads_e4m3_products)."""
     # a process per model, all at once: the interpreter is single-threaded and CI has two cores
-    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, name, str(int(i == 1))], cwd=REPO,
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, name, str(int(i == 1)),
+                               *(["fp8"] if models == TINY_MOE and i == 0 else [])], cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=INTERPRETED)
              for i, name in enumerate(models)]
     results = []
@@ -71,24 +74,26 @@ def test_interpreted_megakernel_matches_reference(models):
         assert history == ref_history, r
         if models == TINY_MOE:       # the route tasks' choices of each sparse layer (a dense model keeps none)
             assert all(len(set(layer[0])) == len(layer[0]) > 1 for layer in history), r
+    if models == TINY_MOE:
+        assert set(results[0]["e4m3"]) == {"wo", "expert_gate", "expert_up", "expert_down"} and not results[1]["e4m3"]
 
 
 def test_interpreted_megakernel_reads_e4m3_products():
     """--quantize fp8 with kernel option stream_e4m3: the tl tiles load the e4m3 products (their stacked values and
     block scales, what the ring streams too) and dequantize them as they load them, with the tokens and logits of the
-    reference on the dequantized weights; tiny-qwen3-moe's experts too (its wqkv stays dequantized: its 64-row k
-    slice holds no whole block)."""
+    reference on the dequantized weights (tiny-llama's wqkv stays dequantized: its 64-row k slice holds no whole
+    block; the experts': test_interpreted_megakernel_matches_reference)."""
     procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, name, "0", "fp8"], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=INTERPRETED)
-             for name in ("tiny-qwen3", "tiny-qwen3-moe")]
+             for name in ("tiny-qwen3", "tiny-llama")]
     try:
         for proc in procs:
             out, err = proc.communicate(timeout=900)
             assert proc.returncode == 0, err
             r = json.loads(out.splitlines()[-1])
             assert r["equal"] and r["rel_err"] < 1e-4, r
-            assert {"wo", "expert_gate", "expert_up", "expert_down"} <= set(r["e4m3"]) if "moe" in r["model"] else \
-                {"wqkv", "wo", "w_gate", "w_up", "w_down"} == set(r["e4m3"]), r
+            assert set(r["e4m3"]) == ({"wqkv"} if r["model"] == "tiny-qwen3" else set()) | {"wo", "w_gate", "w_up",
+                                                                                              "w_down"}, r
     finally:
         for proc in procs:
             proc.kill()
