@@ -80,7 +80,7 @@ def decode_step_bytes(spec: ModelSpec, plan: ShardPlan, batch: int, context: int
     route task makes them). `experts_read` gives that number for each sparse layer, in spec.moe_layers' order
     (decode.py counts it from the step's own routing); without it, the most a step can choose,
     min(num_experts, batch * experts_per_token), in every sparse layer. The products named in `e4m3` (RankWeights.fp8:
-    wqkv, wo, w_gate, w_up, w_down) are read as a byte a weight and a float32 scale a 128 x 128 block."""
+    wqkv, wo, w_gate, w_up, w_down, the experts') are read as a byte a weight and a float32 scale a 128 x 128 block."""
     h, d = spec.hidden_size, spec.head_dim
     e4m3_ratio = (1 + 4 / 128 ** 2) / dtype_bytes        # of an e4m3 product's weight bytes to a dtype one's
 
@@ -96,7 +96,9 @@ def decode_step_bytes(spec: ModelSpec, plan: ShardPlan, batch: int, context: int
         raise ValueError(f"experts_read must give 0..{spec.num_experts} experts for each of the "
                          f"{len(spec.moe_layers)} sparse layers, got {list(experts_read)}")
     mlp = (len(spec.dense_layers) * sum(product(name, plan.inter * h) for name in ("w_gate", "w_up", "w_down"))
-           + sum(spec.num_experts * h + n * 3 * plan.expert_inter * h for n in experts_read))
+           + sum(spec.num_experts * h + n * sum(product(name, plan.expert_inter * h)
+                                                for name in ("expert_gate", "expert_up", "expert_down"))
+                 for n in experts_read))
     keys = min(context, spec.sliding_window or context)
     layer_kv = 2 * plan.num_kv_heads * d * keys * batch
     return round((spec.num_layers * (layer_weights + layer_kv) + mlp + h + plan.vocab * h + batch * h) * dtype_bytes)

@@ -217,3 +217,20 @@ def test_decode_benchmark_counts_the_experts_its_step_chose(name, batch, tmp_pat
     assert result["baseline_weights"] == "distmk's"
     assert result["step_bytes"] == decode_step_bytes(spec, plan_shard(spec, 1, 0), batch, 32, 4, read)
     assert result["step_ms"] > 0 and result["cudagraph_ms"] is None and result["baseline_errors"] is None
+
+
+@pytest.mark.parametrize("name, e4m3", [("llama-3-8b", ("wqkv", "wo", "w_gate", "w_up", "w_down")),
+                                        ("qwen3-30b-a3b", ("wqkv", "wo", "expert_gate", "expert_up", "expert_down"))])
+def test_decode_step_bytes_of_e4m3_products(name, e4m3):
+    """A product streamed in e4m3 is read as a byte a weight and a float32 scale a 128 x 128 block, in place of
+    two bytes: the step reads that much less (a sparse layer: of the experts it chose)."""
+    spec = preset(name)
+    plan = plan_shard(spec, 1, 0)
+    h, d = spec.hidden_size, spec.head_dim
+    attention = ((plan.num_heads + 2 * plan.num_kv_heads) * d + plan.num_heads * d) * h * spec.num_layers
+    mlp = (3 * plan.inter * h * len(spec.dense_layers)
+           + 3 * plan.expert_inter * h * spec.experts_per_token * len(spec.moe_layers))
+    read = [spec.experts_per_token] * len(spec.moe_layers)
+    saved = (decode_step_bytes(spec, plan, 1, 512, experts_read=read)
+             - decode_step_bytes(spec, plan, 1, 512, experts_read=read, e4m3=e4m3))
+    assert saved == pytest.approx((attention + mlp) * (1 - 4 / 128 ** 2), abs=2)
