@@ -106,14 +106,15 @@ def git_commit() -> str | None:
     return commit + ("+" if dirty else "")
 
 
-def time_distmk(args, device, log, keep: dict | None, virtual_tp: int = 1, **kernel_options) -> dict:
-    """distmk's own step timing (of `virtual_tp` virtual ranks where > 1; `kernel_options` over the flags'); if it
-    cannot be imported or fails, the error instead, so that the baselines still come out. `keep` receives the engine
-    (harness.distmk_step_ms)."""
+def time_distmk(args, device, log, keep: dict | None, virtual_tp: int = 1, breakdown: bool = True,
+                **kernel_options) -> dict:
+    """distmk's own step timing (of `virtual_tp` virtual ranks where > 1; `kernel_options` over the flags'; with the
+    traced step's breakdown unless `breakdown` is False or the flags say so); if it cannot be imported or fails, the
+    error instead, so that the baselines still come out. `keep` receives the engine (harness.distmk_step_ms)."""
     try:
         from harness import distmk_step_ms, virtual_tp_step_ms
         options = dict(backend=args.backend, device=device,
-                       breakdown=args.backend == "triton" and not args.no_breakdown,
+                       breakdown=breakdown and args.backend == "triton" and not args.no_breakdown,
                        graph=tiling_of(args), workers=args.workers, quantize=args.quantize,
                        **{**kernel_options_of(args), **kernel_options})
         if virtual_tp > 1:
@@ -267,8 +268,7 @@ def run(args, launcher: str, log) -> dict:
     bf16 = None
     if e4m3:                        # distmk's step on the same weights in bf16: what streaming e4m3 gains
         t1 = time.perf_counter()
-        bf16 = time_distmk(args, device, log, None, stream_e4m3=0)
-        bf16.pop("breakdown", None)
+        bf16 = time_distmk(args, device, log, None, breakdown=False, stream_e4m3=0)
         phase_s["distmk_bf16"] = round(time.perf_counter() - t1, 1)
         release()
 
