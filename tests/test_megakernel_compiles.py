@@ -32,6 +32,17 @@ def test_megakernel_compiles_for_sm90(name, dtype, batch, fused_route):
     assert "megakernel" in compiled.asm["ptx"]
 
 
+def test_tl_megakernel_reading_e4m3_products_fits_in_hopper_shared_memory():
+    """The tl kernel's tiles that dequantize e4m3 products as they load them (stream_e4m3 on the tl kernel) fit in
+    Hopper's shared memory: at the default four pipeline stages they did not (252 KB, llama-3.2-1b on an H100)."""
+    engine = Engine("llama-3.2-1b", backend="triton", device="meta", dtype=torch.bfloat16, max_context=256,
+                    config=GraphConfig(batch=1, workers=DEFAULT_WORKERS), quantize="fp8",
+                    kernel_options={"kernel": "tl", "stream_e4m3": 1})
+    assert engine.executor.kernel_name == "tl" and len(engine.weights.fp8) == 5
+    compiled = engine.executor.compile_ahead(arch=90)
+    assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
+
+
 @pytest.mark.parametrize("name, batch, fused_route, quantize", [
     ("tiny-qwen2", 16, 0, None), ("llama-3-8b", 1, 0, None), ("qwen3-8b", 8, 0, None), ("tiny-mixtral", 8, 0, None),
     ("qwen3-30b-a3b", 1, 0, "fp8"), ("qwen3-30b-a3b", 1, 1, None), ("llama-3-8b", 1, 0, "fp8")])

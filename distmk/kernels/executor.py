@@ -224,6 +224,8 @@ class TritonExecutor:
             self.kernel = load_ring_megakernel(kinds)
         else:       # e4m3 products: dequantized as the tiles load them (device/primitives.py dequantized)
             self.args.update({name: values for name, (values, _) in weights.fp8.items()})
+            if weights.fp8:     # their loads and conversions, pipelined 4 deep, overflow Hopper's shared memory
+                self.launch_options["num_stages"] = min(self.launch_options["num_stages"], 3)
             self.kernel = load_megakernel(kinds, prefetched)
         if comm.world > 1:
             self._start_together(comm)
