@@ -134,18 +134,15 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
     expert_inter = (plan.expert_inter0, plan.expert_inter0 + plan.expert_inter)
 
     def product(name: str, i: int, read):
-        """Layer i's product `name` in the model's dtype: its e4m3 values dequantized where they are kept (not read
-        twice), else read()."""
+        """Product `name` of layer i (of sparse layer i: the experts) in the model's dtype: its e4m3 values
+        dequantized where they are kept (not read twice), else read()."""
         if name not in fp8:
             return read()
         return dequantize(fp8[name][0][i], fp8[name][1][i], DEFAULT_BLOCK).to(device=device, dtype=dtype)
 
     def experts(name: str, i: int, pieces: list) -> torch.Tensor:
-        """Sparse layer i's experts' slices of `name` ([experts, rows, K]) in the model's dtype, as product()."""
-        if name not in fp8:
-            return torch.stack([rd(*piece) for piece in pieces])
-        values, scales = (t[spec.moe_layers.index(i)] for t in fp8[name])
-        return dequantize(values, scales, DEFAULT_BLOCK).to(device=device, dtype=dtype)
+        """Layer i's experts' slices of `name` ([experts, rows, K]), by product()."""
+        return product(name, spec.moe_layers.index(i), lambda: torch.stack([rd(*piece) for piece in pieces]))
 
     def mlp(i: int) -> dict:
         """Layer i's MLP weights: this rank's rows of the dense MLP, or the router and every expert's rows."""
