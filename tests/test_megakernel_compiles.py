@@ -58,7 +58,7 @@ def test_ring_megakernel_compiles_for_sm90(name, batch, fused_route, quantize):
     compiled = engine.executor.compile_ahead(arch=90)
     assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
     assert "wgmma" in compiled.asm["ptx"] and "cp.async.bulk.tensor" in compiled.asm["ptx"]
-    assert ("mul.rn.bf16x2" in compiled.asm["ptx"]) == bool(quantize)
+    assert ("e4m3x2" in compiled.asm["ptx"]) == bool(quantize)
 
 
 @pytest.mark.parametrize("name, tp, batch", [("llama-3-8b", 2, 1), ("qwen3-30b-a3b", 4, 8)])
@@ -181,12 +181,13 @@ def test_weight_ring_compiles_for_sm90():
                  DOWN_ID=TYPE_ID["down"])
     probe = ring.compile_ring_stream(rows=64, n=DEFAULT_WORKERS * 64, k=4096, block_n=64, block_k=256, stages=4,
                                      x_stages=3, programs=DEFAULT_WORKERS, mode=1)
-    # e4m3 weights (device/ring.py mma_block_fp8): converted to bf16 in registers by moving their bits (W8A16), or
-    # multiplied by e4m3 activations (W8A8)
+    # e4m3 weights (device/ring.py mma_block_fp8): dequantized to bf16 in registers (W8A16), the wgmma one in flight
+    # while the next half is converted; or multiplied by e4m3 activations (W8A8)
     fp8, w8a8 = (ring.compile_ring_stream(rows=64, n=DEFAULT_WORKERS * 64, k=4096, block_n=64, block_k=128, stages=8,
                                           x_stages=4, programs=DEFAULT_WORKERS, mode=1, fp8=True, a8=a8)
                  for a8 in (False, True))
-    assert "mul.rn.bf16x2" in fp8.asm["ptx"] and "e4m3.e4m3" in w8a8.asm["ptx"]
+    assert "e4m3x2" in fp8.asm["ptx"] and "wgmma.wait_group.sync.aligned 1" in fp8.asm["ptx"]
+    assert "e4m3.e4m3" in w8a8.asm["ptx"]
     for compiled in (probe, fp8, w8a8, ring.compile_ring_matmuls(shape)):
         assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
         ptx = compiled.asm["ptx"]
@@ -199,6 +200,19 @@ def test_ring_megakernel_refuses_a_step_it_cannot_run(dtype, batch, reason):
     with pytest.raises(DistmkError, match=reason):
         Engine("tiny-llama", backend="triton", device="meta", dtype=dtype, max_context=64,
                config=GraphConfig(batch=batch, workers=DEFAULT_WORKERS), kernel_options={"kernel": "ring"})
+
+
+def test_ring_refuses_e4m3_products_beside_a_narrow_k():
+    """e4m3 slots are two input slices of 128 columns: a step with a product whose K is not a multiple of 128
+    (tiny-llama's o_proj at tp=2: 64) cannot stream e4m3 on the ring, and the reason names it."""
+    from distmk.kernels.ring_megakernel import ring_unsupported
+    from distmk.models.presets import preset
+    from distmk.models.shard import plan_shard
+    from distmk.tasks import TASK_KINDS
+    spec = preset("tiny-llama")
+    why = [ring_unsupported(spec, plan_shard(spec, tp, 0), GraphConfig(batch=8), torch.bfloat16, "pointer", TASK_KINDS,
+                            fp8=fp8) for tp, fp8 in ((2, {"w_gate": None}), (2, {}), (1, {"w_gate": None}))]
+    assert why == ["with e4m3 products every product's K must be a multiple of 128 (wo (64) are not)", None, None]
 
 
 def test_ring_megakernel_refuses_rings_that_would_hang_or_overflow():

@@ -265,24 +265,12 @@ def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready,
 
 
 @gluon.jit
-def e4m3_as_bf16(raw):
-    """e4m3 values (their bits, int8) as bf16, exactly: each value's bits moved into a bf16's (sign, then exponent
-    and mantissa four places down: the value times 2^-120, subnormals included), then times 2^120."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .b32 lo, hi, s, k;\n  mov.b32 k, 0x7B807B80;\n"
-        "  prmt.b32 lo, $2, 0, 0x1404;\n  prmt.b32 hi, $2, 0, 0x3424;\n"
-        "  shr.b32 s, lo, 4;\n  and.b32 s, s, 0x07F007F0;\n  and.b32 lo, lo, 0x80008000;\n  or.b32 lo, lo, s;\n"
-        "  shr.b32 s, hi, 4;\n  and.b32 s, s, 0x07F007F0;\n  and.b32 hi, hi, 0x80008000;\n  or.b32 hi, hi, s;\n"
-        "  mul.rn.bf16x2 $0, lo, k;\n  mul.rn.bf16x2 $1, hi, k;\n}",
-        "=r,=r,r", [raw], dtype=gl.bfloat16, is_pure=True, pack=4)
-
-
-@gluon.jit
-def _weight_half(ring, s, h: gl.constexpr, operand: gl.constexpr):
-    """Half h of e4m3 slot s (an input slice's columns) as the bf16 A operand of a wgmma, in registers."""
+def _dequantized_half(ring, s, h: gl.constexpr, scale, operand: gl.constexpr):
+    """Half h of e4m3 slot s (an input slice's columns) times its rows' block scale, rounded once to bf16 (the
+    reference's weights: models/fp8.py), as the A operand of a wgmma, in registers."""
     BK: gl.constexpr = ring.type.shape[2] // 2
-    raw = ring.index(s).slice(h * BK, BK, dim=1).load(operand).to(gl.int8, bitcast=True)
-    return e4m3_as_bf16(raw)
+    values = ring.index(s).slice(h * BK, BK, dim=1).load(operand)
+    return (values.to(gl.float32) * scale[:, None]).to(gl.bfloat16)
 
 
 @gluon.jit
@@ -301,12 +289,10 @@ def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready
                   chained, num_warps: gl.constexpr, xq=None):
     """mma_block over e4m3 weights whose 128 x 128 blocks each have a float32 scale (models/fp8.py; `scale`: the
     matrix's grid [ceil(R / 128), K / 128], `row0`: the block's first row, of `rows`). A slot holds two input slices'
-    columns (make_rings); each slice's product is taken from the slot's half and added to the accumulator times its
-    rows' scales. W8A16: the half converted to bf16 in registers (exactly: every e4m3 value is a bf16 one), the
-    scales of a slot loaded a slot ahead, the second half converted while the first one's wgmma runs. With `xq`
-    (e4m3 shared memory of an input slice's shape), W8A8: each input slice quantized to e4m3 with a scale a row (its
-    largest magnitude at e4m3's largest) into xq, then the e4m3 wgmma straight from the slot, times the input rows'
-    scales too."""
+    columns (make_rings), each half times an input slice. W8A16: the halves dequantized to bf16 in registers, as the
+    reference's weights are (_w8a16_block). With `xq` (e4m3 shared memory of an input slice's shape), W8A8: each
+    input slice quantized to e4m3 with a scale a row (its largest magnitude at e4m3's largest) into xq, then the
+    e4m3 wgmma straight from the slot, times the weight rows' and input rows' scales."""
     BN: gl.constexpr = ring.type.shape[1]
     XD: gl.constexpr = xring.type.shape[0]
     B_PAD: gl.constexpr = xring.type.shape[1]
@@ -329,37 +315,51 @@ def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready
 
 
 @gluon.jit
+def _mma_slice(a, pending, acc, x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, chained, CHAIN: gl.constexpr):
+    """acc += a @ input slice `it`, its wgmma left in flight once the one before (of A operand `pending`, kept alive
+    until then) is done: then slice it - 1's slot is refilled."""
+    XD: gl.constexpr = xring.type.shape[0]
+    xs = (cx + it) % XD
+    mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1)
+    acc = warpgroup_mma(a, xring.index(xs).permute((1, 0)), acc, use_acc=it > 0, is_async=True)
+    acc, pending = warpgroup_mma_wait(num_outstanding=1, deps=[acc, pending])
+    _refill_input(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
+    return acc
+
+
+@gluon.jit
 def _w8a16_block(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, empty, xring, xready, c, cx, chained,
                  CHAIN: gl.constexpr, layout: gl.constexpr):
-    """mma_block_fp8's loop, the weights converted to bf16 in registers."""
+    """mma_block_fp8's loop, the weights dequantized to bf16 in registers: both halves of a slot as soon as it
+    landed (the slot goes back to the producer then), their scales loaded a slot ahead; one accumulator, one wgmma
+    in flight while the next half's input slice is waited for, as in mma_block."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
+    BK: gl.constexpr = ring.type.shape[2] // 2
     B_PAD: gl.constexpr = xring.type.shape[1]
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
+    scales = gl.convert_layout(scales, gl.SliceLayout(1, operand))
+    valid = gl.convert_layout(valid, gl.SliceLayout(1, operand))
     low = gl.load(scales, mask=valid, other=0.0)
     high = gl.load(scales + 1, mask=valid & (KT > 1), other=0.0)
-    zero = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
-    acc = zero
+    acc = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
+    second = gl.zeros([BN, BK], gl.bfloat16, layout=operand)
     for jt in range((KT + 1) // 2):         # an odd K / 128 leaves the last slot's second half out
         next_low = gl.load(scales + jt * 2 + 2, mask=valid & (jt * 2 + 2 < KT), other=0.0)
         next_high = gl.load(scales + jt * 2 + 3, mask=valid & (jt * 2 + 3 < KT), other=0.0)
         s = c % NBUF
         mbarrier.wait(ready.index(s), (c // NBUF) & 1)
-        first = _weight_half(ring, s, 0, operand)
-        xs = _next_slice(x_desc, x_row, KT, xring, xready, cx, jt * 2, chained, CHAIN)
-        part = warpgroup_mma(first, xring.index(xs).permute((1, 0)), zero, use_acc=False, is_async=True)
-        second = _weight_half(ring, s, 1, operand)
-        part, first = warpgroup_mma_wait(num_outstanding=0, deps=[part, first])
-        acc += part * low[:, None]
-        if jt * 2 + 1 < KT:
-            xs = _next_slice(x_desc, x_row, KT, xring, xready, cx, jt * 2 + 1, chained, CHAIN)
-            part = warpgroup_mma(second, xring.index(xs).permute((1, 0)), zero, use_acc=False, is_async=True)
-            part, second = warpgroup_mma_wait(num_outstanding=0, deps=[part, second])
-            acc += part * high[:, None]
+        first = _dequantized_half(ring, s, 0, low, operand)
+        pending = second
+        second = _dequantized_half(ring, s, 1, high, operand)
         mbarrier.arrive(empty.index(s), count=1)
+        acc = _mma_slice(first, pending, acc, x_desc, x_row, KT, xring, xready, cx, jt * 2, chained, CHAIN)
+        if jt * 2 + 1 < KT:
+            acc = _mma_slice(second, first, acc, x_desc, x_row, KT, xring, xready, cx, jt * 2 + 1, chained, CHAIN)
         low = next_low
         high = next_high
         c += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     return acc, c
 
 

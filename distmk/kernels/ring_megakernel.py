@@ -252,9 +252,10 @@ def ring_unsupported(spec, plan, config, dtype, transport: str, kinds, fp8=()) -
     widths = {"wqkv": spec.hidden_size, "wo": plan.num_heads * spec.head_dim, "w_gate": spec.hidden_size,
               "w_up": spec.hidden_size, "w_down": plan.inter, "expert_gate": spec.hidden_size,
               "expert_up": spec.hidden_size, "expert_down": plan.expert_inter}
-    narrow = sorted(name for name in fp8 if widths[name] % 128)
+    # e4m3 slots are two input slices of 128 columns, and every product of the step reads those slices
+    narrow = sorted(f"{name} ({k})" for name, k in widths.items() if k % 128) if fp8 else []
     if narrow:
-        return f"its e4m3 products' K must be multiples of 128 ({narrow} are not)"
+        return f"with e4m3 products every product's K must be a multiple of 128 ({', '.join(narrow)} are not)"
     return None
 
 
