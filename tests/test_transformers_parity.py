@@ -30,6 +30,15 @@ def test_greedy_and_logits_match_transformers(name, tp):
         assert torch.equal(other_logits, logits)
 
 
+@pytest.mark.parametrize("name", TINY)
+def test_tp2_checkpoint_dirs_match_transformers(name, saved_checkpoints):
+    """A directory written by save_pretrained (tiny-llama's sharded, with an index), each rank reading its slices
+    of every family's tensor names (torchrun's launch of one: test_cli.py)."""
+    results = run_simulated_ranks(2, lambda rank, comm: Engine(saved_checkpoints[name], tp=2, rank=rank, comm=comm,
+                                                               config=SMALL).generate(PROMPT, 32))
+    assert results[0] == results[1] == hf_greedy(name)[0]
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", TINY)
 def test_prefill_chunks_match_transformers(name, tp):
