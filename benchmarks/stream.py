@@ -197,16 +197,17 @@ def run_ring_matmuls(engine, tables: dict, ceiling: float, iters: int, layers: i
 
 
 def run_ring(device, iters: int, log) -> list[dict]:
-    """The weight ring against its tl twin over 32 layers of [SMs * rows, 4096] bf16 (2.2 GB at 64 rows), and the
-    ring over the same weights in e4m3 with 128 x 128 block scales (models/fp8.py): bf16 activations (gluon-fp8),
-    or e4m3 ones with a scale a row an input slice (gluon-w8a8); barrier off and on; a few tile shapes each. Each
-    Gluon configuration is checked against torch first (the e4m3 ones against the dequantized weights)."""
+    """The weight ring against its tl twin over 32 layers of [SMs * rows, 4096] bf16 (2.2 GB at 64 rows; 32 rows:
+    half a slot's, as o_proj's and down's tiles at tp=1), and the ring over the same weights in e4m3 with 128 x 128
+    block scales (models/fp8.py): bf16 activations (gluon-fp8), or e4m3 ones with a scale a row an input slice
+    (gluon-w8a8); barrier off and on; a few tile shapes each. Each Gluon configuration is checked against torch
+    first (the e4m3 ones against the dequantized weights)."""
     import ring_probe as ring
     from distmk.models.fp8 import DEFAULT_BLOCK, dequantize, quantize
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     layers, k, b_pad = 32, 4096, 16
     results = []
-    for rows in (64, 128):
+    for rows in (32, 64, 128):
         n = sms * rows
         w = torch.randn(layers * n, k, device=device, dtype=torch.bfloat16)
         w8, w_scale = quantize(w)
@@ -216,8 +217,10 @@ def run_ring(device, iters: int, log) -> list[dict]:
         configs += [("gluon", bn, bk, stages, xd) for bn, bk, stages, xd in
                     ((64, 256, 4, 3), (64, 256, 4, 4), (64, 128, 8, 4), (64, 128, 8, 6), (128, 128, 6, 4))
                     if rows % bn == 0]
-        configs += [(kernel, 64, 128, stages, xd) for kernel in ("gluon-fp8", "gluon-w8a8")
-                    for stages, xd in ((8, 4), (10, 4), (10, 6))]
+        # e4m3 slots of twice the input slice's columns: slices of 128 (W8A16 and W8A8) or 256 (W8A16)
+        configs += [("gluon-fp8", 64, bk, stages, xd) for bk, stages, xd in
+                    ((128, 10, 4), (128, 10, 6), (256, 5, 3), (256, 5, 4))]
+        configs += [("gluon-w8a8", 64, 128, stages, xd) for stages, xd in ((10, 4), (10, 6))]
         for kernel, bn, bk, stages, xd in configs:
             e4m3 = kernel in ("gluon-fp8", "gluon-w8a8")
             weights = w8 if e4m3 else w
