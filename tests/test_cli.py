@@ -95,13 +95,23 @@ def test_graph_summary_for_8b_model():
     (["--model", "tiny-llama", "--temperature", "-1"], "argument --temperature: must be a finite number >= 0"),
     (["--model", "tiny-llama", "--batch", "4", "--step-batches", "2,8"], "step_batches [8] must lie in 1..4"),
 ])
-def test_bad_input_is_a_clear_error(argv, message):
+def test_bad_input_is_a_clear_error(argv, message, capsys):
+    """generate's main in this process (a process of its own: test_a_clear_error_ends_the_process_with_2)."""
+    from distmk.generate import main
     if "--prompt-ids" not in argv:
         argv = [*argv, "--prompt-ids", "1,2"]
-    proc = run_cli(sys.executable, "-m", "distmk.generate", *argv)
-    assert proc.returncode == 2
-    assert message in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr
+    try:
+        code = main(argv)
+    except SystemExit as exit_:         # argparse's
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+def test_a_clear_error_ends_the_process_with_2():
+    proc = run_cli(sys.executable, "-m", "distmk.generate", "--model", "tiny-llama", "--prompt-ids", "1,99999")
+    assert proc.returncode == 2 and "outside the vocabulary" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("program, argv, message", [
