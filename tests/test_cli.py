@@ -16,6 +16,17 @@ def only_json_line(stdout: str) -> dict:
     return json.loads(lines[0])
 
 
+def generate_here(argv, capsys) -> tuple[int, str, str]:
+    """generate's main in this process: (exit status, stdout, stderr)."""
+    from distmk.generate import main
+    try:
+        code = main(argv)
+    except SystemExit as exit_:         # argparse's
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def test_generate_alone_is_tp1():
     proc = run_cli(sys.executable, "-m", "distmk.generate", "--model", "tiny-llama", *ARGS)
     assert proc.returncode == 0, proc.stderr
@@ -24,10 +35,10 @@ def test_generate_alone_is_tp1():
 
 
 @pytest.mark.parametrize("sampling", [["--temperature", "1e-40"], ["--temperature", "1", "--top-p", "1e-50"]])
-def test_tiny_temperature_or_top_p_is_greedy(sampling):
-    proc = run_cli(sys.executable, "-m", "distmk.generate", "--model", "tiny-llama", *ARGS, *sampling)
-    assert proc.returncode == 0, proc.stderr
-    assert only_json_line(proc.stdout)["tokens"] == hf_greedy("tiny-llama")[0]
+def test_tiny_temperature_or_top_p_is_greedy(sampling, capsys):
+    code, out, err = generate_here(["--model", "tiny-llama", *ARGS, *sampling], capsys)
+    assert code == 0, err
+    assert only_json_line(out)["tokens"] == hf_greedy("tiny-llama")[0]
 
 
 def test_torchrun_tp2_preset_matches_transformers():
@@ -46,25 +57,23 @@ def test_torchrun_tp2_checkpoint_dir_matches_transformers(saved_checkpoints):
     assert only_json_line(proc.stdout)["tokens"] == hf_greedy("tiny-llama")[0]
 
 
-def test_generation_config_gives_the_default_sampling(generation_config_checkpoint):
+def test_generation_config_gives_the_default_sampling(generation_config_checkpoint, capsys):
     path, gen = generation_config_checkpoint
-    runs = [run_cli(sys.executable, "-m", "distmk.generate", "--model", path, *ARGS, "--ignore-eos",
-                    "--sample-seed", "7", *extra)
+    runs = [generate_here(["--model", path, *ARGS, "--ignore-eos", "--sample-seed", "7", *extra], capsys)
             for extra in ([], ["--temperature", "0.6", "--top-p", "0.9", "--top-k", "20"], ["--temperature", "0"])]
-    assert all(proc.returncode == 0 for proc in runs), [proc.stderr for proc in runs]
-    default, explicit, greedy = (only_json_line(proc.stdout)["tokens"] for proc in runs)
+    assert all(code == 0 for code, _, _ in runs), runs
+    default, explicit, greedy = (only_json_line(out)["tokens"] for _, out, _ in runs)
     assert default == explicit != greedy == hf_greedy("tiny-llama")[0]
 
 
-def test_a_vocabulary_under_256_ids_takes_prompt_ids(small_vocab_checkpoint):
+def test_a_vocabulary_under_256_ids_takes_prompt_ids(small_vocab_checkpoint, capsys):
     """No byte-level text for it, but token ids generate transformers' tokens; text is a clear error."""
     path, expected = small_vocab_checkpoint
-    proc = run_cli(sys.executable, "-m", "distmk.generate", "--model", path, *ARGS)
-    assert proc.returncode == 0, proc.stderr
-    assert only_json_line(proc.stdout)["tokens"] == expected
-    proc = run_cli(sys.executable, "-m", "distmk.generate", "--model", path, "--prompt", "hi")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "error: text needs a tokenizer: the byte-level one needs a vocabulary of >= 256 ids" in proc.stderr
+    code, out, err = generate_here(["--model", path, *ARGS], capsys)
+    assert code == 0, err
+    assert only_json_line(out)["tokens"] == expected
+    code, _, err = generate_here(["--model", path, "--prompt", "hi"], capsys)
+    assert code == 2 and "error: text needs a tokenizer: the byte-level one needs a vocabulary of >= 256 ids" in err
 
 
 def test_text_prompt_with_byte_fallback_tokenizer():
@@ -96,17 +105,11 @@ def test_graph_summary_for_8b_model():
     (["--model", "tiny-llama", "--batch", "4", "--step-batches", "2,8"], "step_batches [8] must lie in 1..4"),
 ])
 def test_bad_input_is_a_clear_error(argv, message, capsys):
-    """generate's main in this process (a process of its own: test_a_clear_error_ends_the_process_with_2)."""
-    from distmk.generate import main
+    """In this process (a process of its own: test_a_clear_error_ends_the_process_with_2)."""
     if "--prompt-ids" not in argv:
         argv = [*argv, "--prompt-ids", "1,2"]
-    try:
-        code = main(argv)
-    except SystemExit as exit_:         # argparse's
-        code = exit_.code
-    assert code == 2
-    err = capsys.readouterr().err
-    assert message in err, err
+    code, _, err = generate_here(argv, capsys)
+    assert code == 2 and message in err, err
 
 
 def test_a_clear_error_ends_the_process_with_2():
