@@ -264,14 +264,14 @@ def ring_arguments(args: dict, batch: int, block_k: int = 0, slots: int = 0, inp
     """The ring megakernel's arguments from the tl megakernel's: TMA descriptors of the weights it streams and
     of the tiles' inputs (tensors of `args`; the products of `fp8`, RankWeights.fp8, in e4m3), the ring's shape:
     `slots` weight slots (0: as many as RING_BYTES holds beside the inputs) of `block_k` columns (0: 256 where it
-    divides every K, 128 with e4m3 products; an e4m3 slot holds twice as many, two input slices: device/ring.py
-    mma_block_fp8), `input_slots` input slices of as many columns, `batch` rows padded to 8 or 16."""
+    divides every K; an e4m3 slot holds twice as many, two input slices: device/ring.py mma_block_fp8),
+    `input_slots` input slices of as many columns, `batch` rows padded to 8 or 16."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from distmk.device.ring import matmul_layouts
     fp8 = fp8 or {}
     widest = ring_block_k(args["H"], args["HQ"] * args["D"], args["INTER"], args["EXPERT_INTER"])
-    block_k = block_k or (min(widest, 128) if fp8 else widest)
+    block_k = block_k or widest
     if widest % block_k:
         raise DistmkError(f"ring_block_k={block_k} must divide every matmul's K (the widest that does: {widest})")
     if fp8 and block_k < 128:
