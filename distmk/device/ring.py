@@ -265,10 +265,11 @@ def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready,
 
 
 @gluon.jit
-def _dequantized_piece(ring, s, p: gl.constexpr, scale, operand: gl.constexpr):
-    """Columns 128p.. of e4m3 slot s (one 128-column block) times its rows' block scale, rounded once to bf16 (the
+def _dequantized_half(ring, s, h: gl.constexpr, scale, operand: gl.constexpr):
+    """Half h of e4m3 slot s (an input slice's columns) times its rows' block scale, rounded once to bf16 (the
     reference's weights: models/fp8.py), as the A operand of a wgmma, in registers."""
-    values = ring.index(s).slice(p * 128, 128, dim=1).load(operand)
+    BK: gl.constexpr = ring.type.shape[2] // 2
+    values = ring.index(s).slice(h * BK, BK, dim=1).load(operand)
     return (values.to(gl.float32) * scale[:, None]).to(gl.bfloat16)
 
 
@@ -288,16 +289,15 @@ def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready
                   chained, num_warps: gl.constexpr, xq=None):
     """mma_block over e4m3 weights whose 128 x 128 blocks each have a float32 scale (models/fp8.py; `scale`: the
     matrix's grid [ceil(R / 128), K / 128], `row0`: the block's first row, of `rows`). A slot holds two input slices'
-    columns (make_rings). W8A16: each 128-column block dequantized to bf16 in registers, as the reference's weights
-    are (_w8a16_block). With `xq` (e4m3 shared memory of an input slice's shape, 128 columns), W8A8: each input
-    slice quantized to e4m3 with a scale a row (its largest magnitude at e4m3's largest) into xq, then the e4m3
-    wgmma straight from the slot, times the weight rows' and input rows' scales."""
+    columns (make_rings), each half times an input slice. W8A16: the halves dequantized to bf16 in registers, as the
+    reference's weights are (_w8a16_block). With `xq` (e4m3 shared memory of an input slice's shape), W8A8: each
+    input slice quantized to e4m3 with a scale a row (its largest magnitude at e4m3's largest) into xq, then the
+    e4m3 wgmma straight from the slot, times the weight rows' and input rows' scales."""
     BN: gl.constexpr = ring.type.shape[1]
     XD: gl.constexpr = xring.type.shape[0]
     B_PAD: gl.constexpr = xring.type.shape[1]
     BK: gl.constexpr = xring.type.shape[2]
-    gl.static_assert(((BK == 128) | ((BK == 256) & (xq is None))) & (ring.type.shape[2] == 2 * BK),
-                     "an e4m3 slot is two input slices of 128 or (W8A16) 256 columns")
+    gl.static_assert((BK == 128) & (ring.type.shape[2] == 2 * BK), "an e4m3 slot is two input slices of one block")
     KT: gl.constexpr = K // BK
     CHAIN: gl.constexpr = KT >= XD - 1
     _first_inputs(x_desc, x_row, KT, xring, xready, cx, (primed == 0) | (not CHAIN))
@@ -315,55 +315,49 @@ def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready
 
 
 @gluon.jit
-def _mma_piece(a, pending, acc, x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, q: gl.constexpr, chained,
-               CHAIN: gl.constexpr):
-    """acc += a @ the q-th 128 columns of input slice `it`, the wgmma left in flight once the one before (of A
-    operand `pending`, kept alive until then) is done; a slice's first block waits for the slice and, after that
-    wgmma, refills slice it - 1's slot (its last product is done)."""
+def _mma_slice(a, pending, acc, x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, chained, CHAIN: gl.constexpr):
+    """acc += a @ input slice `it`, its wgmma left in flight once the one before (of A operand `pending`, kept alive
+    until then) is done: then slice it - 1's slot is refilled."""
     XD: gl.constexpr = xring.type.shape[0]
     xs = (cx + it) % XD
-    if q == 0:
-        mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1)
-    x = xring.index(xs).slice(q * 128, 128, dim=1)
-    acc = warpgroup_mma(a, x.permute((1, 0)), acc, use_acc=(it > 0) | (q > 0), is_async=True)
+    mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1)
+    acc = warpgroup_mma(a, xring.index(xs).permute((1, 0)), acc, use_acc=it > 0, is_async=True)
     acc, pending = warpgroup_mma_wait(num_outstanding=1, deps=[acc, pending])
-    if q == 0:
-        _refill_input(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
+    _refill_input(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
     return acc
 
 
 @gluon.jit
 def _w8a16_block(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, empty, xring, xready, c, cx, chained,
                  CHAIN: gl.constexpr, layout: gl.constexpr):
-    """mma_block_fp8's loop, the weights dequantized to bf16 in registers a 128-column block at a time, each while
-    the block before's wgmma runs (one accumulator, as in mma_block), their scales loaded two blocks ahead; a
-    slot goes back to the producer once its last block is in registers."""
+    """mma_block_fp8's loop, the weights dequantized to bf16 in registers: both halves of a slot as soon as it
+    landed (the slot goes back to the producer then), their scales loaded a slot ahead; one accumulator, one wgmma
+    in flight while the next half's input slice is waited for, as in mma_block."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
-    PIECES: gl.constexpr = ring.type.shape[2] // 128            # 128-column blocks a slot
+    BK: gl.constexpr = ring.type.shape[2] // 2
     B_PAD: gl.constexpr = xring.type.shape[1]
-    PPS: gl.constexpr = xring.type.shape[2] // 128              # and an input slice
-    KP: gl.constexpr = KT * PPS
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
     scales = gl.convert_layout(scales, gl.SliceLayout(1, operand))
     valid = gl.convert_layout(valid, gl.SliceLayout(1, operand))
-    scale = gl.load(scales, mask=valid, other=0.0)
-    scale_next = gl.load(scales + 1, mask=valid & (KP > 1), other=0.0)
+    low = gl.load(scales, mask=valid, other=0.0)
+    high = gl.load(scales + 1, mask=valid & (KT > 1), other=0.0)
     acc = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
-    a = gl.zeros([BN, 128], gl.bfloat16, layout=operand)
-    for jt in range((KP + PIECES - 1) // PIECES):     # a K of fewer blocks leaves the last slot's last ones out
+    second = gl.zeros([BN, BK], gl.bfloat16, layout=operand)
+    for jt in range((KT + 1) // 2):         # an odd K / 128 leaves the last slot's second half out
+        next_low = gl.load(scales + jt * 2 + 2, mask=valid & (jt * 2 + 2 < KT), other=0.0)
+        next_high = gl.load(scales + jt * 2 + 3, mask=valid & (jt * 2 + 3 < KT), other=0.0)
         s = c % NBUF
         mbarrier.wait(ready.index(s), (c // NBUF) & 1)
-        for p in gl.static_range(PIECES):
-            i = jt * PIECES + p
-            if i < KP:
-                pending = a
-                a = _dequantized_piece(ring, s, p, scale, operand)
-                scale = scale_next
-                scale_next = gl.load(scales + i + 2, mask=valid & (i + 2 < KP), other=0.0)
-                acc = _mma_piece(a, pending, acc, x_desc, x_row, KT, xring, xready, cx, i // PPS, p % PPS, chained,
-                                 CHAIN)
+        first = _dequantized_half(ring, s, 0, low, operand)
+        pending = second
+        second = _dequantized_half(ring, s, 1, high, operand)
         mbarrier.arrive(empty.index(s), count=1)
+        acc = _mma_slice(first, pending, acc, x_desc, x_row, KT, xring, xready, cx, jt * 2, chained, CHAIN)
+        if jt * 2 + 1 < KT:
+            acc = _mma_slice(second, first, acc, x_desc, x_row, KT, xring, xready, cx, jt * 2 + 1, chained, CHAIN)
+        low = next_low
+        high = next_high
         c += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     return acc, c

@@ -252,7 +252,7 @@ def ring_unsupported(spec, plan, config, dtype, transport: str, kinds, fp8=()) -
     widths = {"wqkv": spec.hidden_size, "wo": plan.num_heads * spec.head_dim, "w_gate": spec.hidden_size,
               "w_up": spec.hidden_size, "w_down": plan.inter, "expert_gate": spec.hidden_size,
               "expert_up": spec.hidden_size, "expert_down": plan.expert_inter}
-    # e4m3 weights stream in input slices of 128 columns or more (their blocks'), and every product reads them
+    # e4m3 slots are two input slices of 128 columns, and every product of the step reads those slices
     narrow = sorted(f"{name} ({k})" for name, k in widths.items() if k % 128) if fp8 else []
     if narrow:
         return f"with e4m3 products every product's K must be a multiple of 128 ({', '.join(narrow)} are not)"
@@ -264,18 +264,18 @@ def ring_arguments(args: dict, batch: int, block_k: int = 0, slots: int = 0, inp
     """The ring megakernel's arguments from the tl megakernel's: TMA descriptors of the weights it streams and
     of the tiles' inputs (tensors of `args`; the products of `fp8`, RankWeights.fp8, in e4m3), the ring's shape:
     `slots` weight slots (0: as many as RING_BYTES holds beside the inputs) of `block_k` columns (0: 256 where it
-    divides every K; an e4m3 slot holds twice as many, two input slices: device/ring.py mma_block_fp8),
+    divides every K; 128 with e4m3 products, whose slot is two input slices: device/ring.py mma_block_fp8),
     `input_slots` input slices of as many columns, `batch` rows padded to 8 or 16."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from distmk.device.ring import matmul_layouts
     fp8 = fp8 or {}
     widest = ring_block_k(args["H"], args["HQ"] * args["D"], args["INTER"], args["EXPERT_INTER"])
-    block_k = block_k or widest
+    block_k = block_k or (min(widest, 128) if fp8 else widest)
     if widest % block_k:
         raise DistmkError(f"ring_block_k={block_k} must divide every matmul's K (the widest that does: {widest})")
-    if fp8 and block_k < 128:
-        raise DistmkError(f"ring_block_k={block_k}: e4m3 weights stream with input slices of 128 or 256 columns")
+    if fp8 and block_k != 128:
+        raise DistmkError(f"ring_block_k={block_k}: e4m3 weights stream with input slices of 128 columns")
     b_pad = 8 if batch <= 8 else RING_B_PAD
     slots = slots or (RING_BYTES - input_slots * b_pad * block_k * 2) // (RING_ROWS * block_k * 2)
     ring_bytes = (slots * RING_ROWS + input_slots * b_pad) * block_k * 2
