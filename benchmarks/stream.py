@@ -217,10 +217,8 @@ def run_ring(device, iters: int, log) -> list[dict]:
         configs += [("gluon", bn, bk, stages, xd) for bn, bk, stages, xd in
                     ((64, 256, 4, 3), (64, 256, 4, 4), (64, 128, 8, 4), (64, 128, 8, 6), (128, 128, 6, 4))
                     if rows % bn == 0]
-        # e4m3 slots of twice the input slice's columns: slices of 128 (W8A16 and W8A8) or 256 (W8A16)
-        configs += [("gluon-fp8", 64, bk, stages, xd) for bk, stages, xd in
-                    ((128, 10, 4), (128, 10, 6), (256, 5, 3), (256, 5, 4))]
-        configs += [("gluon-w8a8", 64, 128, stages, xd) for stages, xd in ((10, 4), (10, 6))]
+        configs += [(kernel, 64, 128, stages, xd) for kernel in ("gluon-fp8", "gluon-w8a8")
+                    for stages, xd in ((8, 4), (10, 4), (10, 6))]
         for kernel, bn, bk, stages, xd in configs:
             e4m3 = kernel in ("gluon-fp8", "gluon-w8a8")
             weights = w8 if e4m3 else w
