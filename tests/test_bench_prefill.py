@@ -122,13 +122,15 @@ def test_prefill_benchmark_on_cpu(tmp_path):
         assert chunk["roofline_ms"] is None and chunk["roofline_fraction"] is None      # no peak off a GPU
 
 
-def test_prefill_benchmark_names_a_chunk_too_long():
-    proc = run_cli(sys.executable, "benchmarks/prefill.py", "--model", "tiny-llama", "--device", "cpu",
-                   "--chunks", "16,2000", "--baseline", "none", "--iters", "1")
-    assert proc.returncode == 2 and "--chunks up to 2000 tokens" in proc.stderr and "1024" in proc.stderr
+def test_prefill_benchmark_names_a_chunk_too_long(capsys):
+    import prefill          # its main in this process: the process itself runs in test_prefill_benchmark_on_cpu
+    assert prefill.main(["--model", "tiny-llama", "--device", "cpu", "--chunks", "16,2000", "--baseline", "none",
+                         "--iters", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--chunks up to 2000 tokens" in err and "1024" in err
 
 
-def test_prefill_benchmark_times_a_later_chunk(tmp_path):
+def test_prefill_benchmark_times_a_later_chunk(tmp_path, capsys):
     """--start 20: the chunk at positions 20..35, after an untimed one of 0..19; its FLOPs see the keys before it.
     The PyTorch baseline prefills first chunks alone, so it is refused."""
     out = tmp_path / "prefill.json"
@@ -139,6 +141,7 @@ def test_prefill_benchmark_times_a_later_chunk(tmp_path):
     spec = preset("tiny-llama")
     assert chunk["start"] == 20 and chunk["distmk_ms"] > 0
     assert chunk["flops"] == prefill_chunk_flops(spec, plan_shard(spec, 1, 0), 16, start=20)
-    proc = run_cli(sys.executable, "benchmarks/prefill.py", "--model", "tiny-llama", "--device", "cpu",
-                   "--chunks", "16", "--start", "20")
-    assert proc.returncode == 2 and "--baseline none" in proc.stderr
+    import prefill
+    with pytest.raises(SystemExit) as exit_:
+        prefill.parse_args(["--model", "tiny-llama", "--device", "cpu", "--chunks", "16", "--start", "20"])
+    assert exit_.value.code == 2 and "--baseline none" in capsys.readouterr().err
