@@ -247,11 +247,11 @@ def ring_unsupported(spec, plan, config, dtype, transport: str, kinds, fp8=()) -
         return f"it runs bf16 only (wgmma), not {dtype}"
     if config.batch > RING_B_PAD:
         return f"it runs batches up to {RING_B_PAD}, not {config.batch}"
-    if not ring_block_k(spec.hidden_size, plan.num_heads * spec.head_dim, plan.inter, plan.expert_inter):
-        return "hidden size, heads x head_dim and the MLP's and experts' widths must be multiples of 64"
     widths = {"wqkv": spec.hidden_size, "wo": plan.num_heads * spec.head_dim, "w_gate": spec.hidden_size,
               "w_up": spec.hidden_size, "w_down": plan.inter, "expert_gate": spec.hidden_size,
-              "expert_up": spec.hidden_size, "expert_down": plan.expert_inter}
+              "expert_up": spec.hidden_size, "expert_down": plan.expert_inter}       # each product's K
+    if not ring_block_k(*widths.values()):
+        return "hidden size, heads x head_dim and the MLP's and experts' widths must be multiples of 64"
     # e4m3 slots are two input slices of 128 columns, and every product of the step reads those slices
     narrow = sorted(f"{name} ({k})" for name, k in widths.items() if k % 128) if fp8 else []
     if narrow:
