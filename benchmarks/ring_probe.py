@@ -15,11 +15,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from distmk.device.ring import (_acquire64, acc_layout, cta_barrier, load_rows, make_rings, matmul_layouts, mma_block,
-                                mma_block_fp8, task_row)
+                                mma_block_fp8, packs_halves, task_row)
 from distmk.graph.table import COLUMNS
+from distmk.kernels.ring_megakernel import RING_ROWS
 
 ROW_WIDTH = gl.constexpr(len(COLUMNS))
 
+E4M3_SLOT_ROWS = gl.constexpr(RING_ROWS)
 STREAM_SCALE = gl.constexpr(1 / 64)      # a layer's output scale in the probe: keeps values O(1) over 32 layers
 POLL_LIMIT = gl.constexpr(5_000_000)      # a barrier that never completes gives up instead of hanging the GPU
 
@@ -32,9 +34,11 @@ def _acquire(ptr):
 
 @gluon.jit
 def _consume(x_desc, x_row, out, OUT_STRIDE: gl.constexpr, col0, rows, n, K: gl.constexpr, SCALE: gl.constexpr,
-             w_scale, ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr, xq=None):
+             w_scale, ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr, xq=None,
+             PACK: gl.constexpr = False):
     """out[:n, col0:col0 + rows] = SCALE * x[x_row:x_row + n] @ W^T over the slots _produce filled (e4m3 weights
-    with the block scales `w_scale` where the ring holds e4m3; with `xq`, e4m3 activations too)."""
+    with the block scales `w_scale` where the ring holds e4m3; with `xq`, e4m3 activations too; PACK: two column
+    ranges a slot, device/ring.py packs_halves)."""
     BN: gl.constexpr = ring.type.shape[1]
     B_PAD: gl.constexpr = xring.type.shape[1]
     layout: gl.constexpr = acc_layout(BN, B_PAD, num_warps)
@@ -43,7 +47,7 @@ def _consume(x_desc, x_row, out, OUT_STRIDE: gl.constexpr, col0, rows, n, K: gl.
     for j in range(0, rows, BN):
         if ring.dtype.itemsize == 1:
             acc, c, cx = mma_block_fp8(x_desc, x_row, K, w_scale, col0 + j, rows - j, ring, ready, empty, xring,
-                                       xready, c, cx, j > 0, j + BN < rows, num_warps, xq)
+                                       xready, c, cx, j > 0, j + BN < rows, num_warps, xq, PACK)
         else:
             acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, j > 0, j + BN < rows,
                                    num_warps)
@@ -54,12 +58,14 @@ def _consume(x_desc, x_row, out, OUT_STRIDE: gl.constexpr, col0, rows, n, K: gl.
 
 
 @gluon.jit
-def _stream_producer(w_desc, ring, ready, empty, layers, ROWS: gl.constexpr, N: gl.constexpr, K: gl.constexpr):
+def _stream_producer(w_desc, ring, ready, empty, layers, ROWS: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
+                     A8: gl.constexpr):
     """This program's rows of every layer, in the consumer's order."""
     row0 = gl.program_id(0) * ROWS
     c = 0
     for layer in range(layers):
-        c = load_rows(w_desc, layer * N + row0, ROWS, K, ring, ready, empty, c, 0)
+        c = load_rows(w_desc, layer * N + row0, ROWS, K, ring, ready, empty, c, 0,
+                      packs_halves(w_desc.dtype, ROWS, K, ring.type) and not A8)
 
 
 @gluon.jit
@@ -88,7 +94,8 @@ def _stream_consumer(x_desc, y, w_scale, counters, ring, ready, empty, xring, xr
                              ready, empty, xring, xready, c, cx, num_warps, xq)
         else:
             c, cx = _consume(x_desc, (layer % 2) * B_PAD, out, N, row0, ROWS, B_PAD, K, STREAM_SCALE, scales, ring,
-                             ready, empty, xring, xready, c, cx, num_warps)
+                             ready, empty, xring, xready, c, cx, num_warps,
+                             PACK=packs_halves(ring.dtype, ROWS, K, ring.type))
         if MODE == 1:
             cta_barrier()
             gl.atomic_add(counters + layer, 1, sem="release", scope="gpu")
@@ -100,14 +107,16 @@ def ring_stream(w_desc, x_desc, y, w_scale, counters, layers, ROWS: gl.constexpr
                 num_warps: gl.constexpr):
     """w_scale: the e4m3 weights' block scales [layers * N / 128, K / 128] (bf16 weights: unused); A8: e4m3
     activations too (mma_block_w8a8)."""
-    ring, ready, empty, xring, xready = make_rings(w_desc, x_desc, w_desc.block_type.shape[0], NBUF, XD)
+    # a slot of bf16 weights is one box; e4m3 boxes are 16 rows (stream_descriptors), the megakernel's slots 64
+    BN: gl.constexpr = E4M3_SLOT_ROWS if w_desc.dtype.itemsize == 1 else w_desc.block_type.shape[0]
+    ring, ready, empty, xring, xready = make_rings(w_desc, x_desc, BN, NBUF, XD)
     B_PAD: gl.constexpr = x_desc.block_type.shape[0]
     xq = gl.allocate_shared_memory(gl.float8e4nv, [B_PAD, 128],
                                    gl.NVMMASharedLayout.get_default_for([B_PAD, 128], gl.float8e4nv))
     gl.warp_specialize([
         (_stream_consumer, (x_desc, y, w_scale, counters, ring, ready, empty, xring, xready, xq, layers, ROWS, N, K,
                             NPROG, MODE, A8, num_warps)),
-        (_stream_producer, (w_desc, ring, ready, empty, layers, ROWS, N, K)),
+        (_stream_producer, (w_desc, ring, ready, empty, layers, ROWS, N, K, A8)),
     ], [1], [24])
 
 
@@ -153,11 +162,11 @@ def tl_stream(w, y, counters, layers, ROWS: tl.constexpr, N: tl.constexpr, K: tl
 
 def stream_descriptors(w, y, block_n: int, block_k: int, b_pad: int):
     """TMA descriptors of the stacked weights [layers * N, K] and the two activation buffers y [2, b_pad, N]
-    (a 2-D view), NVMMA-swizzled as wgmma reads them. e4m3 weights come in boxes of 128 columns (one swizzle line:
-    input slices of block_k = 128 make a slot of two)."""
+    (a 2-D view), NVMMA-swizzled as wgmma reads them. e4m3 weights come in boxes of 16 rows and 128 columns (one
+    swizzle line: input slices of block_k = 128 make a slot of two), as the megakernel's (device/ring.py load_block)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     fp8 = w.dtype == torch.float8_e4m3fn
-    w_box = [block_n, 128 if fp8 else block_k]
+    w_box = [16, 128] if fp8 else [block_n, block_k]
     w_layout = gl.NVMMASharedLayout.get_default_for(w_box, gl.float8e4nv if fp8 else gl.bfloat16)
     x_layout = gl.NVMMASharedLayout.get_default_for([b_pad, block_k], gl.bfloat16)
     return (TensorDescriptor.from_tensor(w, w_box, w_layout),
@@ -168,14 +177,14 @@ def compile_ring_stream(rows: int, n: int, k: int, block_n: int, block_k: int, s
                         programs: int, mode: int, b_pad: int = 16, arch: int = 90, fp8: bool = False,
                         a8: bool = False):
     """ring_stream compiled for CUDA compute capability `arch` without a GPU (CI's check that the Gluon path
-    still builds on the Triton it installs); `fp8`: e4m3 weights (weight boxes of 128 columns, input slices of
+    still builds on the Triton it installs); `fp8`: e4m3 weights (weight boxes of 16 x 128, input slices of
     block_k = 128)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    w_type, w_cols = (gl.float8e4nv, 128) if fp8 else (gl.bfloat16, block_k)
-    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, w_cols], w_type)
+    w_type, w_box = (gl.float8e4nv, [16, 128]) if fp8 else (gl.bfloat16, [block_n, block_k])
+    w_layout = gl.NVMMASharedLayout.get_default_for(w_box, w_type)
     x_layout = gl.NVMMASharedLayout.get_default_for([b_pad, block_k], gl.bfloat16)
-    signature = {"w_desc": f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}[{block_n}, {w_cols}],{w_layout!r}>",
+    signature = {"w_desc": f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}[{w_box[0]}, {w_box[1]}],{w_layout!r}>",
                  "x_desc": f"tensordesc<bf16[{b_pad}, {block_k}],{x_layout!r}>", "y": "*bf16", "w_scale": "*fp32",
                  "counters": "*i32", "layers": "i32"}
     constants = dict(ROWS=rows, N=n, K=k, NBUF=stages, XD=x_stages, NPROG=programs, MODE=mode, A8=a8, num_warps=4)

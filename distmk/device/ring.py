@@ -149,26 +149,38 @@ def layer_scales(w_scale, layer, ROWS: gl.constexpr, K: gl.constexpr):
 
 @gluon.jit
 def mma_rows(w_desc, w_scale, w_row, rows, x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready, c, cx,
-             primed, chained, num_warps: gl.constexpr):
+             primed, chained, num_warps: gl.constexpr, PACK: gl.constexpr = False):
     """A block of rows w_row.. of a matrix (of `rows` left) times the input, by mma_block, or by mma_block_fp8 where
-    w_desc streams e4m3 weights (w_scale: the matrix's block scales)."""
+    w_desc streams e4m3 weights (w_scale: the matrix's block scales; PACK: load_block's)."""
     if w_desc.dtype.itemsize == 1:
         acc, c, cx = mma_block_fp8(x_desc, x_row, K, w_scale, w_row, rows, weight_view(ring, w_desc), ready, empty,
-                                   xring, xready, c, cx, primed, chained, num_warps)
+                                   xring, xready, c, cx, primed, chained, num_warps, PACK=PACK)
     else:
         acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, primed, chained, num_warps)
     return acc, c, cx
 
 
+@gluon.constexpr_function
+def packs_halves(w_dtype, rows, K, ring_type):
+    """Whether blocks of at most `rows` rows of a matrix of K columns (of w_dtype) stream two column ranges a slot of
+    the ring (of ring_type), one in each half (load_block, mma_block_fp8): an e4m3 slot costs its conversion to bf16
+    whatever rows it holds, so a block of half a slot (the row-parallel tiles at tp=1) would convert as much padding
+    as weights. A compile-time choice: Triton 3.6 cannot build the W8A16 loop under a branch taken at run time."""
+    slot_bytes = ring_type.shape[2] * ring_type.element_ty.primitive_bitwidth // 8
+    return w_dtype.primitive_bitwidth == 8 and rows <= ring_type.shape[1] // 2 and K % (2 * slot_bytes) == 0
+
+
 @gluon.jit
-def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, INFLIGHT: gl.constexpr):
+def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, INFLIGHT: gl.constexpr,
+               PACK: gl.constexpr = False):
     """Producer: the ring slots of one block of `rows` (<= BN) weight rows from row0, BK columns at a time, in
     boxes of the descriptor's rows, each copied as soon as the consumer frees its slot (and, while the ring
     fills ahead of the task whose first slot is `first`, at most INFLIGHT slots are in flight: _claim_slot);
     returns the slots filled so far. A slot's rows past the block keep an earlier block's weights: consumers never
     store them. The descriptor's box is [16 rows, one 128-byte swizzle line of columns], one TMA copy, all issued
     from one loop: boxes as wide as the slot were a copy per 128 bytes, unrolled at every call (96 copy sites, 22 KB
-    of qwen3-30b-a3b's kernel; a kernel's code is time of its latency-bound tasks: benchmarks/code_size.py)."""
+    of qwen3-30b-a3b's kernel; a kernel's code is time of its latency-bound tasks: benchmarks/code_size.py). PACK
+    (packs_halves): the block's next BK columns go into the slot's bottom half."""
     ring = weight_view(ring, desc)
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
@@ -179,17 +191,20 @@ def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, 
     MOST: gl.constexpr = BN // BOX
     gl.static_assert((LINE * desc.dtype.itemsize == 128) | (MOST == 1),
                      "a weight box is one swizzle line wide or a whole slot")
+    gl.static_assert((BOX * 2 <= BN) | (not PACK), "a slot's halves are whole boxes")
     # the slot is laid out a swizzle line of columns after another ([LINES, BN, LINE]): as boxes, [line, box]
     boxes_of = as_boxes(ring, desc, NBUF * LINES * MOST)
+    HALVES: gl.constexpr = 2 if PACK else 1       # PACK: the bottom half holds the next BK columns
     boxes = (gl.minimum(rows, BN) + BOX - 1) // BOX
-    for k in range(0, K, BK):
+    for k in range(0, K, HALVES * BK):
         s = _claim_slot(ready, empty, c, first, NBUF, INFLIGHT)
-        _expect_pieces(ready.index(s), boxes, LINES, desc, MOST)
-        for piece in range(boxes * LINES):
+        _expect_pieces(ready.index(s), HALVES * boxes, LINES, desc, MOST)
+        for piece in range(HALVES * boxes * LINES):
             line = piece % LINES
-            box = piece // LINES
-            tma_load(desc, [row0 + box * BOX, k + line * LINE], ready.index(s),
-                     boxes_of.index((s * LINES + line) * MOST + box))
+            box = (piece // LINES) % boxes
+            half = piece // (LINES * boxes)
+            tma_load(desc, [row0 + box * BOX, k + half * BK + line * LINE], ready.index(s),
+                     boxes_of.index((s * LINES + line) * MOST + half * (MOST // 2) + box))
         c += 1
     return c
 
@@ -286,13 +301,14 @@ def _next_slice(x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, chained,
 
 @gluon.jit
 def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready, empty, xring, xready, c, cx, primed,
-                  chained, num_warps: gl.constexpr, xq=None):
+                  chained, num_warps: gl.constexpr, xq=None, PACK: gl.constexpr = False):
     """mma_block over e4m3 weights whose 128 x 128 blocks each have a float32 scale (models/fp8.py; `scale`: the
     matrix's grid [ceil(R / 128), K / 128], `row0`: the block's first row, of `rows`). A slot holds two input slices'
     columns (make_rings), each half times an input slice. W8A16: the halves dequantized to bf16 in registers, as the
     reference's weights are (_w8a16_block). With `xq` (e4m3 shared memory of an input slice's shape), W8A8: each
     input slice quantized to e4m3 with a scale a row (its largest magnitude at e4m3's largest) into xq, then the
-    e4m3 wgmma straight from the slot, times the weight rows' and input rows' scales."""
+    e4m3 wgmma straight from the slot, times the weight rows' and input rows' scales. PACK (W8A16, a block of half a
+    slot): a slot holds four input slices' columns, two in each half (load_block, _w8a16_packed)."""
     BN: gl.constexpr = ring.type.shape[1]
     XD: gl.constexpr = xring.type.shape[0]
     B_PAD: gl.constexpr = xring.type.shape[1]
@@ -306,8 +322,15 @@ def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready
     valid = rn < rows
     scales = scale + ((row0 + rn) // 128) * (K // 128)      # each row's scales, one an input slice
     if xq is None:
-        acc, c = _w8a16_block(x_desc, x_row, KT, scales, valid, ring, ready, empty, xring, xready, c, cx, chained,
-                              CHAIN, layout)
+        if PACK:
+            # the slot's bottom half: the block's rows again, two input slices further (load_block)
+            top = rn % (BN // 2)
+            scales = scale + ((row0 + top) // 128) * (K // 128) + (rn // (BN // 2)) * 2
+            acc, c = _w8a16_packed(x_desc, x_row, KT, scales, top < rows, ring, ready, empty, xring, xready, c, cx,
+                                   chained, CHAIN, layout)
+        else:
+            acc, c = _w8a16_block(x_desc, x_row, KT, scales, valid, ring, ready, empty, xring, xready, c, cx,
+                                  chained, CHAIN, layout)
     else:
         acc, c = _w8a8_block(x_desc, x_row, KT, scales, valid, ring, ready, empty, xring, xready, xq, c, cx, chained,
                              CHAIN, layout, num_warps)
@@ -328,31 +351,44 @@ def _mma_slice(a, pending, acc, x_desc, x_row, KT: gl.constexpr, xring, xready, 
 
 
 @gluon.jit
+def _scales_at(scales, valid, i, KT: gl.constexpr):
+    """The rows' block scales of input slices i and i + 1 (0 past the last: their halves multiply nothing)."""
+    return (gl.load(scales + i, mask=valid & (i < KT), other=0.0),
+            gl.load(scales + i + 1, mask=valid & (i + 1 < KT), other=0.0))
+
+
+@gluon.jit
+def _take_slot(ring, ready, empty, c, low, high, operand: gl.constexpr):
+    """Slot c's halves once it landed, dequantized with their rows' scales (low, high) into wgmma A operands; the slot
+    goes back to the producer then."""
+    NBUF: gl.constexpr = ring.type.shape[0]
+    s = c % NBUF
+    mbarrier.wait(ready.index(s), (c // NBUF) & 1)
+    first = _dequantized_half(ring, s, 0, low, operand)
+    second = _dequantized_half(ring, s, 1, high, operand)
+    mbarrier.arrive(empty.index(s), count=1)
+    return first, second
+
+
+@gluon.jit
 def _w8a16_block(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, empty, xring, xready, c, cx, chained,
                  CHAIN: gl.constexpr, layout: gl.constexpr):
     """mma_block_fp8's loop, the weights dequantized to bf16 in registers: both halves of a slot as soon as it
     landed (the slot goes back to the producer then), their scales loaded a slot ahead; one accumulator, one wgmma
     in flight while the next half's input slice is waited for, as in mma_block."""
-    NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
     BK: gl.constexpr = ring.type.shape[2] // 2
     B_PAD: gl.constexpr = xring.type.shape[1]
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
     scales = gl.convert_layout(scales, gl.SliceLayout(1, operand))
     valid = gl.convert_layout(valid, gl.SliceLayout(1, operand))
-    low = gl.load(scales, mask=valid, other=0.0)
-    high = gl.load(scales + 1, mask=valid & (KT > 1), other=0.0)
+    low, high = _scales_at(scales, valid, 0, KT)
     acc = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
     second = gl.zeros([BN, BK], gl.bfloat16, layout=operand)
     for jt in range((KT + 1) // 2):         # an odd K / 128 leaves the last slot's second half out
-        next_low = gl.load(scales + jt * 2 + 2, mask=valid & (jt * 2 + 2 < KT), other=0.0)
-        next_high = gl.load(scales + jt * 2 + 3, mask=valid & (jt * 2 + 3 < KT), other=0.0)
-        s = c % NBUF
-        mbarrier.wait(ready.index(s), (c // NBUF) & 1)
-        first = _dequantized_half(ring, s, 0, low, operand)
+        next_low, next_high = _scales_at(scales, valid, jt * 2 + 2, KT)
         pending = second
-        second = _dequantized_half(ring, s, 1, high, operand)
-        mbarrier.arrive(empty.index(s), count=1)
+        first, second = _take_slot(ring, ready, empty, c, low, high, operand)
         acc = _mma_slice(first, pending, acc, x_desc, x_row, KT, xring, xready, cx, jt * 2, chained, CHAIN)
         if jt * 2 + 1 < KT:
             acc = _mma_slice(second, first, acc, x_desc, x_row, KT, xring, xready, cx, jt * 2 + 1, chained, CHAIN)
@@ -361,6 +397,47 @@ def _w8a16_block(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, em
         c += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     return acc, c
+
+
+@gluon.jit
+def _w8a16_packed(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, empty, xring, xready, c, cx, chained,
+                  CHAIN: gl.constexpr, layout: gl.constexpr):
+    """_w8a16_block over slots whose bottom half holds the block's rows again, two input slices further (load_block):
+    each half-column of a slot times two input slices, the top rows' product into one accumulator and the bottom's
+    into another, summed at the end (a layout conversion brings a row's two sums, other warps', to one thread)."""
+    BN: gl.constexpr = ring.type.shape[1]
+    BK: gl.constexpr = ring.type.shape[2] // 2
+    B_PAD: gl.constexpr = xring.type.shape[1]
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
+    gl.static_assert(KT % 4 == 0, "a block's slots are whole: four input slices each")
+    scales = gl.convert_layout(scales, gl.SliceLayout(1, operand))
+    valid = gl.convert_layout(valid, gl.SliceLayout(1, operand))
+    low, high = _scales_at(scales, valid, 0, KT)
+    top = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
+    bottom = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
+    second = gl.zeros([BN, BK], gl.bfloat16, layout=operand)
+    for jt in range(KT // 4):
+        next_low, next_high = _scales_at(scales, valid, jt * 4 + 4, KT)
+        pending = second
+        first, second = _take_slot(ring, ready, empty, c, low, high, operand)
+        top = _mma_slice(first, pending, top, x_desc, x_row, KT, xring, xready, cx, jt * 4, chained, CHAIN)
+        top = _mma_slice(second, first, top, x_desc, x_row, KT, xring, xready, cx, jt * 4 + 1, chained, CHAIN)
+        bottom = _mma_slice(first, second, bottom, x_desc, x_row, KT, xring, xready, cx, jt * 4 + 2, chained, CHAIN)
+        bottom = _mma_slice(second, first, bottom, x_desc, x_row, KT, xring, xready, cx, jt * 4 + 3, chained, CHAIN)
+        low = next_low
+        high = next_high
+        c += 1
+    top, bottom = warpgroup_mma_wait(num_outstanding=0, deps=[top, bottom])
+    # rows r of the sum: top's r and bottom's r + BN / 2, gathered into one thread's registers; rows past BN / 2 (the
+    # block's padding: never stored) repeat them
+    flat: gl.constexpr = gl.BlockedLayout([1, 1], [32 // B_PAD, B_PAD], [gl.num_warps(), 1], [1, 0])
+    paired: gl.constexpr = gl.BlockedLayout([2, 1, 1], [1, 32 // B_PAD, B_PAD], [1, gl.num_warps(), 1], [2, 1, 0])
+    top = gl.convert_layout(gl.reshape(gl.convert_layout(top, flat), [2, BN // 2, B_PAD]), paired)
+    bottom = gl.convert_layout(gl.reshape(gl.convert_layout(bottom, flat), [2, BN // 2, B_PAD]), paired)
+    half = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, paired)))[:, None, None]
+    total = gl.sum(gl.where(half == 0, top, bottom), axis=0)
+    total = gl.expand_dims(total, 0) + gl.zeros([2, BN // 2, B_PAD], gl.float32, layout=paired)
+    return gl.convert_layout(gl.reshape(total, [BN, B_PAD]), layout), c
 
 
 @gluon.jit
@@ -406,12 +483,13 @@ def acc_layout(BN, B_PAD, num_warps):
 
 
 @gluon.jit
-def load_rows(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, INFLIGHT: gl.constexpr):
-    """Producer: the slots of a task's `rows` weight rows from row0, block after block."""
+def load_rows(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, INFLIGHT: gl.constexpr,
+              PACK: gl.constexpr = False):
+    """Producer: the slots of a task's `rows` weight rows from row0, block after block (PACK: load_block's)."""
     BN: gl.constexpr = ring.type.shape[1]
     first = c
     for j in range(0, rows, BN):
-        c = load_block(desc, row0 + j, rows - j, K, ring, ready, empty, c, first, INFLIGHT)
+        c = load_block(desc, row0 + j, rows - j, K, ring, ready, empty, c, first, INFLIGHT, PACK)
     return c
 
 
@@ -582,13 +660,13 @@ def store_residual_ring(x, xs, offs, mask, values, next_norm_w):
 @gluon.jit
 def row_parallel_rows(w_desc, w_scale, x_desc, x_row, K: gl.constexpr, row0, rows, n, x, xs, next_norm_w, partial,
                       H: gl.constexpr, PARTIAL: gl.constexpr, ring, ready, empty, xring, xready, c, cx,
-                      num_warps: gl.constexpr):
+                      num_warps: gl.constexpr, PACK: gl.constexpr = False):
     """Rows [row0, row0 + rows) of x_in @ W^T over the slots load_rows filled: the row-parallel o_proj and down
     tiles. At tp=1 added to the residual stream x[:n] and the scaled stream's columns with it (next_norm_w: the next
     RMSNorm's weight; tasks/base.py store_residual), the residual and the norm's weight loaded before the products
     so that their round trip overlaps them; at tp > 1 (PARTIAL: the lowering's WRITE_PARTIAL, graph/lowering.py)
     stored as this rank's partial sum for the all-reduce tiles. The weights are w_desc's rows of one layer's matrix
-    (w_scale: its block scales, e4m3 weights; mma_rows)."""
+    (w_scale: its block scales, e4m3 weights; mma_rows, PACK: load_block's)."""
     BN: gl.constexpr = ring.type.shape[1]
     rn, rb = block_index(ring, xring, num_warps)
     for j in range(0, rows, BN):
@@ -599,7 +677,7 @@ def row_parallel_rows(w_desc, w_scale, x_desc, x_row, K: gl.constexpr, row0, row
             residual = gl.load(x + offs, mask=mask, other=0.0).to(gl.float32)
             g = gl.load(next_norm_w + cols, mask=rn < rows - j, other=0.0).to(gl.float32)
         acc, c, cx = mma_rows(w_desc, w_scale, row0 + j, rows - j, x_desc, x_row, K, ring, ready, empty, xring,
-                              xready, c, cx, j > 0, j + BN < rows, num_warps)
+                              xready, c, cx, j > 0, j + BN < rows, num_warps, PACK)
         if PARTIAL:
             gl.store(partial + offs, acc, mask=mask)
         else:

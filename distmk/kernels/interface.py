@@ -130,7 +130,8 @@ CONSTANTS = (
     Arg("ROUTER_PARTS", lambda l: router_shares(l.spec, l.config),
         "o_proj tiles that add shares of the gate's logits (router_partials 1)"),
     Arg("O_PROJ_ROWS", lambda l: hidden_tile_rows(l.spec, l.config),
-        "rows of an o_proj tile (row0 // O_PROJ_ROWS: its share's index)"),
+        "rows of a row-parallel tile over the hidden size, o_proj's and down's (row0 // O_PROJ_ROWS: an o_proj "
+        "share's index)"),
     Arg("EXPERT_INTER", lambda l: l.plan.expert_inter, "an expert's MLP width on this rank"),
     Arg("BATCH", lambda l: l.config.batch, "rows a step holds at most"),
     Arg("VOCAB_L", lambda l: l.plan.vocab, "this rank's vocabulary slice, padded"),

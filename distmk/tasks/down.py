@@ -29,18 +29,20 @@ def down_prefetch(layer, row0, nrows, w_down, H: tl.constexpr, INTER: tl.constex
 
 @gluon.jit
 def down_weights(layer, row0, nrows, w_down_desc, ring, ready, empty, c, H: gl.constexpr, INTER: gl.constexpr,
-                 RING_INFLIGHT: gl.constexpr):
-    return rg.load_rows(w_down_desc, layer * H + row0, nrows, INTER, ring, ready, empty, c, RING_INFLIGHT)
+                 O_PROJ_ROWS: gl.constexpr, RING_INFLIGHT: gl.constexpr):
+    return rg.load_rows(w_down_desc, layer * H + row0, nrows, INTER, ring, ready, empty, c, RING_INFLIGHT,
+                        rg.packs_halves(w_down_desc.dtype, O_PROJ_ROWS, INTER, ring.type))
 
 
 @gluon.jit
 def down_ring(layer, row0, nrows, n, x, xs, norms, partial, w_down_scale, w_down_desc, h_desc, ring, ready, empty,
-              xring, xready, c, cx, H: gl.constexpr, INTER: gl.constexpr, WORLD: gl.constexpr,
-              num_warps: gl.constexpr):
+              xring, xready, c, cx, H: gl.constexpr, INTER: gl.constexpr, O_PROJ_ROWS: gl.constexpr,
+              WORLD: gl.constexpr, num_warps: gl.constexpr):
     """Added to the residual stream at tp=1, this rank's partial sum at tp > 1 (the lowering's mode)."""
     return rg.row_parallel_rows(w_down_desc, rg.layer_scales(w_down_scale, layer, H, INTER), h_desc, 0, INTER, row0,
                                 nrows, n, x, xs, norms + (2 * layer + 2) * H, partial, H, WORLD > 1, ring, ready,
-                                empty, xring, xready, c, cx, num_warps)
+                                empty, xring, xready, c, cx, num_warps,
+                                rg.packs_halves(w_down_desc.dtype, O_PROJ_ROWS, INTER, ring.type))
 
 
 class Down(TaskKind):

@@ -47,8 +47,9 @@ def o_proj_prefetch(layer, row0, nrows, wo, H: tl.constexpr, HQ: tl.constexpr, D
 
 @gluon.jit
 def o_proj_weights(layer, row0, nrows, wo_desc, ring, ready, empty, c, H: gl.constexpr, HQ: gl.constexpr,
-                   D: gl.constexpr, RING_INFLIGHT: gl.constexpr):
-    return rg.load_rows(wo_desc, layer * H + row0, nrows, HQ * D, ring, ready, empty, c, RING_INFLIGHT)
+                   D: gl.constexpr, O_PROJ_ROWS: gl.constexpr, RING_INFLIGHT: gl.constexpr):
+    return rg.load_rows(wo_desc, layer * H + row0, nrows, HQ * D, ring, ready, empty, c, RING_INFLIGHT,
+                        rg.packs_halves(wo_desc.dtype, O_PROJ_ROWS, HQ * D, ring.type))
 
 
 @gluon.jit
@@ -65,7 +66,8 @@ def o_proj_ring(layer, row0, nrows, router_layer, n, x, xs, partial, norms, rout
                                              O_PROJ_ROWS, num_warps)
     c, cx = rg.row_parallel_rows(wo_desc, rg.layer_scales(wo_scale, layer, H, HQ * D), attn_desc, 0, HQ * D, row0,
                                  nrows, n, x, xs, norms + (2 * layer + 1) * H, partial, H, WORLD > 1, ring, ready,
-                                 empty, xring, xready, c, cx, num_warps)
+                                 empty, xring, xready, c, cx, num_warps,
+                                 rg.packs_halves(wo_desc.dtype, O_PROJ_ROWS, HQ * D, ring.type))
     if EXPERTS > 0:
         if router_layer >= 0:
             router_share_ring(row0, nrows, n, x, router_partial, router_sumsq, share_weights, H, EXPERTS,
