@@ -199,12 +199,12 @@ def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, 
     for k in range(0, K, HALVES * BK):
         s = _claim_slot(ready, empty, c, first, NBUF, INFLIGHT)
         _expect_pieces(ready.index(s), HALVES * boxes, LINES, desc, MOST)
-        for piece in range(HALVES * boxes * LINES):
-            line = piece % LINES
-            box = (piece // LINES) % boxes
-            half = piece // (LINES * boxes)
-            tma_load(desc, [row0 + box * BOX, k + half * BK + line * LINE], ready.index(s),
-                     boxes_of.index((s * LINES + line) * MOST + half * (MOST // 2) + box))
+        for half in gl.static_range(HALVES):
+            for piece in range(boxes * LINES):
+                line = piece % LINES
+                box = piece // LINES
+                tma_load(desc, [row0 + box * BOX, k + half * BK + line * LINE], ready.index(s),
+                         boxes_of.index((s * LINES + line) * MOST + half * (MOST // 2) + box))
         c += 1
     return c
 
