@@ -215,6 +215,29 @@ def test_ring_refuses_e4m3_products_beside_a_narrow_k():
     assert why == ["with e4m3 products every product's K must be a multiple of 128 (wo (64) are not)", None, None]
 
 
+def test_e4m3_tiles_of_half_a_slot_stream_two_column_ranges_a_slot():
+    """device/ring.py packs_halves: llama-3-8b's o_proj and down tiles at tp=1 on 132 workers are 32 rows, half an
+    e4m3 slot, so a slot holds two column ranges of them; 63-row tiles (66 workers), bf16 weights, and a K that is
+    not a multiple of two slots' columns (qwen3-30b-a3b's expert down: 768) do not pack."""
+    from types import SimpleNamespace
+
+    from triton.experimental.gluon import language as gl
+
+    from distmk.device.ring import packs_halves
+    from distmk.graph.lowering import hidden_tile_rows
+    from distmk.kernels.ring_megakernel import RING_ROWS
+    from distmk.models.presets import preset
+    ring = SimpleNamespace(shape=[10, RING_ROWS, 128], element_ty=gl.bfloat16)     # e4m3 steps' slots: 256 columns
+    llama = preset("llama-3-8b")
+    rows = {w: hidden_tile_rows(llama, GraphConfig(batch=1, workers=w)) for w in (DEFAULT_WORKERS, 66)}
+    assert rows == {DEFAULT_WORKERS: 32, 66: 63}
+    k = {"o_proj": llama.num_heads * llama.head_dim, "down": llama.intermediate_size}
+    assert all(packs_halves(gl.float8e4nv, rows[DEFAULT_WORKERS], k[name], ring) for name in k)
+    assert not any(packs_halves(gl.float8e4nv, rows[66], k[name], ring) for name in k)
+    assert not packs_halves(gl.bfloat16, rows[DEFAULT_WORKERS], k["down"], ring)
+    assert not packs_halves(gl.float8e4nv, 16, preset("qwen3-30b-a3b").moe_intermediate_size, ring)
+
+
 def test_ring_megakernel_refuses_rings_that_would_hang_or_overflow():
     from distmk.errors import DistmkError
     for options in ({"ring_slots": 1}, {"ring_inputs": 1}, {"ring_slots": 7, "ring_inputs": 4}):
