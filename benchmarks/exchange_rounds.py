@@ -1,7 +1,7 @@
-"""A persistent kernel that runs the megakernel's all-reduce tasks (tasks/ar_push.py + tasks/allreduce.py, the same
-device functions, event waits and transports) for many rounds in one launch, so that a round costs what it costs
-inside the megakernel: no launch, no host (allreduce.py). Program p owns row tile p of the H-wide vector; a round
-pushes its partial to every rank, waits for every rank's push and reduces.
+"""A persistent kernel that runs the megakernel's all-reduce (the push of a row-parallel tile, device/exchange.py, and
+the allreduce task, tasks/allreduce.py: the same device functions, event waits and transports) for many rounds in one
+launch, so that a round costs what it costs inside the megakernel: no launch, no host (allreduce.py). Program p owns
+row tile p of the H-wide vector; a round pushes its partial to every rank, waits for every rank's push and reduces.
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from distmk.device.exchange import exchange_region, push_block, push_signal
 from distmk.device.primitives import wait_event
 from distmk.tasks.allreduce import reduce_rows
-from distmk.tasks.ar_push import ar_push_gpu
 from distmk.timing import cuda_times
 
 SLOTS = 2       # exchange slots: a rank is at most one round ahead of a peer still reading
@@ -28,13 +28,20 @@ def exchange_rounds(partial, x, xs, next_norm_w, exchange, exchange_peers, count
     round's count is exact even while this rank's own push of the next round is already in)."""
     tile = tl.program_id(0)
     row0 = tile * TILE
+    rb = tl.arange(0, B_PAD)
+    rn = tl.arange(0, BLOCK_N)
     ok = 1
     for r in range(rounds):
         if ok == 1:
             g = epoch0 + r
             counter = tile * SLOTS + g % SLOTS
-            ar_push_gpu(row0, TILE, g, n, rank, counter, partial, exchange, exchange_peers, counters, counter_peers,
-                        H, B_PAD, WORLD, SLOTS, BLOCK_N, TRANSPORT, SIGNAL_ADD)
+            region = exchange_region(row0, g, rank, H, B_PAD, WORLD, SLOTS)
+            for j in range(0, TILE, BLOCK_N):       # the tile's product, here read from `partial`
+                mask = (rb < n)[:, None] & (j + rn < TILE)[None, :]
+                rows = tl.load(partial + rb[:, None] * H + (row0 + j + rn)[None, :], mask=mask, other=0.0)
+                push_block(rows, rb, j + rn, mask, region, TILE, exchange, exchange_peers, WORLD, TRANSPORT)
+            push_signal(region, n, TILE, rank, counter, exchange, counters, counter_peers, WORLD, TRANSPORT,
+                        SIGNAL_ADD)
             if wait_event(counters + counter, (g // SLOTS + 1).to(tl.int64) * WORLD, error, timeout, INTERPRET,
                           True) < 0:
                 tl.store(error, 1)

@@ -1,6 +1,6 @@
 """How much of the all-reduce the ring megakernel hides behind the weight stream: the o_proj tiles of every layer
 of MODEL (the row-parallel GEMV, this rank's [H, K / tp] slice of Wo, streamed from HBM), one layer after the other,
-each tile followed by its all-reduce (ar_push, allreduce) in the same persistent kernel, as the decode step runs
+each tile pushing its partial sum to every rank and followed by its allreduce task in the same persistent kernel, as the decode step runs
 them (graph/lowering.py row_parallel_phase); against the same tiles without the all-reduce. Under a launcher, also
 cuBLAS's GEMV per layer, then with NCCL's all-reduce after each, captured in a CUDA graph. One JSON object, per
 layer:

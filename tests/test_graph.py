@@ -9,13 +9,13 @@ from distmk.errors import GraphError
 from distmk.graph import GraphConfig, compile_step
 from distmk.graph.lowering import GraphBuilder, compile_graph, hidden_tiles, row_parallel_phase
 from distmk.graph.scheduler import check_deadlock_free
-from distmk.graph.table import A0, A1, LAYER, SIGNAL, TYPE, WAIT
+from distmk.graph.table import A0, A1, A2, LAYER, SIGNAL, TYPE, WAIT
 from distmk.models.presets import PRESETS
 from distmk.models.shard import plan_shard
 from distmk.comm.cpu import run_simulated_ranks
 from distmk.runtime.engine import Engine
 from distmk.tasks import TASK_KINDS, TYPE_ID
-from distmk.tasks.base import WRITE_PARTIAL
+from distmk.tasks.base import PUSH_PARTIAL, WRITE_PARTIAL
 from conftest import PROMPT, SMALL
 
 
@@ -96,12 +96,12 @@ def test_consumers_wait_only_on_the_tiles_they_read():
         by_signal[r[SIGNAL]].append(r)
     allreduces = [r for r in rows if r[TYPE] == TYPE_ID["allreduce"]]
     assert allreduces
-    for r in allreduces:      # the push of the same rows, which waits on exactly the matmul tile producing them
+    for r in allreduces:      # exactly the matmul tile of the same rows, which pushes them to every rank
         (push,) = by_signal[r[WAIT]]
-        assert push[TYPE] == TYPE_ID["ar_push"] and (push[LAYER], push[A0], push[A1]) == (r[LAYER], r[A0], r[A1])
-        (producer,) = by_signal[push[WAIT]]
-        assert producer[TYPE] in (TYPE_ID["o_proj"], TYPE_ID["down"])
-        assert (producer[LAYER], producer[A0], producer[A1]) == (r[LAYER], r[A0], r[A1])
+        assert push[TYPE] in (TYPE_ID["o_proj"], TYPE_ID["down"]) and push[A0 + 2] == PUSH_PARTIAL
+        assert (push[LAYER], push[A0], push[A1]) == (r[LAYER], r[A0], r[A1])
+        assert r[A2] == 2 * r[LAYER] + (push[TYPE] == TYPE_ID["down"])
+        assert table.event_need[r[WAIT]] == 2       # one push from each rank
     for r in rows:            # attention waits on its layer's QKV tiles (a tile may cross heads), all of them
         if r[TYPE] == TYPE_ID["attention"]:
             producers = by_signal[r[WAIT]]
@@ -133,7 +133,8 @@ def test_tp1_has_no_allreduce_and_tp2_has_one_per_row_parallel_tile():
 @pytest.mark.parametrize("exchange", [False, True])
 def test_row_parallel_phases_with_and_without_their_all_reduce(exchange):
     """benchmarks/overlap.py's tables at tp=2: every layer's o_proj phase after the one before, each tile keeping its
-    partial sum, with or without the ar_push + allreduce pair that all-reduces it; they run to the end."""
+    partial sum (WRITE_PARTIAL), or pushing it to every rank for the allreduce task of its rows (PUSH_PARTIAL);
+    they run to the end."""
     spec = PRESETS["tiny-llama"]
     plan = plan_shard(spec, 2, 0)
     config = GraphConfig(**SMALL.__dict__).resolved(spec, plan)
@@ -143,10 +144,9 @@ def test_row_parallel_phases_with_and_without_their_all_reduce(exchange):
     table = compile_graph(g, spec, plan, config)
     kinds = collections.Counter(TASK_KINDS[t].name for t in table.tasks[:, TYPE].tolist())
     tiles = len(hidden_tiles(spec, config))
-    assert kinds == {"o_proj": spec.num_layers * tiles,
-                     **({"ar_push": spec.num_layers * tiles, "allreduce": spec.num_layers * tiles} if exchange else {})}
+    assert kinds == {"o_proj": spec.num_layers * tiles, **({"allreduce": spec.num_layers * tiles} if exchange else {})}
     o_proj = table.tasks[table.tasks[:, TYPE] == TYPE_ID["o_proj"]]
-    assert (o_proj[:, A0 + 2] == WRITE_PARTIAL).all()
+    assert (o_proj[:, A0 + 2] == (PUSH_PARTIAL if exchange else WRITE_PARTIAL)).all()
     assert len(simulate(table)) == table.num_tasks
 
 

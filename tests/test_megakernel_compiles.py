@@ -63,8 +63,8 @@ def test_ring_megakernel_compiles_for_sm90(name, batch, fused_route, quantize):
 
 @pytest.mark.parametrize("name, tp, batch", [("llama-3-8b", 2, 1), ("qwen3-30b-a3b", 4, 8)])
 def test_tensor_parallel_ring_megakernel_compiles_for_sm90(name, tp, batch):
-    """The ring megakernel's exchanges (ar_push, allreduce, argmax_push over peer pointers) at tp > 1, as virtual
-    ranks run them (GPU-scope events) and ranks of one node (system scope)."""
+    """The ring megakernel's exchanges (row-parallel tiles' pushes, allreduce, argmax_push over peer pointers) at
+    tp > 1, as virtual ranks run them (GPU-scope events) and ranks of one node (system scope)."""
     from distmk.comm.cpu import run_simulated_ranks
 
     def compile_rank(rank, comm):

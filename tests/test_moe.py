@@ -351,7 +351,7 @@ def test_ring_megakernel_runs_moe_steps_at_any_tp_over_peer_pointers():
         kinds = {TASK_KINDS[t] for t in table.tasks[:, 0].tolist()}
         assert {"router", "route", "expert_gate_up", "expert_down", "moe_combine"} <= {k.name for k in kinds}
         assert ring_unsupported(spec, plan, table.config, torch.bfloat16, "pointer", kinds) is None
-    assert {"ar_push", "allreduce", "argmax_push"} <= {k.name for k in kinds}
+    assert {"allreduce", "argmax_push"} <= {k.name for k in kinds}
     assert "tl megakernel" in ring_unsupported(spec, plan, table.config, torch.bfloat16, "nvshmem", kinds)
 
 

@@ -36,8 +36,9 @@ def test_phase_timeline_times_each_phase_from_the_previous_phases_last_end():
 
 
 def test_push_to_consume_pairs_each_tiles_push_with_its_reduction():
-    """At tp=2 every row-parallel tile's ar_push and allreduce pair up by (output, row0): a reduction that starts
-    3 µs after its push, 5 µs for the last layer's MLP, gives a median of 3 and a largest of 5."""
+    """At tp=2 every row-parallel tile (which pushes its partial sum) and the allreduce of its rows pair up: a
+    reduction that starts 3 µs after its tile ends, 5 µs for the last layer's MLP, gives a median of 3 and a largest
+    of 5."""
     from distmk.graph.table import A0, A2
     from distmk.kernels.trace import push_to_consume_ns
     spec = PRESETS["tiny-llama"]
@@ -46,13 +47,14 @@ def test_push_to_consume_pairs_each_tiles_push_with_its_reduction():
     timings = torch.zeros(table.num_tasks, 4, dtype=torch.int64)
     last_mlp = 2 * spec.num_layers - 1
     for t, kind in enumerate(kinds):
-        tile = int(table.tasks[t, A2]) * 10_000 + int(table.tasks[t, A0])
-        if kind == "ar_push":
-            timings[t, 2] = tile * 100
+        layer, row0 = int(table.tasks[t, LAYER]), int(table.tasks[t, A0])
+        if kind in ("o_proj", "down"):
+            timings[t, 2] = ((2 * layer + (kind == "down")) * 10_000 + row0) * 100
         elif kind == "allreduce":
-            timings[t, 1] = tile * 100 + (5000 if int(table.tasks[t, A2]) == last_mlp else 3000)
+            output = int(table.tasks[t, A2])
+            timings[t, 1] = (output * 10_000 + row0) * 100 + (5000 if output == last_mlp else 3000)
     latency = push_to_consume_ns(table, timings)
-    assert latency["tiles"] == kinds.count("allreduce") == kinds.count("ar_push")
+    assert latency["tiles"] == kinds.count("allreduce") == kinds.count("o_proj") + kinds.count("down")
     assert latency["median"] == 3000 and latency["max"] == 5000
     assert push_to_consume_ns(compile_step(spec, plan_shard(spec, 1, 0), GraphConfig(batch=1, workers=8)),
                               timings) is None

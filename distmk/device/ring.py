@@ -658,28 +658,56 @@ def store_residual_ring(x, xs, offs, mask, values, next_norm_w):
 
 
 @gluon.jit
+def exchange_region(row0, output, src, H: gl.constexpr, B_PAD: gl.constexpr, WORLD: gl.constexpr,
+                    EXCHANGE_SLOTS: gl.constexpr):
+    """device/exchange.py exchange_region in Gluon: where rank src's rows of a tile of `output` are."""
+    return ((output % EXCHANGE_SLOTS) * WORLD + src).to(gl.int64) * B_PAD * H + row0 * B_PAD
+
+
+@gluon.constexpr_function
+def exchange_layout(num_warps):
+    """A tile's rows of the exchange: the batch down the warps, a warp across the columns."""
+    return gl.BlockedLayout([1, 4], [8, 4], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def push_block(values, packed, mask, exchange_peers, WORLD: gl.constexpr):
+    """device/exchange.py push_block's pointer transport in Gluon: float32 `values` stored at offsets `packed` of
+    every rank's exchange (NVSHMEM's put-with-signal stays on the tl kernel)."""
+    for p in gl.static_range(WORLD):
+        gl.store(peer_pointer(exchange_peers, p, gl.float32) + packed, values, mask=mask)
+
+
+@gluon.jit
 def row_parallel_rows(w_desc, w_scale, x_desc, x_row, K: gl.constexpr, row0, rows, n, x, xs, next_norm_w, partial,
-                      H: gl.constexpr, PARTIAL: gl.constexpr, ring, ready, empty, xring, xready, c, cx,
-                      num_warps: gl.constexpr, PACK: gl.constexpr = False):
+                      push, region, signal, exchange_peers, counter_peers, H: gl.constexpr, WORLD: gl.constexpr,
+                      SYSTEM_SCOPE: gl.constexpr, ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr,
+                      PACK: gl.constexpr = False):
     """Rows [row0, row0 + rows) of x_in @ W^T over the slots load_rows filled: the row-parallel o_proj and down
     tiles. At tp=1 added to the residual stream x[:n] and the scaled stream's columns with it (next_norm_w: the next
     RMSNorm's weight; tasks/base.py store_residual), the residual and the norm's weight loaded before the products
-    so that their round trip overlaps them; at tp > 1 (PARTIAL: the lowering's WRITE_PARTIAL, graph/lowering.py)
-    stored as this rank's partial sum for the all-reduce tiles. The weights are w_desc's rows of one layer's matrix
-    (w_scale: its block scales, e4m3 weights; mma_rows, PACK: load_block's)."""
+    so that their round trip overlaps them; at tp > 1 this rank's partial sum, pushed from the accumulator into every
+    rank's exchange at `region` and event `signal` bumped on every rank after the last block (push: the lowering's
+    PUSH_PARTIAL), or only stored (WRITE_PARTIAL). The weights are w_desc's rows of one layer's matrix (w_scale: its
+    block scales, e4m3 weights; mma_rows, PACK: load_block's)."""
     BN: gl.constexpr = ring.type.shape[1]
     rn, rb = block_index(ring, xring, num_warps)
     for j in range(0, rows, BN):
         cols = row0 + j + rn
         offs = rb[None, :] * H + cols[:, None]
         mask = (rn < rows - j)[:, None] & (rb < n)[None, :]
-        if not PARTIAL:
+        if WORLD == 1:
             residual = gl.load(x + offs, mask=mask, other=0.0).to(gl.float32)
             g = gl.load(next_norm_w + cols, mask=rn < rows - j, other=0.0).to(gl.float32)
         acc, c, cx = mma_rows(w_desc, w_scale, row0 + j, rows - j, x_desc, x_row, K, ring, ready, empty, xring,
                               xready, c, cx, j > 0, j + BN < rows, num_warps, PACK)
-        if PARTIAL:
-            gl.store(partial + offs, acc, mask=mask)
-        else:
+        if WORLD == 1:
             store_residual_ring(x, xs, offs, mask, residual + acc, g[:, None])
+        elif push:
+            push_block(acc, region + rb[None, :] * rows + (j + rn)[:, None], mask, exchange_peers, WORLD)
+        else:
+            gl.store(partial + offs, acc, mask=mask)
+    if WORLD > 1:
+        if push:
+            signal_all_ranks(counter_peers, signal, WORLD, SYSTEM_SCOPE, num_warps)
     return c, cx

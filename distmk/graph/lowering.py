@@ -23,7 +23,7 @@ from distmk.models.shard import ShardPlan
 from distmk.models.spec import ModelSpec
 from distmk.tasks import TASK_KINDS, TYPE_ID
 from distmk.tasks.attention import attention_heads
-from distmk.tasks.base import ADD_RESIDUAL, WRITE_PARTIAL, StepShape
+from distmk.tasks.base import ADD_RESIDUAL, PUSH_PARTIAL, WRITE_PARTIAL, StepShape
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,8 @@ class GraphBuilder:
         tasks = torch.tensor(self.rows, dtype=torch.int32).reshape(-1, len(COLUMNS))
         need = torch.tensor(self.event_need, dtype=torch.int32)
         signalled = tasks[:, -1] >= 0
-        per_signal = torch.tensor([tp if TASK_KINDS[t].signals_all_ranks else 1 for t in tasks[:, 0].tolist()])
+        per_signal = torch.tensor([tp if TASK_KINDS[row[0]].signals_every_rank(tuple(row[2:6])) else 1
+                                   for row in tasks.tolist()])
         got = torch.bincount(tasks[:, -1][signalled].long(), weights=per_signal[signalled].double(),
                              minlength=len(need)).long()
         bad = (got != need).nonzero().flatten().tolist()
@@ -168,9 +169,10 @@ def router_shares(spec: ModelSpec, config: GraphConfig) -> int:
 
 def row_parallel_phase(g: GraphBuilder, spec: ModelSpec, plan: ShardPlan, config: GraphConfig, kind: str, layer: int,
                        wait: int, name: str, extra: tuple[int, ...] = (), exchange: bool | None = None) -> int:
-    """o_proj/down/moe_combine tiles (args row0, nrows, mode, *extra) after event `wait`, each followed at tp > 1
-    by the all-reduce of its slice (ar_push, allreduce); returns 'x updated'. `exchange` False leaves the
-    all-reduce out at tp > 1, each tile keeping its partial sum (benchmarks/overlap.py: the GEMV alone)."""
+    """o_proj/down/moe_combine tiles (args row0, nrows, mode, *extra) after event `wait`; at tp > 1 each pushes its
+    partial sum to every rank and signals its all-reduce's event there, and an allreduce task sums the ranks'
+    partials of its slice; returns 'x updated'. `exchange` False leaves the all-reduce out at tp > 1, each tile
+    keeping its partial sum (benchmarks/overlap.py: the GEMV alone)."""
     exchange = plan.tp > 1 if exchange is None else exchange
     row_tiles = hidden_tiles(spec, config)
     done = g.event(f"L{layer}.{name}.x", len(row_tiles))
@@ -180,11 +182,9 @@ def row_parallel_phase(g: GraphBuilder, spec: ModelSpec, plan: ShardPlan, config
         elif not exchange:
             g.task(kind, layer, (row0, nrows, WRITE_PARTIAL, *extra), wait=wait, signal=done)
         else:
-            tile_done = g.event(f"L{layer}.{name}.tile{row0}", 1)
-            g.task(kind, layer, (row0, nrows, WRITE_PARTIAL, *extra), wait=wait, signal=tile_done)
-            slot = 2 * layer + (kind != "o_proj")      # the MLP's output (down, moe_combine): odd
             arrived = g.event(f"L{layer}.{name}.ar{row0}", plan.tp)    # one push from every rank
-            g.task("ar_push", layer, (row0, nrows, slot), wait=tile_done, signal=arrived)
+            g.task(kind, layer, (row0, nrows, PUSH_PARTIAL, *extra), wait=wait, signal=arrived)
+            slot = 2 * layer + (kind != "o_proj")      # the MLP's output (down, moe_combine): odd
             g.task("allreduce", layer, (row0, nrows, slot), wait=arrived, signal=done)
     return done
 

@@ -59,7 +59,7 @@ def stalled_event(table, incomplete: torch.Tensor) -> int | None:
 
 
 TRANSPORTS = ("pointer", "nvshmem")     # the megakernel's TRANSPORT constant is the index
-# row-parallel outputs whose exchanges may be in flight at once: a rank is at most one ahead (tasks/ar_push.py)
+# row-parallel outputs whose exchanges may be in flight at once: a rank is at most one ahead (device/exchange.py)
 EXCHANGE_SLOTS = 2
 
 
@@ -112,7 +112,7 @@ def packed(shapes, device, pin_memory: bool = False) -> tuple[torch.Tensor, list
 class SymmetricBuffers:
     """This rank's symmetric memory (every rank allocates the same, so peers address it): event counters that
     peers bump, exchange buffers of row-parallel partial sums and of the argmax, each with the peers' addresses
-    (tasks/ar_push.py, tasks/argmax_push.py)."""
+    (device/exchange.py, tasks/argmax_push.py)."""
 
     def __init__(self, comm, events: int, batch: int, hidden: int, device):
         b_pad = padded(batch)

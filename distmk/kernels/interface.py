@@ -153,7 +153,7 @@ CONSTANTS = (
     Arg("PREFETCH", lambda l: 0 if l.interpret else l.options.prefetch_kb * 1024, "bytes of L2 prefetch a task"),
     Arg("NORM_BLOCK", lambda l: padded(l.spec.hidden_size), "columns of an RMSNorm's load: a whole row"),
     Arg("WORLD", lambda l: l.world, "tensor-parallel ranks"),
-    # exchanges: 0 = stores through peer pointers, 1 = NVSHMEM put-with-signal (tasks/ar_push.py)
+    # exchanges: 0 = stores through peer pointers, 1 = NVSHMEM put-with-signal (device/exchange.py)
     Arg("TRANSPORT", lambda l: l.transport),
     Arg("SIGNAL_ADD", lambda l: l.signal_add),
     Arg("SYSTEM_SCOPE", lambda l: l.world > 1 and not l.peers_on_device,

@@ -133,9 +133,14 @@ def generate_source(kinds, prefetched=None) -> str:
 
 
 def signals_every_rank(kinds) -> str:
-    """The test that task type `kind` (a kernel variable) signals its event on every rank itself (an exchange),
-    so the kernel must not signal it too."""
-    return " | ".join(f"(kind == {i})" for i, k in kinds.items() if k.signals_all_ranks) or "(kind < 0)"
+    """The test that the task of type `kind` and row args (kernel variables) signals its event on every rank itself
+    (an exchange: TaskKind.signals_all_ranks), so the kernel must not signal it too."""
+    def test(i, kind):
+        if isinstance(kind.signals_all_ranks, tuple):
+            arg, value = kind.signals_all_ranks
+            return f"((kind == {i}) & ({ROW_ARGS[kind.args.index(arg)]} == {value}))"
+        return f"(kind == {i})"
+    return " | ".join(test(i, k) for i, k in kinds.items() if k.signals_all_ranks) or "(kind < 0)"
 
 
 def signature() -> str:

@@ -22,8 +22,9 @@ Like megakernel.py, the source is generated from the task registry, so a task ty
 `ring_weights` and never touches this file. It runs where Gluon and wgmma do: a Hopper GPU, bf16, any tp whose
 exchanges store through peer pointers (ranks of one node, or virtual ranks sharing one GPU); NVSHMEM's
 put-with-signal (other nodes) and Triton's interpreter stay on the tl megakernel (executor.choose_kernel). At
-tp > 1 the exchange tasks (ar_push, allreduce, argmax_push) run in the tasks partition like any task without
-weights: the producer streams the next tiles' weights while they push and wait for their peers.
+tp > 1 a row-parallel tile pushes its partial sum from its accumulator, and the exchange tasks (allreduce,
+argmax_push) run in the tasks partition like any task without weights: the producer streams the next tiles' weights
+while they wait for their peers.
 
 A worker whose wait gives up (timeout, or another worker aborted the step) records the error as the tl kernel
 does and then runs the rest of its queue without waiting, so the producer's slots are all consumed and the

@@ -7,8 +7,8 @@ import statistics
 
 import torch
 
-from distmk.graph.table import A0, A2, LAYER, TYPE
-from distmk.tasks import TASK_KINDS
+from distmk.graph.table import A2, LAYER, SIGNAL, TYPE, WAIT
+from distmk.tasks import TASK_KINDS, TYPE_ID
 
 
 def chrome_trace(table, timings: torch.Tensor, rank: int = 0) -> dict:
@@ -39,34 +39,31 @@ def wait_summary(table, timings: torch.Tensor) -> dict:
             "peer_wait_ns": peer, "peer_wait_fraction": peer / (span * table.num_workers) if span else 0.0}
 
 
+def exchange_tiles(table) -> list[tuple[int, int, int]]:
+    """(push, reduce, output) of each all-reduce tile on this rank: the row-parallel tile that pushed its partial, the
+    allreduce task that waits for every rank's push (its event), and which row-parallel output of the step it is."""
+    signaller = {int(s): t for t, s in enumerate(table.tasks[:, SIGNAL].tolist()) if s >= 0}
+    allreduce = TYPE_ID["allreduce"]
+    return [(signaller[int(table.tasks[t, WAIT])], t, int(table.tasks[t, A2]))
+            for t in (table.tasks[:, TYPE] == allreduce).nonzero().flatten().tolist()]
+
+
 def exposed_allreduce_ns(table, timings: torch.Tensor) -> float | None:
-    """Mean over the step's all-reduces (one per row-parallel output) of how long after this rank published
-    its last partial tile the last reduced tile was written: the all-reduce time the schedule did not hide."""
-    kinds = [TASK_KINDS[int(t)].name for t in table.tasks[:, TYPE].tolist()]
+    """Mean over the step's all-reduces (one per row-parallel output) of how long after this rank pushed its last
+    partial tile the last reduced tile was written: the all-reduce time the schedule did not hide."""
     pushed, reduced = collections.defaultdict(int), collections.defaultdict(int)
-    for task, kind in enumerate(kinds):
-        slot = int(table.tasks[task, A2])
-        if kind == "ar_push":
-            pushed[slot] = max(pushed[slot], int(timings[task, 2]))
-        elif kind == "allreduce":
-            reduced[slot] = max(reduced[slot], int(timings[task, 2]))
+    for push, reduce, output in exchange_tiles(table):
+        pushed[output] = max(pushed[output], int(timings[push, 2]))
+        reduced[output] = max(reduced[output], int(timings[reduce, 2]))
     gaps = [reduced[s] - pushed[s] for s in pushed]
     return sum(gaps) / len(gaps) if gaps else None
 
 
 def push_to_consume_ns(table, timings: torch.Tensor) -> dict | None:
-    """Each all-reduce tile's latency on this rank: from the end of its push of its partial (ar_push) to the start
+    """Each all-reduce tile's latency on this rank: from the end of the tile that pushed its partial to the start
     of the reduction (allreduce, which starts once every rank's partial arrived); median and largest over the
     step's tiles, in ns. None without exchanges (tp=1)."""
-    kinds = [TASK_KINDS[int(t)].name for t in table.tasks[:, TYPE].tolist()]
-    pushed, started = {}, {}
-    for task, kind in enumerate(kinds):
-        tile = (int(table.tasks[task, A2]), int(table.tasks[task, A0]))      # (row-parallel output, row0)
-        if kind == "ar_push":
-            pushed[tile] = int(timings[task, 2])
-        elif kind == "allreduce":
-            started[tile] = int(timings[task, 1])
-    gaps = [started[tile] - end for tile, end in pushed.items() if tile in started]
+    gaps = [int(timings[reduce, 1]) - int(timings[push, 2]) for push, reduce, _ in exchange_tiles(table)]
     return {"median": statistics.median(gaps), "max": max(gaps), "tiles": len(gaps)} if gaps else None
 
 

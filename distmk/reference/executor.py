@@ -58,7 +58,7 @@ class ReferenceExecutor:
         self.rows = [(TASK_KINDS[r[TYPE]], r[LAYER], tuple(r[A0:A0 + len(TASK_KINDS[r[TYPE]].args)]),
                       r[WAIT], r[SIGNAL]) for r in table.tasks.tolist()]
         # an exchange's event counts one signal per rank; here the other ranks meet inside comm.gather
-        self.signal_step = [comm.world if kind.signals_all_ranks else 1 for kind, *_ in self.rows]
+        self.signal_step = [comm.world if kind.signals_every_rank(args) else 1 for kind, _, args, *_ in self.rows]
         self.need = table.event_need.tolist()
         self.queues = [table.worker_queue(w) for w in range(table.num_workers)]
         self.counters = [0] * len(self.need)

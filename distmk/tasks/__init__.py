@@ -2,7 +2,6 @@
 
 Adding a task type means one new file in this package and one line below."""
 from distmk.tasks.allreduce import AllReduce
-from distmk.tasks.ar_push import ArPush
 from distmk.tasks.argmax import Argmax
 from distmk.tasks.argmax_push import ArgmaxPush
 from distmk.tasks.attention import Attention
@@ -20,9 +19,9 @@ from distmk.tasks.qkv import QKV
 from distmk.tasks.route import Route
 from distmk.tasks.router import Router
 
-TASK_KINDS: list[TaskKind] = [Embed(), QKV(), Attention(), AttnReduce(), OProj(), ArPush(), AllReduce(), GateUp(),
-                              Down(), LMHead(), ArgmaxPush(), Argmax(),
-                              Router(), Route(), ExpertGateUp(), ExpertDown(), MoeCombine()]
+TASK_KINDS: list[TaskKind] = [Embed(), QKV(), Attention(), AttnReduce(), OProj(), AllReduce(), GateUp(), Down(),
+                              LMHead(), ArgmaxPush(), Argmax(), Router(), Route(), ExpertGateUp(), ExpertDown(),
+                              MoeCombine()]
 TYPE_ID = {kind.name: i for i, kind in enumerate(TASK_KINDS)}
 
 

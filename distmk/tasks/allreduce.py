@@ -1,9 +1,8 @@
-"""Second half of the all-reduce of one row tile: once every rank's partial of the rows has arrived (the
-push event completes with one signal per rank), x[:, rows] += their sum, taken in rank order so that all
-ranks hold bit-identical results, and the scaled stream's rows with it (tasks/base.py store_residual). The
-exchange layout is ar_push's. Row-parallel output `slot` is 2l (layer l's o_proj) or 2l + 1 (its MLP), so the
-norm that reads the stream next is norm `slot + 1` in the stacked order (the post-attention one, or the next
-layer's input norm)."""
+"""The all-reduce of one row tile of a row-parallel output, after every rank's tile pushed its partial sum of the
+rows (device/exchange.py: the push event completes with one signal per rank): x[:, rows] += their sum, taken in
+rank order so that all ranks hold bit-identical results, and the scaled stream's rows with it (tasks/base.py
+store_residual). Row-parallel output `slot` is 2l (layer l's o_proj) or 2l + 1 (its MLP), so the norm that reads
+the stream next is norm `slot + 1` in the stacked order (the post-attention one, or the next layer's input norm)."""
 import triton
 import triton.language as tl
 from triton.experimental import gluon
@@ -11,7 +10,7 @@ from triton.experimental.gluon import language as gl
 
 from distmk.comm import sum_in_rank_order
 from distmk.device import ring as rg
-from distmk.tasks.ar_push import exchange_layout, exchange_region, exchange_region_ring
+from distmk.device.exchange import exchange_region
 from distmk.tasks.base import TaskKind, store_residual, store_residual_gpu
 
 
@@ -48,7 +47,7 @@ def allreduce_ring(row0, nrows, slot, n, x, xs, norms, exchange, H: gl.constexpr
                    num_warps: gl.constexpr):
     """reduce_rows in Gluon: the same sum, in the same rank order."""
     CP: gl.constexpr = rg.next_power_of_2(O_PROJ_ROWS)
-    layout: gl.constexpr = exchange_layout(num_warps)
+    layout: gl.constexpr = rg.exchange_layout(num_warps)
     rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(1, layout))
     rc = gl.arange(0, CP, layout=gl.SliceLayout(0, layout))
     next_norm_w = norms + (slot + 1) * H
@@ -60,7 +59,7 @@ def allreduce_ring(row0, nrows, slot, n, x, xs, norms, exchange, H: gl.constexpr
         g = gl.load(next_norm_w + row0 + cols, mask=cols < nrows, other=0.0).to(gl.float32)
         total = gl.zeros([B_PAD, CP], gl.float32, layout)
         for src in gl.static_range(WORLD):
-            region = exchange_region_ring(row0, slot, src, H, B_PAD, WORLD, EXCHANGE_SLOTS)
+            region = rg.exchange_region(row0, slot, src, H, B_PAD, WORLD, EXCHANGE_SLOTS)
             total += gl.load(exchange + region + rb[:, None] * nrows + cols[None, :], mask=mask, other=0.0)
         rg.store_residual_ring(x, xs, offs, mask, residual + total, g[None, :])
 

@@ -1,6 +1,6 @@
 """First half of the greedy choice: this rank's best (logit, token id) per row over its lm_head tiles,
 published to every rank (vocab-parallel lm_head), signalling the exchange's event on every rank.
-best and best_id are symmetric [WORLD, B_PAD] on every rank; transports as in ar_push."""
+best and best_id are symmetric [WORLD, B_PAD] on every rank; transports as in device/exchange.py."""
 import triton
 import triton.language as tl
 from triton.experimental import gluon

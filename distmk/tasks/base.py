@@ -12,19 +12,23 @@ import torch
 import triton
 import triton.language as tl
 
+from distmk.device.exchange import exchange_region, push_block, push_signal
 from distmk.device.primitives import matmul_block
 
-# Row-parallel outputs (o_proj, down) are either added to the residual stream by the matmul tile itself
-# (tp=1) or written as a partial sum for an all-reduce task to combine across ranks (tp>1).
-WRITE_PARTIAL, ADD_RESIDUAL = 0, 1
-_ADD_RESIDUAL = tl.constexpr(ADD_RESIDUAL)
+# A row-parallel output's tile (o_proj, down, moe_combine) adds its rows to the residual stream itself (tp=1), or
+# pushes them to every rank as this rank's partial sum and signals the all-reduce's event on every rank (tp > 1:
+# its allreduce task sums the ranks' partials, device/exchange.py), or only keeps them (WRITE_PARTIAL: the product
+# without its all-reduce, benchmarks/overlap.py).
+WRITE_PARTIAL, ADD_RESIDUAL, PUSH_PARTIAL = 0, 1, 2
+_ADD_RESIDUAL, _PUSH_PARTIAL = tl.constexpr(ADD_RESIDUAL), tl.constexpr(PUSH_PARTIAL)
 
 
 class TaskKind:
     name: str = ""
     args: tuple[str, ...] = ()   # meaning of a0..a3 (at most four)
     communicates = False         # needs the other ranks (all-reduce, distributed argmax)
-    signals_all_ranks = False    # signals its event on every rank itself (need = tp), through the transport
+    signals_all_ranks = False    # signals its event on every rank itself (need = tp), through the transport: True,
+                                 # or (arg, value): the tasks whose arg has that value (row-parallel tiles that push)
     gpu = None                   # the @triton.jit device function the megakernel dispatches to; noinline
                                  # where it holds tiles (matmuls, attention and its reduction, the combine):
                                  # inlined, their values spilled the kernel's registers (qwen3-30b-a3b b1 on
@@ -40,6 +44,13 @@ class TaskKind:
     def cost(self, shape: "StepShape", layer: int, a: tuple[int, ...]) -> int:
         """Bytes this task reads and writes, weights included."""
         raise NotImplementedError
+
+    def signals_every_rank(self, a: tuple[int, ...]) -> bool:
+        """Whether the task of args `a` signals its event on every rank itself (signals_all_ranks)."""
+        if isinstance(self.signals_all_ranks, tuple):
+            arg, value = self.signals_all_ranks
+            return a[self.args.index(arg)] == value
+        return self.signals_all_ranks
 
     def run(self, ctx, layer: int, a: tuple[int, ...]) -> None:
         raise NotImplementedError
@@ -71,11 +82,14 @@ def row_parallel_tile(ctx, inp: torch.Tensor, weight: torch.Tensor, row0: int, n
 
 def store_row_parallel(ctx, out: torch.Tensor, row0: int, nrows: int, mode: int, next_norm: int) -> None:
     """A row-parallel output's columns [row0, row0 + nrows) (float32, [rows, nrows]) by `mode`: added to the
-    residual stream (whose next RMSNorm is norm_weight's `next_norm`), or kept as this rank's partial sum."""
+    residual stream (whose next RMSNorm is norm_weight's `next_norm`), pushed to every rank as this rank's partial
+    sum (for the allreduce task that waits on this task's event), or kept as it."""
     n = ctx.num_rows
     if mode == ADD_RESIDUAL:
         cols = slice(row0, row0 + nrows)
         store_residual(ctx, slice(0, n), cols, ctx.buf["x"][:n, cols].float() + out, next_norm)
+    elif mode == PUSH_PARTIAL:
+        ctx.published[ctx.signal] = out.clone()
     else:
         ctx.buf["partial"][:n, row0:row0 + nrows] = out
 
@@ -91,24 +105,42 @@ def store_residual_gpu(x, xs, offs, mask, values, next_norm_w):
 
 
 @triton.jit
-def row_parallel_gpu(inp, w, row0, nrows, mode, n, x, xs, next_norm_w, partial, K: tl.constexpr, H: tl.constexpr,
-                     B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     scale=None):
+def store_row_parallel_gpu(values, rb, rn, j, row0, nrows, mode, n, x, xs, next_norm_w, partial, region, exchange,
+                           exchange_peers, H: tl.constexpr, WORLD: tl.constexpr, TRANSPORT: tl.constexpr):
+    """GPU twin of store_row_parallel for the block of a tile's columns j + rn ([B_PAD, BLOCK_N] float32 values of
+    rows rb; region: this rank's rows of the exchange, device/exchange.py). A tile that pushes calls push_signal
+    after its last block."""
+    cols = row0 + j + rn
+    offs = rb[:, None] * H + cols[None, :]
+    mask = (rb < n)[:, None] & (rn < nrows - j)[None, :]
+    if mode == _ADD_RESIDUAL:
+        residual = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(next_norm_w + cols, mask=rn < nrows - j, other=0.0).to(tl.float32)
+        store_residual_gpu(x, xs, offs, mask, residual + values, g[None, :])
+    elif mode == _PUSH_PARTIAL:
+        push_block(values, rb, j + rn, mask, region, nrows, exchange, exchange_peers, WORLD, TRANSPORT)
+    else:
+        tl.store(partial + offs, values, mask=mask)
+
+
+@triton.jit
+def row_parallel_gpu(inp, w, row0, nrows, mode, n, x, xs, next_norm_w, partial, output, rank, signal, exchange,
+                     exchange_peers, counters, counter_peers, K: tl.constexpr, H: tl.constexpr, B_PAD: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     WORLD: tl.constexpr, EXCHANGE_SLOTS: tl.constexpr, TRANSPORT: tl.constexpr,
+                     SIGNAL_ADD: tl.constexpr, scale=None):
     """GPU twin of row_parallel_tile: rows [row0, row0 + nrows) of inp @ w^T, by `mode` (next_norm_w: the weight
-    of the residual stream's next RMSNorm; `scale`: e4m3 weights' block scales)."""
+    of the residual stream's next RMSNorm; output: which row-parallel output of the step it is, for the exchange;
+    `scale`: e4m3 weights' block scales)."""
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, BLOCK_N)
+    region = exchange_region(row0, output, rank, H, B_PAD, WORLD, EXCHANGE_SLOTS)
     for j in range(0, nrows, BLOCK_N):
         acc = matmul_block(inp, w, n, row0 + j, nrows - j, K, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION, scale)
-        cols = row0 + j + rn
-        offs = rb[:, None] * H + cols[None, :]
-        mask = (rb < n)[:, None] & (rn < nrows - j)[None, :]
-        if mode == _ADD_RESIDUAL:
-            residual = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
-            g = tl.load(next_norm_w + cols, mask=rn < nrows - j, other=0.0).to(tl.float32)
-            store_residual_gpu(x, xs, offs, mask, residual + acc, g[None, :])
-        else:
-            tl.store(partial + offs, acc, mask=mask)
+        store_row_parallel_gpu(acc, rb, rn, j, row0, nrows, mode, n, x, xs, next_norm_w, partial, region, exchange,
+                               exchange_peers, H, WORLD, TRANSPORT)
+    if mode == _PUSH_PARTIAL:
+        push_signal(region, n, nrows, rank, signal, exchange, counters, counter_peers, WORLD, TRANSPORT, SIGNAL_ADD)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """A row tile of a sparse layer's output: the routing-weighted sum of each row's expert outputs,
 sum_k weight[b, k] * expert_out[b, k, rows], in float32 and in the fixed order k = 0, 1, ... (so a run is
-reproducible whatever order the expert tiles ran in), added to the residual stream (tp=1) or kept as this
-rank's partial sum for the all-reduce tiles (tp>1), as a dense down tile's output is."""
+reproducible whatever order the expert tiles ran in), added to the residual stream (tp=1) or pushed to every rank
+as this rank's partial sum (tp>1, summed by an allreduce task), as a dense down tile's output is."""
 import torch
 import triton
 import triton.language as tl
@@ -9,15 +9,19 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from distmk.device import ring as rg
-from distmk.tasks.base import TaskKind, _ADD_RESIDUAL, store_residual_gpu, store_row_parallel
+from distmk.device.exchange import exchange_region, push_signal
+from distmk.tasks.base import PUSH_PARTIAL, TaskKind, _PUSH_PARTIAL, store_row_parallel, store_row_parallel_gpu
 
 
 # noinline: see TaskKind.gpu (tasks/base.py)
 @triton.jit(noinline=True)
-def moe_combine_gpu(layer, row0, nrows, mode, n, route_weight, expert_out, x, xs, norms, partial, H: tl.constexpr,
-                    TOP_K: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+def moe_combine_gpu(layer, row0, nrows, mode, n, rank, signal, route_weight, expert_out, x, xs, norms, partial,
+                    exchange, exchange_peers, counters, counter_peers, H: tl.constexpr, TOP_K: tl.constexpr,
+                    B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, WORLD: tl.constexpr, EXCHANGE_SLOTS: tl.constexpr,
+                    TRANSPORT: tl.constexpr, SIGNAL_ADD: tl.constexpr):
     rb = tl.arange(0, B_PAD)
     rn = tl.arange(0, BLOCK_N)
+    region = exchange_region(row0, 2 * layer + 1, rank, H, B_PAD, WORLD, EXCHANGE_SLOTS)
     for j in range(0, nrows, BLOCK_N):
         cols = row0 + j + rn
         mask = (rb < n)[:, None] & (rn < nrows - j)[None, :]
@@ -26,25 +30,24 @@ def moe_combine_gpu(layer, row0, nrows, mode, n, route_weight, expert_out, x, xs
             weight = tl.load(route_weight + rb * TOP_K + k, mask=rb < n, other=0.0)
             out = tl.load(expert_out + (rb * TOP_K + k)[:, None] * H + cols[None, :], mask=mask, other=0.0)
             total += weight[:, None] * out
-        offs = rb[:, None] * H + cols[None, :]
-        if mode == _ADD_RESIDUAL:
-            residual = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
-            g = tl.load(norms + (2 * layer + 2) * H + cols, mask=rn < nrows - j, other=0.0).to(tl.float32)
-            store_residual_gpu(x, xs, offs, mask, residual + total, g[None, :])
-        else:
-            tl.store(partial + offs, total, mask=mask)
+        store_row_parallel_gpu(total, rb, rn, j, row0, nrows, mode, n, x, xs, norms + (2 * layer + 2) * H, partial,
+                               region, exchange, exchange_peers, H, WORLD, TRANSPORT)
+    if mode == _PUSH_PARTIAL:
+        push_signal(region, n, nrows, rank, signal, exchange, counters, counter_peers, WORLD, TRANSPORT, SIGNAL_ADD)
 
 
 @gluon.jit
-def moe_combine_ring(layer, row0, nrows, n, route_weight, expert_out, x, xs, norms, partial, H: gl.constexpr,
-                     TOP_K: gl.constexpr, B_PAD: gl.constexpr, O_PROJ_ROWS: gl.constexpr, WORLD: gl.constexpr,
-                     num_warps: gl.constexpr):
-    """A block of the tile's columns at a time: added to the residual stream at tp=1, this rank's partial sum at
-    tp > 1 (the lowering's mode)."""
+def moe_combine_ring(layer, row0, nrows, mode, n, rank, signal, route_weight, expert_out, x, xs, norms, partial,
+                     exchange_peers, counter_peers, H: gl.constexpr, TOP_K: gl.constexpr, B_PAD: gl.constexpr,
+                     O_PROJ_ROWS: gl.constexpr, WORLD: gl.constexpr, EXCHANGE_SLOTS: gl.constexpr,
+                     SYSTEM_SCOPE: gl.constexpr, num_warps: gl.constexpr):
+    """A block of the tile's columns at a time: added to the residual stream at tp=1, at tp > 1 this rank's partial
+    sum, pushed or stored by the lowering's mode (device/ring.py row_parallel_rows)."""
     CP: gl.constexpr = rg.next_power_of_2(O_PROJ_ROWS)
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [num_warps, 1], [1, 0])
+    layout: gl.constexpr = rg.exchange_layout(num_warps)
     rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(1, layout))
     rc = gl.arange(0, CP, layout=gl.SliceLayout(0, layout))
+    region = rg.exchange_region(row0, 2 * layer + 1, rank, H, B_PAD, WORLD, EXCHANGE_SLOTS)
     for j in range(0, nrows, CP):
         cols = row0 + j + rc
         mask = (rb < n)[:, None] & (rc < nrows - j)[None, :]
@@ -59,13 +62,19 @@ def moe_combine_ring(layer, row0, nrows, n, route_weight, expert_out, x, xs, nor
             total += weight[:, None] * out
         if WORLD == 1:
             rg.store_residual_ring(x, xs, offs, mask, residual + total, g[None, :])
+        elif mode == _PUSH_PARTIAL:
+            rg.push_block(total, region + rb[:, None] * nrows + (j + rc)[None, :], mask, exchange_peers, WORLD)
         else:
             gl.store(partial + offs, total, mask=mask)
+    if WORLD > 1:
+        if mode == _PUSH_PARTIAL:
+            rg.signal_all_ranks(counter_peers, signal, WORLD, SYSTEM_SCOPE, num_warps)
 
 
 class MoeCombine(TaskKind):
     name = "moe_combine"
     args = ("row0", "nrows", "mode")
+    signals_all_ranks = ("mode", PUSH_PARTIAL)
     gpu = moe_combine_gpu
     ring = moe_combine_ring
 

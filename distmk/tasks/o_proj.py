@@ -1,5 +1,5 @@
 """A row tile of the attention output projection (row-parallel): attn @ Wo[rows]^T, into the residual
-stream (tp=1) or this rank's partial sum (tp>1, combined by an allreduce task). In a sparse layer at tp=1 it
+stream (tp=1) or pushed to every rank as this rank's partial sum (tp>1, summed by an allreduce task). In a sparse layer at tp=1 it
 can also add its rows' share of the gate's logits (router_layer >= 0: tasks/router.py), and the tile that adds
 the last share routes the layer (GraphConfig.fused_route: tasks/route.py route_if_last)."""
 import triton
@@ -9,25 +9,27 @@ from triton.experimental.gluon import language as gl
 
 from distmk.device import ring as rg
 from distmk.device.primitives import layer_scales, prefetch_l2
-from distmk.tasks.base import TaskKind, row_parallel_gpu, row_parallel_tile
+from distmk.tasks.base import PUSH_PARTIAL, TaskKind, _PUSH_PARTIAL, row_parallel_gpu, row_parallel_tile
 from distmk.tasks.route import route_if_last, route_if_last_gpu, route_if_last_ring
 from distmk.tasks.router import router_share, router_share_gpu, router_share_ring, router_share_weights
 
 
 # noinline: see TaskKind.gpu (tasks/base.py)
 @triton.jit(noinline=True)
-def o_proj_gpu(layer, row0, nrows, mode, router_layer, n, attn, wo, wo_scale, x, xs, partial, norms, router,
-               router_logits,
-               router_partial, router_sumsq, route_arrivals, route_expert, route_weight, route_slot, route_unique,
-               route_count, route_history, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr,
+def o_proj_gpu(layer, row0, nrows, mode, router_layer, n, rank, signal, attn, wo, wo_scale, x, xs, partial, norms,
+               router, router_logits, router_partial, router_sumsq, route_arrivals, route_expert, route_weight,
+               route_slot, route_unique, route_count, route_history, exchange, exchange_peers, counters,
+               counter_peers, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr,
                EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
                SLOTS_PAD: tl.constexpr, NORM_TOPK: tl.constexpr, BATCH: tl.constexpr, ROUTER_PARTS: tl.constexpr,
                O_PROJ_ROWS: tl.constexpr, FUSED_ROUTE: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, WORLD: tl.constexpr, EXCHANGE_SLOTS: tl.constexpr,
+               TRANSPORT: tl.constexpr, SIGNAL_ADD: tl.constexpr):
     w = wo + layer.to(tl.int64) * H * HQ * D
     next_norm = norms + (2 * layer + 1) * H             # the post-attention norm
-    row_parallel_gpu(attn, w, row0, nrows, mode, n, x, xs, next_norm, partial, HQ * D, H, B_PAD, BLOCK_N, BLOCK_K,
-                     DOT_PRECISION, layer_scales(wo_scale, layer, H, HQ * D))
+    row_parallel_gpu(attn, w, row0, nrows, mode, n, x, xs, next_norm, partial, 2 * layer, rank, signal, exchange,
+                     exchange_peers, counters, counter_peers, HQ * D, H, B_PAD, BLOCK_N, BLOCK_K, DOT_PRECISION,
+                     WORLD, EXCHANGE_SLOTS, TRANSPORT, SIGNAL_ADD, layer_scales(wo_scale, layer, H, HQ * D))
     if EXPERTS > 0:
         if router_layer >= 0:
             router_share_gpu(layer, router_layer, row0, nrows, n, x, norms, router, router_partial, router_sumsq,
@@ -53,21 +55,23 @@ def o_proj_weights(layer, row0, nrows, wo_desc, ring, ready, empty, c, H: gl.con
 
 
 @gluon.jit
-def o_proj_ring(layer, row0, nrows, router_layer, n, x, xs, partial, norms, router, router_logits, router_partial,
-                router_sumsq, route_arrivals, route_expert, route_weight, route_slot, route_unique, route_count,
-                route_history, wo_scale, wo_desc, attn_desc, ring, ready, empty, xring, xready, c, cx, H: gl.constexpr,
-                HQ: gl.constexpr, D: gl.constexpr, EPS: gl.constexpr, EXPERTS: gl.constexpr,
-                EXPERTS_PAD: gl.constexpr, TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr, SLOTS_PAD: gl.constexpr,
-                NORM_TOPK: gl.constexpr, BATCH: gl.constexpr, ROUTER_PARTS: gl.constexpr,
-                O_PROJ_ROWS: gl.constexpr, FUSED_ROUTE: gl.constexpr, WORLD: gl.constexpr, num_warps: gl.constexpr):
+def o_proj_ring(layer, row0, nrows, mode, router_layer, n, rank, signal, x, xs, partial, norms, router, router_logits,
+                router_partial, router_sumsq, route_arrivals, route_expert, route_weight, route_slot, route_unique,
+                route_count, route_history, exchange_peers, counter_peers, wo_scale, wo_desc, attn_desc, ring, ready,
+                empty, xring, xready, c, cx, H: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr, EPS: gl.constexpr,
+                EXPERTS: gl.constexpr, EXPERTS_PAD: gl.constexpr, TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr,
+                SLOTS_PAD: gl.constexpr, NORM_TOPK: gl.constexpr, BATCH: gl.constexpr, ROUTER_PARTS: gl.constexpr,
+                O_PROJ_ROWS: gl.constexpr, FUSED_ROUTE: gl.constexpr, B_PAD: gl.constexpr, WORLD: gl.constexpr,
+                EXCHANGE_SLOTS: gl.constexpr, SYSTEM_SCOPE: gl.constexpr, num_warps: gl.constexpr):
     """Added to the residual stream at tp=1, this rank's partial sum at tp > 1 (the lowering's mode)."""
     if EXPERTS > 0:
         share_weights = router_share_weights(layer, router_layer, row0, nrows, norms, router, H, EXPERTS, EXPERTS_PAD,
                                              O_PROJ_ROWS, num_warps)
     c, cx = rg.row_parallel_rows(wo_desc, rg.layer_scales(wo_scale, layer, H, HQ * D), attn_desc, 0, HQ * D, row0,
-                                 nrows, n, x, xs, norms + (2 * layer + 1) * H, partial, H, WORLD > 1, ring, ready,
-                                 empty, xring, xready, c, cx, num_warps,
-                                 rg.packs_halves(wo_desc.dtype, O_PROJ_ROWS, HQ * D, ring.type))
+                                 nrows, n, x, xs, norms + (2 * layer + 1) * H, partial, mode == _PUSH_PARTIAL,
+                                 rg.exchange_region(row0, 2 * layer, rank, H, B_PAD, WORLD, EXCHANGE_SLOTS), signal,
+                                 exchange_peers, counter_peers, H, WORLD, SYSTEM_SCOPE, ring, ready, empty, xring,
+                                 xready, c, cx, num_warps, rg.packs_halves(wo_desc.dtype, O_PROJ_ROWS, HQ * D, ring.type))
     if EXPERTS > 0:
         if router_layer >= 0:
             router_share_ring(row0, nrows, n, x, router_partial, router_sumsq, share_weights, H, EXPERTS,
@@ -83,6 +87,7 @@ def o_proj_ring(layer, row0, nrows, router_layer, n, x, xs, partial, norms, rout
 class OProj(TaskKind):
     name = "o_proj"
     args = ("row0", "nrows", "mode", "router_layer")     # router_layer: the sparse layer's index, or -1
+    signals_all_ranks = ("mode", PUSH_PARTIAL)
     gpu = o_proj_gpu
     gpu_prefetch = o_proj_prefetch
     ring = o_proj_ring
