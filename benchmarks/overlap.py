@@ -1,9 +1,9 @@
 """How much of the all-reduce the ring megakernel hides behind the weight stream: the o_proj tiles of every layer
 of MODEL (the row-parallel GEMV, this rank's [H, K / tp] slice of Wo, streamed from HBM), one layer after the other,
-each tile pushing its partial sum to every rank and followed by its allreduce task in the same persistent kernel, as the decode step runs
-them (graph/lowering.py row_parallel_phase); against the same tiles without the all-reduce. Under a launcher, also
-cuBLAS's GEMV per layer, then with NCCL's all-reduce after each, captured in a CUDA graph. One JSON object, per
-layer:
+each tile pushing its partial sum to every rank, and the allreduce tasks of its rows, in the same persistent kernel,
+as the decode step runs them (graph/lowering.py row_parallel_phase); against the same tiles without the
+all-reduce. Under a launcher, also cuBLAS's GEMV per layer, then with NCCL's all-reduce after each, captured in a
+CUDA graph. One JSON object, per layer:
 
     torchrun --standalone --nproc-per-node 2 benchmarks/overlap.py --out benchmarks/results/overlap.json
     python benchmarks/overlap.py --virtual-tp 2 --out overlap_vtp2.json     (N ranks sharing this one GPU)
