@@ -95,14 +95,16 @@ def test_tensor_parallel_megakernel_compiles_for_sm90():
 
 
 def nvshmem_bitcode() -> str | None:
-    """libnvshmem_device.bc from the nvidia-nvshmem wheel (a dev dependency), if installed."""
+    """The NVSHMEM device bitcode for sm_90 from the nvidia-nvshmem wheel (a dev dependency), if installed: one file
+    up to 3.4, one an architecture since (libnvshmem_device_sm_90.bc)."""
     import importlib.util
     import os
     spec = importlib.util.find_spec("nvidia.nvshmem")
     for root in (spec.submodule_search_locations if spec else []):
-        path = os.path.join(root, "lib", "libnvshmem_device.bc")
-        if os.path.exists(path):
-            return path
+        for name in ("libnvshmem_device.bc", "libnvshmem_device_sm_90.bc"):
+            path = os.path.join(root, "lib", name)
+            if os.path.exists(path):
+                return path
     return None
 
 
