@@ -1,7 +1,7 @@
 """A row tile of the attention output projection (row-parallel): attn @ Wo[rows]^T, into the residual
-stream (tp=1) or pushed to every rank as this rank's partial sum (tp>1, summed by an allreduce task). In a sparse layer at tp=1 it
-can also add its rows' share of the gate's logits (router_layer >= 0: tasks/router.py), and the tile that adds
-the last share routes the layer (GraphConfig.fused_route: tasks/route.py route_if_last)."""
+stream (tp=1) or pushed to every rank as this rank's partial sum (tp>1, summed by an allreduce task). In a sparse
+layer at tp=1 it can also add its rows' share of the gate's logits (router_layer >= 0: tasks/router.py), and the
+tile that adds the last share routes the layer (GraphConfig.fused_route: tasks/route.py route_if_last)."""
 import triton
 import triton.language as tl
 from triton.experimental import gluon
@@ -71,7 +71,8 @@ def o_proj_ring(layer, row0, nrows, mode, router_layer, n, rank, signal, x, xs, 
                                  nrows, n, x, xs, norms + (2 * layer + 1) * H, partial, mode == _PUSH_PARTIAL,
                                  rg.exchange_region(row0, 2 * layer, rank, H, B_PAD, WORLD, EXCHANGE_SLOTS), signal,
                                  exchange_peers, counter_peers, H, WORLD, SYSTEM_SCOPE, ring, ready, empty, xring,
-                                 xready, c, cx, num_warps, rg.packs_halves(wo_desc.dtype, O_PROJ_ROWS, HQ * D, ring.type))
+                                 xready, c, cx, num_warps,
+                                 rg.packs_halves(wo_desc.dtype, O_PROJ_ROWS, HQ * D, ring.type))
     if EXPERTS > 0:
         if router_layer >= 0:
             router_share_ring(row0, nrows, n, x, router_partial, router_sumsq, share_weights, H, EXPERTS,
