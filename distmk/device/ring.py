@@ -319,15 +319,13 @@ def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready
     _first_inputs(x_desc, x_row, KT, xring, xready, cx, (primed == 0) | (not CHAIN))
     layout: gl.constexpr = acc_layout(BN, B_PAD, num_warps)
     rn = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
-    valid = rn < rows
-    scales = scale + ((row0 + rn) // 128) * (K // 128)      # each row's scales, one an input slice
+    row = rn % (BN // 2) if PACK else rn        # PACK: the bottom half holds the block's rows again (load_block)
+    valid = row < rows
+    scales = scale + ((row0 + row) // 128) * (K // 128)     # each row's scales, one an input slice
     if xq is None:
-        if PACK:
-            # the slot's bottom half: the block's rows again, two input slices further (load_block)
-            top = rn % (BN // 2)
-            scales = scale + ((row0 + top) // 128) * (K // 128) + (rn // (BN // 2)) * 2
-            acc, c = _w8a16_packed(x_desc, x_row, KT, scales, top < rows, ring, ready, empty, xring, xready, c, cx,
-                                   chained, CHAIN, layout)
+        if PACK:        # the bottom half's columns are two input slices further
+            acc, c = _w8a16_packed(x_desc, x_row, KT, scales + (rn // (BN // 2)) * 2, valid, ring, ready, empty,
+                                   xring, xready, c, cx, chained, CHAIN, layout)
         else:
             acc, c = _w8a16_block(x_desc, x_row, KT, scales, valid, ring, ready, empty, xring, xready, c, cx,
                                   chained, CHAIN, layout)
