@@ -62,12 +62,14 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=COUNT, default=1, help="rows per step")
     p.add_argument("--kernel", default="ring", choices=("ring", "tl"))
     p.add_argument("--options", default="{}", help="more kernel options, a JSON object (kernels/options.py)")
+    p.add_argument("--quantize", choices=("fp8",), help="the model's FP8 twin (with the option stream_e4m3: 1, the "
+                                                        "kernel that streams e4m3 weights)")
     p.add_argument("--lines", type=int, default=0, help="also list the N source lines with the most instructions")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     args = p.parse_args(argv)
     engine = Engine(args.model, backend="triton", device="meta", dtype=torch.bfloat16, max_context=1024,
                     config=GraphConfig(batch=args.batch, workers=132),
-                    kernel_options={"kernel": args.kernel, **json.loads(args.options)})
+                    kernel_options={"kernel": args.kernel, **json.loads(args.options)}, quantize=args.quantize)
     by_line = instructions_by_line(engine.executor.compile_ahead(arch=90).asm["cubin"])
     spills = {op: by_line.pop(op, 0) for op in ("STL", "LDL")}
     by_file = collections.Counter()
@@ -75,7 +77,8 @@ def main(argv=None) -> int:
         by_file[line.split(":")[0]] += n
     total = sum(by_line.values())
     if args.json:        # SASS instructions are 16 bytes each on sm_90
-        print(json.dumps({"model": args.model, "batch": args.batch, "kernel": args.kernel, "sass_bytes": 16 * total,
+        print(json.dumps({"model": args.model, "batch": args.batch, "kernel": args.kernel, "quantize": args.quantize,
+                          "sass_bytes": 16 * total,
                           "spill_stores": spills["STL"], "spill_loads": spills["LDL"],
                           "by_file": {f: 16 * n for f, n in by_file.most_common()}}))
         return 0

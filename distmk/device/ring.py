@@ -180,7 +180,9 @@ def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, 
     store them. The descriptor's box is [16 rows, one 128-byte swizzle line of columns], one TMA copy, all issued
     from one loop: boxes as wide as the slot were a copy per 128 bytes, unrolled at every call (96 copy sites, 22 KB
     of qwen3-30b-a3b's kernel; a kernel's code is time of its latency-bound tasks: benchmarks/code_size.py). PACK
-    (packs_halves): the block's next BK columns go into the slot's bottom half."""
+    (packs_halves): the slot's bottom half holds the block's rows again, each swizzle line of the slot the next
+    line of columns of the top half's: a line is then two input slices, its top rows times one and its bottom rows
+    times the next (_w8a16_packed)."""
     ring = weight_view(ring, desc)
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
@@ -194,7 +196,7 @@ def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, 
     gl.static_assert((BOX * 2 <= BN) | (not PACK), "a slot's halves are whole boxes")
     # the slot is laid out a swizzle line of columns after another ([LINES, BN, LINE]): as boxes, [line, box]
     boxes_of = as_boxes(ring, desc, NBUF * LINES * MOST)
-    HALVES: gl.constexpr = 2 if PACK else 1       # PACK: the bottom half holds the next BK columns
+    HALVES: gl.constexpr = 2 if PACK else 1       # PACK: the bottom half holds the block's next columns
     boxes = (gl.minimum(rows, BN) + BOX - 1) // BOX
     for k in range(0, K, HALVES * BK):
         s = _claim_slot(ready, empty, c, first, NBUF, INFLIGHT)
@@ -203,7 +205,7 @@ def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, 
             for piece in range(boxes * LINES):
                 line = piece % LINES
                 box = piece // LINES
-                tma_load(desc, [row0 + box * BOX, k + half * BK + line * LINE], ready.index(s),
+                tma_load(desc, [row0 + box * BOX, k + (line * HALVES + half) * LINE], ready.index(s),
                          boxes_of.index((s * LINES + line) * MOST + half * (MOST // 2) + box))
         c += 1
     return c
@@ -280,12 +282,9 @@ def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready,
 
 
 @gluon.jit
-def _dequantized_half(ring, s, h: gl.constexpr, scale, operand: gl.constexpr):
-    """Half h of e4m3 slot s (an input slice's columns) times its rows' block scale, rounded once to bf16 (the
-    reference's weights: models/fp8.py), as the A operand of a wgmma, in registers."""
-    BK: gl.constexpr = ring.type.shape[2] // 2
-    values = ring.index(s).slice(h * BK, BK, dim=1).load(operand)
-    return (values.to(gl.float32) * scale[:, None]).to(gl.bfloat16)
+def _dequantized(half, scale, operand: gl.constexpr):
+    """An e4m3 [rows, input slice] view times its rows' block scale, rounded once to bf16, in registers."""
+    return (half.load(operand).to(gl.float32) * scale[:, None]).to(gl.bfloat16)
 
 
 @gluon.jit
@@ -308,7 +307,7 @@ def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready
     reference's weights are (_w8a16_block). With `xq` (e4m3 shared memory of an input slice's shape), W8A8: each
     input slice quantized to e4m3 with a scale a row (its largest magnitude at e4m3's largest) into xq, then the
     e4m3 wgmma straight from the slot, times the weight rows' and input rows' scales. PACK (W8A16, a block of half a
-    slot): a slot holds four input slices' columns, two in each half (load_block, _w8a16_packed)."""
+    slot): a slot holds four input slices' columns (load_block, _w8a16_packed)."""
     BN: gl.constexpr = ring.type.shape[1]
     XD: gl.constexpr = xring.type.shape[0]
     B_PAD: gl.constexpr = xring.type.shape[1]
@@ -323,8 +322,8 @@ def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready
     valid = row < rows
     scales = scale + ((row0 + row) // 128) * (K // 128)     # each row's scales, one an input slice
     if xq is None:
-        if PACK:        # the bottom half's columns are two input slices further
-            acc, c = _w8a16_packed(x_desc, x_row, KT, scales + (rn // (BN // 2)) * 2, valid, ring, ready, empty,
+        if PACK:        # the bottom half's columns are an input slice further
+            acc, c = _w8a16_packed(x_desc, x_row, KT, scales + rn // (BN // 2), valid, ring, ready, empty,
                                    xring, xready, c, cx, chained, CHAIN, layout)
         else:
             acc, c = _w8a16_block(x_desc, x_row, KT, scales, valid, ring, ready, empty, xring, xready, c, cx,
@@ -349,82 +348,69 @@ def _mma_slice(a, pending, acc, x_desc, x_row, KT: gl.constexpr, xring, xready, 
 
 
 @gluon.jit
-def _scales_at(scales, valid, i, KT: gl.constexpr):
-    """The rows' block scales of input slices i and i + 1 (0 past the last: their halves multiply nothing)."""
-    return (gl.load(scales + i, mask=valid & (i < KT), other=0.0),
-            gl.load(scales + i + 1, mask=valid & (i + 1 < KT), other=0.0))
-
-
-@gluon.jit
-def _take_slot(ring, ready, empty, c, low, high, operand: gl.constexpr):
-    """Slot c's halves once it landed, dequantized with their rows' scales (low, high) into wgmma A operands; the slot
-    goes back to the producer then."""
-    NBUF: gl.constexpr = ring.type.shape[0]
-    s = c % NBUF
-    mbarrier.wait(ready.index(s), (c // NBUF) & 1)
-    first = _dequantized_half(ring, s, 0, low, operand)
-    second = _dequantized_half(ring, s, 1, high, operand)
-    mbarrier.arrive(empty.index(s), count=1)
-    return first, second
-
-
-@gluon.jit
 def _w8a16_block(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, empty, xring, xready, c, cx, chained,
                  CHAIN: gl.constexpr, layout: gl.constexpr):
-    """mma_block_fp8's loop, the weights dequantized to bf16 in registers: both halves of a slot as soon as it
-    landed (the slot goes back to the producer then), their scales loaded a slot ahead; one accumulator, one wgmma
-    in flight while the next half's input slice is waited for, as in mma_block."""
+    """mma_block_fp8's loop, the weights dequantized to bf16 in registers a half slot (an input slice) at a time, its
+    rows' scales loaded a slice ahead; the slot goes back to the producer once its second half is in registers. One
+    accumulator, one wgmma in flight while the next half is converted and its input slice waited for, as in
+    mma_block. One conversion in the loop, not one a half: the loop is inlined at every matmul call site, and a
+    kernel's code is time of its latency-bound tasks (benchmarks/code_size.py)."""
+    NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
     BK: gl.constexpr = ring.type.shape[2] // 2
     B_PAD: gl.constexpr = xring.type.shape[1]
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
+    halves = ring.reinterpret(ring.dtype, [NBUF * 2, BN, BK], ring.layout)     # a slot: [2, BN, BK] (load_block)
     scales = gl.convert_layout(scales, gl.SliceLayout(1, operand))
     valid = gl.convert_layout(valid, gl.SliceLayout(1, operand))
-    low, high = _scales_at(scales, valid, 0, KT)
+    scale = gl.load(scales, mask=valid, other=0.0)
     acc = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
-    second = gl.zeros([BN, BK], gl.bfloat16, layout=operand)
-    for jt in range((KT + 1) // 2):         # an odd K / 128 leaves the last slot's second half out
-        next_low, next_high = _scales_at(scales, valid, jt * 2 + 2, KT)
-        pending = second
-        first, second = _take_slot(ring, ready, empty, c, low, high, operand)
-        acc = _mma_slice(first, pending, acc, x_desc, x_row, KT, xring, xready, cx, jt * 2, chained, CHAIN)
-        if jt * 2 + 1 < KT:
-            acc = _mma_slice(second, first, acc, x_desc, x_row, KT, xring, xready, cx, jt * 2 + 1, chained, CHAIN)
-        low = next_low
-        high = next_high
-        c += 1
+    a = gl.zeros([BN, BK], gl.bfloat16, layout=operand)
+    for it in range(KT):
+        slot = c + it // 2
+        s = slot % NBUF
+        mbarrier.wait(ready.index(s), (slot // NBUF) & 1, pred=it % 2 == 0)
+        next_scale = gl.load(scales + it + 1, mask=valid & (it + 1 < KT), other=0.0)
+        pending = a
+        a = _dequantized(halves.index(s * 2 + it % 2), scale, operand)
+        mbarrier.arrive(empty.index(s), count=1, pred=(it % 2 == 1) | (it + 1 == KT))
+        acc = _mma_slice(a, pending, acc, x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
+        scale = next_scale
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    return acc, c
+    return acc, c + (KT + 1) // 2
 
 
 @gluon.jit
 def _w8a16_packed(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, empty, xring, xready, c, cx, chained,
                   CHAIN: gl.constexpr, layout: gl.constexpr):
-    """_w8a16_block over slots whose bottom half holds the block's rows again, two input slices further (load_block):
-    each half-column of a slot times two input slices, the top rows' product into one accumulator and the bottom's
-    into another, summed at the end (a layout conversion brings a row's two sums, other warps', to one thread)."""
+    """_w8a16_block over slots whose bottom half holds the block's rows again (load_block): a half slot, converted
+    once, is two input slices, its top rows' product with the first going into one accumulator and its bottom
+    rows' with the second into another, summed at the end (a layout conversion brings a row's two sums, other
+    warps', to one thread)."""
+    NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
     BK: gl.constexpr = ring.type.shape[2] // 2
     B_PAD: gl.constexpr = xring.type.shape[1]
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
     gl.static_assert(KT % 4 == 0, "a block's slots are whole: four input slices each")
+    halves = ring.reinterpret(ring.dtype, [NBUF * 2, BN, BK], ring.layout)
     scales = gl.convert_layout(scales, gl.SliceLayout(1, operand))
     valid = gl.convert_layout(valid, gl.SliceLayout(1, operand))
-    low, high = _scales_at(scales, valid, 0, KT)
+    scale = gl.load(scales, mask=valid, other=0.0)
     top = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
     bottom = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
-    second = gl.zeros([BN, BK], gl.bfloat16, layout=operand)
-    for jt in range(KT // 4):
-        next_low, next_high = _scales_at(scales, valid, jt * 4 + 4, KT)
-        pending = second
-        first, second = _take_slot(ring, ready, empty, c, low, high, operand)
-        top = _mma_slice(first, pending, top, x_desc, x_row, KT, xring, xready, cx, jt * 4, chained, CHAIN)
-        top = _mma_slice(second, first, top, x_desc, x_row, KT, xring, xready, cx, jt * 4 + 1, chained, CHAIN)
-        bottom = _mma_slice(first, second, bottom, x_desc, x_row, KT, xring, xready, cx, jt * 4 + 2, chained, CHAIN)
-        bottom = _mma_slice(second, first, bottom, x_desc, x_row, KT, xring, xready, cx, jt * 4 + 3, chained, CHAIN)
-        low = next_low
-        high = next_high
-        c += 1
+    a = gl.zeros([BN, BK], gl.bfloat16, layout=operand)
+    for hh in range(KT // 2):
+        slot = c + hh // 2
+        s = slot % NBUF
+        mbarrier.wait(ready.index(s), (slot // NBUF) & 1, pred=hh % 2 == 0)
+        next_scale = gl.load(scales + hh * 2 + 2, mask=valid & (hh * 2 + 2 < KT), other=0.0)
+        pending = a
+        a = _dequantized(halves.index(s * 2 + hh % 2), scale, operand)
+        mbarrier.arrive(empty.index(s), count=1, pred=hh % 2 == 1)
+        top = _mma_slice(a, pending, top, x_desc, x_row, KT, xring, xready, cx, hh * 2, chained, CHAIN)
+        bottom = _mma_slice(a, a, bottom, x_desc, x_row, KT, xring, xready, cx, hh * 2 + 1, chained, CHAIN)
+        scale = next_scale
     top, bottom = warpgroup_mma_wait(num_outstanding=0, deps=[top, bottom])
     # rows r of the sum: top's r and bottom's r + BN / 2, gathered into one thread's registers; rows past BN / 2 (the
     # block's padding: never stored) repeat them
@@ -435,7 +421,7 @@ def _w8a16_packed(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, e
     half = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, paired)))[:, None, None]
     total = gl.sum(gl.where(half == 0, top, bottom), axis=0)
     total = gl.expand_dims(total, 0) + gl.zeros([2, BN // 2, B_PAD], gl.float32, layout=paired)
-    return gl.convert_layout(gl.reshape(total, [BN, B_PAD]), layout), c
+    return gl.convert_layout(gl.reshape(total, [BN, B_PAD]), layout), c + KT // 4
 
 
 @gluon.jit
