@@ -160,6 +160,24 @@ def mma_rows(w_desc, w_scale, w_row, rows, x_desc, x_row, K: gl.constexpr, ring,
     return acc, c, cx
 
 
+@gluon.jit
+def gate_and_up(w_desc, gate_scales, up_scales, w_row, rows, x_desc, K: gl.constexpr, ring, ready, empty, xring,
+                xready, c, cx, chained, num_warps: gl.constexpr):
+    """The gate and the up projection's blocks of rows w_row.. (w_desc: either's descriptor; the producer copies
+    both into the ring, gate's first), each of `rows` left, by one mma_rows call site in a loop of two (the matmul
+    loop is inlined wherever it is called: benchmarks/code_size.py). `chained`: whether a block follows them."""
+    BN: gl.constexpr = ring.type.shape[1]
+    B_PAD: gl.constexpr = xring.type.shape[1]
+    gate = gl.zeros([BN, B_PAD], gl.float32, layout=acc_layout(BN, B_PAD, num_warps))
+    acc = gate
+    for part in range(2):
+        scales = up_scales if part == 1 else gate_scales
+        acc, c, cx = mma_rows(w_desc, scales, w_row, rows, x_desc, 0, K, ring, ready, empty, xring, xready, c, cx, True,
+                              (part == 0) | chained, num_warps)
+        gate = gl.where(part == 0, acc, gate)
+    return gate, acc, c, cx
+
+
 @gluon.constexpr_function
 def packs_halves(w_dtype, rows, K, ring_type):
     """Whether blocks of at most `rows` rows of a matrix of K columns (of w_dtype) stream two column ranges a slot of
