@@ -161,19 +161,20 @@ def mma_rows(w_desc, w_scale, w_row, rows, x_desc, x_row, K: gl.constexpr, ring,
 
 
 @gluon.jit
-def gate_and_up(w_desc, gate_scales, up_scales, w_row, rows, x_desc, K: gl.constexpr, ring, ready, empty, xring,
-                xready, c, cx, chained, num_warps: gl.constexpr):
-    """The gate and the up projection's blocks of rows w_row.. (w_desc: either's descriptor; the producer copies
-    both into the ring, gate's first), each of `rows` left, by one mma_rows call site in a loop of two (the matmul
-    loop is inlined wherever it is called: benchmarks/code_size.py). `chained`: whether a block follows them."""
+def gate_and_up(gate_desc, up_desc, gate_scales, up_scales, w_row, rows, x_desc, K: gl.constexpr, ring, ready, empty,
+                xring, xready, c, cx, chained, num_warps: gl.constexpr):
+    """The gate and the up projection's blocks of rows w_row.., each of `rows` left (the producer copies both into
+    the ring, gate's first), by one mma_rows call site in a loop of two (the matmul loop is inlined wherever it is
+    called: benchmarks/code_size.py). `chained`: whether a block follows them."""
+    gl.static_assert(gate_desc.dtype == up_desc.dtype, "gate and up stream in one type: one call multiplies both")
     BN: gl.constexpr = ring.type.shape[1]
     B_PAD: gl.constexpr = xring.type.shape[1]
     gate = gl.zeros([BN, B_PAD], gl.float32, layout=acc_layout(BN, B_PAD, num_warps))
     acc = gate
     for part in range(2):
         scales = up_scales if part == 1 else gate_scales
-        acc, c, cx = mma_rows(w_desc, scales, w_row, rows, x_desc, 0, K, ring, ready, empty, xring, xready, c, cx, True,
-                              (part == 0) | chained, num_warps)
+        acc, c, cx = mma_rows(gate_desc, scales, w_row, rows, x_desc, 0, K, ring, ready, empty, xring, xready, c, cx,
+                              True, (part == 0) | chained, num_warps)
         gate = gl.where(part == 0, acc, gate)
     return gate, acc, c, cx
 

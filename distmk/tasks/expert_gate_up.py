@@ -83,8 +83,9 @@ def expert_gate_up_ring(part, parts, sparse_layer, routed_count, n, x, route_uni
             up_scales = rg.layer_scales(expert_up_scale, sparse_layer * EXPERTS + expert, EXPERT_INTER, H)
             for j in range(0, nrows, BN):
                 more = (j + BN < nrows) | (u + 1 < u1)
-                gate, up, c, cx = rg.gate_and_up(expert_gate_desc, gate_scales, up_scales, row0 + j, nrows - j,
-                                                 xs_desc, H, ring, ready, empty, xring, xready, c, cx, more, num_warps)
+                gate, up, c, cx = rg.gate_and_up(expert_gate_desc, expert_up_desc, gate_scales, up_scales, row0 + j,
+                                                 nrows - j, xs_desc, H, ring, ready, empty, xring, xready, c, cx, more,
+                                                 num_warps)
                 gate, up = gate * rstd, up * rstd
                 mask = (rn < nrows - j)[:, None] & (rb < n)[None, :]
                 value = gate / (1.0 + gl.exp(-gate)) * up

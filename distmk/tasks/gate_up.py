@@ -64,8 +64,8 @@ def gate_up_ring(layer, row0, nrows, n, x, h, w_gate_scale, w_up_scale, w_gate_d
     gate_scales = rg.layer_scales(w_gate_scale, layer, INTER, H)
     up_scales = rg.layer_scales(w_up_scale, layer, INTER, H)
     for j in range(0, nrows, BN):
-        gate, up, c, cx = rg.gate_and_up(w_gate_desc, gate_scales, up_scales, row0 + j, nrows - j, xs_desc, H, ring,
-                                         ready, empty, xring, xready, c, cx, j + BN < nrows, num_warps)
+        gate, up, c, cx = rg.gate_and_up(w_gate_desc, w_up_desc, gate_scales, up_scales, row0 + j, nrows - j, xs_desc,
+                                         H, ring, ready, empty, xring, xready, c, cx, j + BN < nrows, num_warps)
         gate, up = gate * rstd, up * rstd
         mask = (rn < nrows - j)[:, None] & (rb < n)[None, :]
         value = gate / (1.0 + gl.exp(-gate)) * up
