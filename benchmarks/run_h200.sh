@@ -66,7 +66,7 @@ if [[ $STAGES == *" fp8 "* ]]; then
       > "$OUT/gpu_tests_fp8.log"
   tail -n 4 "$OUT/gpu_tests_fp8.log"
   stamp "stream.py --probe-only"
-  timeout 150 python3 benchmarks/stream.py --probe-only --iters 20 --json --out "$OUT/stream_probe.json" 2>&1 \
+  timeout 150 python3 benchmarks/stream.py --probe-only --probe-rows 64 --iters 20 --json --out "$OUT/stream_probe.json" 2>&1 \
       | grep "\[stream\]" | grep "rows 64" | grep "fp8\|w8a8\|BK 256 stages 4 x 4"
   for one in ${FP8_MODELS:-llama-3-8b:1 llama-3-8b:8 qwen3-8b:1}; do
     IFS=: read -r model batch <<< "$one"

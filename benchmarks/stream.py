@@ -37,6 +37,27 @@ from distmk.timing import kernel_ms
 MATMULS = ("qkv", "o_proj", "gate_up", "down")     # a layer's phases, in step order
 
 
+PROBE_KERNELS = ("tl", "gluon", "gluon-fp8", "gluon-w8a8")
+
+
+def kernel_list(text: str) -> list[str]:
+    kernels = text.split(",")
+    unknown = [k for k in kernels if k not in PROBE_KERNELS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown probe kernels {unknown}: use {', '.join(PROBE_KERNELS)}")
+    return kernels
+
+
+def rows_list(text: str) -> list[int]:
+    try:
+        rows = [int(r) for r in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"rows must be integers, got {text!r}") from None
+    if any(r not in (32, 64, 128) for r in rows):
+        raise argparse.ArgumentTypeError(f"rows must be 32, 64 or 128, got {text!r}")
+    return rows
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3-8b", help="preset name or Hugging Face checkpoint directory")
@@ -48,6 +69,10 @@ def parse_args(argv=None):
     p.add_argument("--no-ring", action="store_true", help="skip both weight-ring measurements (3. and 4.)")
     p.add_argument("--no-probe", action="store_true", help="skip the stacked-layer probe (4.)")
     p.add_argument("--probe-only", action="store_true", help="the stacked-layer probe (4.) alone")
+    p.add_argument("--probe-kernels", type=kernel_list, default=list(PROBE_KERNELS), metavar="K,K",
+                   help=f"the probe's kernels, of {','.join(PROBE_KERNELS)} (default: all)")
+    p.add_argument("--probe-rows", type=rows_list, default=[32, 64, 128], metavar="R,R",
+                   help="the probe's rows a worker, of 32, 64 and 128 (default: all)")
     p.add_argument("--json", action="store_true", help="print the JSON on one line (default: indented)")
     p.add_argument("--out", help="also write the JSON to this file")
     return p.parse_args(argv)
@@ -196,7 +221,7 @@ def run_ring_matmuls(engine, tables: dict, ceiling: float, iters: int, layers: i
     return result
 
 
-def run_ring(device, iters: int, log) -> list[dict]:
+def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=(32, 64, 128)) -> list[dict]:
     """The weight ring against its tl twin over 32 layers of [SMs * rows, 4096] bf16 (2.2 GB at 64 rows; 32 rows:
     half a slot's, as o_proj's and down's tiles at tp=1), and the ring over the same weights in e4m3 with 128 x 128
     block scales (models/fp8.py): bf16 activations (gluon-fp8), or e4m3 ones with a scale a row an input slice
@@ -207,7 +232,7 @@ def run_ring(device, iters: int, log) -> list[dict]:
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     layers, k, b_pad = 32, 4096, 16
     results = []
-    for rows in (32, 64, 128):
+    for rows in row_counts:
         n = sms * rows
         w = torch.randn(layers * n, k, device=device, dtype=torch.bfloat16)
         w8, w_scale = quantize(w)
@@ -220,6 +245,7 @@ def run_ring(device, iters: int, log) -> list[dict]:
                     if rows % bn == 0 or rows < bn]
         configs += [(kernel, 64, 128, stages, xd) for kernel in ("gluon-fp8", "gluon-w8a8")
                     for stages, xd in ((8, 4), (10, 4), (10, 6))]
+        configs = [config for config in configs if config[0] in kernels]
         for kernel, bn, bk, stages, xd in configs:
             e4m3 = kernel in ("gluon-fp8", "gluon-w8a8")
             weights = w8 if e4m3 else w
@@ -272,7 +298,7 @@ def main(argv=None) -> int:
     result["read_gbps"] = ceiling / 1e9
     log(f"read ceiling {ceiling / 1e9:.0f} GB/s")
     if args.probe_only:
-        result["ring"] = run_ring(device, args.iters, log)
+        result["ring"] = run_ring(device, args.iters, log, args.probe_kernels, args.probe_rows)
         return emit_result(result, args)
     engine = decode_engine(args.model, args.batch, 512, **json.loads(args.options))
     layers = args.layers or engine.spec.num_layers
@@ -293,7 +319,7 @@ def main(argv=None) -> int:
     del engine
     torch.cuda.empty_cache()
     if not (args.no_ring or args.no_probe):
-        result["ring"] = run_ring(device, args.iters, log)
+        result["ring"] = run_ring(device, args.iters, log, args.probe_kernels, args.probe_rows)
     return emit_result(result, args)
 
 
