@@ -4,7 +4,7 @@ overlap, serve-load and start-up JSON and the GPU tests' last lines (the run_h20
     python benchmarks/results_table.py benchmarks/results/h100-2026-12-05-f21ea06
 
 With --table KIND ARGS, one of the tables of figures of README.md, benchmarks/README.md and docs/, made from its
-runs' JSON (TABLES: headline, decode, kernels, tp, allreduce, overlap, probe, serve); each page marks such a table with the line
+runs' JSON (TABLES: headline, decode, kernels, tp, fp8, allreduce, overlap, probe, serve); each page marks such a table with the line
 `<!-- table: KIND ARGS -->` before it. A figure in a table is generated, never typed: tests/test_readme_commands.py
 checks every marked table and that every table of figures is marked.
 """
@@ -115,6 +115,20 @@ def kernels_table(*runs: str) -> str:
     return table(["model", "kernel", *DECODE_COLUMNS[2:]], rows)
 
 
+def fp8_table(folder: str) -> str:
+    """A run's FP8-twin decode steps (decode.py --quantize fp8, decode_<model>_b<batch>_fp8.json): the e4m3 step
+    against distmk's bf16 step of the same process, the FP8 roofline, and the compiled FP8 and bf16 graphs where the
+    run timed them."""
+    runs = [load(folder, os.path.basename(p)) for p in glob.glob(os.path.join(RESULTS, folder, "decode_*_fp8.json"))]
+    order = lambda r: (MODEL_ORDER.index(r["model"]) if r["model"] in MODEL_ORDER else len(MODEL_ORDER), r["batch"])
+    rows = [[r["model"], r["batch"], f"**{r['step_ms']:.3f} ms**", f"{r['bf16_step_ms']:.3f} ms",
+             f"{r['step_ms'] / r['bf16_step_ms']:.3f}", f"{r['roofline_ms']:.3f} ms", f"{r['efficiency']:.2f}",
+             fmt(r.get("cudagraph_compiled_fp8_ms"), ".3f"), fmt(r.get("cudagraph_compiled_ms"), ".3f")]
+            for r in sorted(runs, key=order)]
+    return table(["model", "batch", "e4m3 products", "bf16, same process", "x bf16", "FP8 roofline", "efficiency",
+                  "compiled FP8 graph", "compiled bf16 graph"], rows)
+
+
 def tp_table(folder: str) -> str:
     """A tensor-parallel run's decode steps at tp 1 and 2, against the plain CUDA graph and transformers."""
     runs = [load(folder, os.path.basename(p)) for p in glob.glob(os.path.join(RESULTS, folder, "decode_*.json"))]
@@ -169,7 +183,7 @@ def serve_table(folder: str, model: str = "llama-3-8b") -> str:
 
 # the tables a page makes from its runs' JSON: `<!-- table: KIND ARGS -->` on the line before each
 TABLES = {"headline": headline_table, "decode": decode_table, "kernels": kernels_table, "tp": tp_table,
-          "allreduce": allreduce_table, "overlap": overlap_table, "probe": probe_table,
+          "fp8": fp8_table, "allreduce": allreduce_table, "overlap": overlap_table, "probe": probe_table,
           "serve": serve_table}
 MARKER = re.compile(r"^<!-- table: (\w+)((?: \S+)*) -->$")
 
