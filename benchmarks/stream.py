@@ -35,9 +35,8 @@ from distmk.flags import COUNT, NON_NEGATIVE
 from distmk.timing import kernel_ms
 
 MATMULS = ("qkv", "o_proj", "gate_up", "down")     # a layer's phases, in step order
-
-
-PROBE_KERNELS = ("tl", "gluon", "gluon-fp8", "gluon-w8a8")
+PROBE_KERNELS = ("tl", "gluon", "gluon-fp8", "gluon-w8a8")     # the stacked-layer probe's kernels (run_ring)
+PROBE_ROWS = (32, 64, 128)                                      # and its rows a worker
 
 
 def kernel_list(text: str) -> list[str]:
@@ -53,7 +52,7 @@ def rows_list(text: str) -> list[int]:
         rows = [int(r) for r in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"rows must be integers, got {text!r}") from None
-    if any(r not in (32, 64, 128) for r in rows):
+    if any(r not in PROBE_ROWS for r in rows):
         raise argparse.ArgumentTypeError(f"rows must be 32, 64 or 128, got {text!r}")
     return rows
 
@@ -71,7 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--probe-only", action="store_true", help="the stacked-layer probe (4.) alone")
     p.add_argument("--probe-kernels", type=kernel_list, default=list(PROBE_KERNELS), metavar="K,K",
                    help=f"the probe's kernels, of {','.join(PROBE_KERNELS)} (default: all)")
-    p.add_argument("--probe-rows", type=rows_list, default=[32, 64, 128], metavar="R,R",
+    p.add_argument("--probe-rows", type=rows_list, default=list(PROBE_ROWS), metavar="R,R",
                    help="the probe's rows a worker, of 32, 64 and 128 (default: all)")
     p.add_argument("--json", action="store_true", help="print the JSON on one line (default: indented)")
     p.add_argument("--out", help="also write the JSON to this file")
@@ -221,7 +220,7 @@ def run_ring_matmuls(engine, tables: dict, ceiling: float, iters: int, layers: i
     return result
 
 
-def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=(32, 64, 128)) -> list[dict]:
+def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_ROWS) -> list[dict]:
     """The weight ring against its tl twin over 32 layers of [SMs * rows, 4096] bf16 (2.2 GB at 64 rows; 32 rows:
     half a slot's, as o_proj's and down's tiles at tp=1), and the ring over the same weights in e4m3 with 128 x 128
     block scales (models/fp8.py): bf16 activations (gluon-fp8), or e4m3 ones with a scale a row an input slice
