@@ -17,11 +17,12 @@ from triton.experimental.gluon import language as gl
 from distmk.device.ring import (_acquire64, acc_layout, cta_barrier, load_rows, make_rings, matmul_layouts, mma_block,
                                 mma_block_fp8, packs_halves, task_row)
 from distmk.graph.table import COLUMNS
-from distmk.kernels.ring_megakernel import RING_ROWS
+from distmk.kernels.ring_megakernel import E4M3_SLOT_K, RING_ROWS
 
 ROW_WIDTH = gl.constexpr(len(COLUMNS))
 
 E4M3_SLOT_ROWS = gl.constexpr(RING_ROWS)
+E4M3_SLOT_COLUMNS = gl.constexpr(E4M3_SLOT_K)
 STREAM_SCALE = gl.constexpr(1 / 64)      # a layer's output scale in the probe: keeps values O(1) over 32 layers
 POLL_LIMIT = gl.constexpr(5_000_000)      # a barrier that never completes gives up instead of hanging the GPU
 
@@ -107,9 +108,11 @@ def ring_stream(w_desc, x_desc, y, w_scale, counters, layers, ROWS: gl.constexpr
                 num_warps: gl.constexpr):
     """w_scale: the e4m3 weights' block scales [layers * N / 128, K / 128] (bf16 weights: unused); A8: e4m3
     activations too (mma_block_w8a8)."""
-    # a slot of bf16 weights is one box; e4m3 boxes are 16 rows (stream_descriptors), the megakernel's slots 64
-    BN: gl.constexpr = E4M3_SLOT_ROWS if w_desc.dtype.itemsize == 1 else w_desc.block_type.shape[0]
-    ring, ready, empty, xring, xready = make_rings(w_desc, x_desc, BN, NBUF, XD)
+    # a slot of bf16 weights is one box; e4m3 boxes are 16 rows (stream_descriptors), the megakernel's slots 64 rows
+    # of 256 columns
+    e4m3: gl.constexpr = w_desc.dtype.itemsize == 1
+    BN: gl.constexpr = E4M3_SLOT_ROWS if e4m3 else w_desc.block_type.shape[0]
+    ring, ready, empty, xring, xready = make_rings(w_desc, x_desc, BN, NBUF, XD, E4M3_SLOT_COLUMNS if e4m3 else 0)
     B_PAD: gl.constexpr = x_desc.block_type.shape[0]
     xq = gl.allocate_shared_memory(gl.float8e4nv, [B_PAD, 128],
                                    gl.NVMMASharedLayout.get_default_for([B_PAD, 128], gl.float8e4nv))
@@ -163,7 +166,8 @@ def tl_stream(w, y, counters, layers, ROWS: tl.constexpr, N: tl.constexpr, K: tl
 def stream_descriptors(w, y, block_n: int, block_k: int, b_pad: int):
     """TMA descriptors of the stacked weights [layers * N, K] and the two activation buffers y [2, b_pad, N]
     (a 2-D view), NVMMA-swizzled as wgmma reads them. e4m3 weights come in boxes of 16 rows and 128 columns (one
-    swizzle line: input slices of block_k = 128 make a slot of two), as the megakernel's (device/ring.py load_block)."""
+    swizzle line; a slot is two, input slices of block_k 128 or 256 one or two slots), as the megakernel's
+    (device/ring.py load_block)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     fp8 = w.dtype == torch.float8_e4m3fn
     w_box = [16, 128] if fp8 else [block_n, block_k]
@@ -178,7 +182,7 @@ def compile_ring_stream(rows: int, n: int, k: int, block_n: int, block_k: int, s
                         a8: bool = False):
     """ring_stream compiled for CUDA compute capability `arch` without a GPU (CI's check that the Gluon path
     still builds on the Triton it installs); `fp8`: e4m3 weights (weight boxes of 16 x 128, input slices of
-    block_k = 128)."""
+    block_k 128 or 256)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     w_type, w_box = (gl.float8e4nv, [16, 128]) if fp8 else (gl.bfloat16, [block_n, block_k])

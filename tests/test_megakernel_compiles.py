@@ -229,9 +229,9 @@ def test_e4m3_tiles_of_half_a_slot_stream_two_column_ranges_a_slot():
 
     from distmk.device.ring import packs_halves
     from distmk.graph.lowering import hidden_tile_rows
-    from distmk.kernels.ring_megakernel import RING_ROWS
+    from distmk.kernels.ring_megakernel import E4M3_SLOT_K, RING_ROWS
     from distmk.models.presets import preset
-    ring = SimpleNamespace(shape=[10, RING_ROWS, 128], element_ty=gl.bfloat16)     # e4m3 steps' slots: 256 columns
+    ring = SimpleNamespace(shape=[10, RING_ROWS, E4M3_SLOT_K], element_ty=gl.bfloat16)     # e4m3: 256 columns
     llama = preset("llama-3-8b")
     rows = {w: hidden_tile_rows(llama, GraphConfig(batch=1, workers=w)) for w in (DEFAULT_WORKERS, 66)}
     assert rows == {DEFAULT_WORKERS: 32, 66: 63}

@@ -38,11 +38,13 @@ def as_boxes(smem, desc, N: gl.constexpr):
 
 
 @gluon.jit
-def make_rings(w_desc, x_desc, BN: gl.constexpr, NBUF: gl.constexpr, XD: gl.constexpr):
+def make_rings(w_desc, x_desc, BN: gl.constexpr, NBUF: gl.constexpr, XD: gl.constexpr, SLOT_K: gl.constexpr = 0):
     """The weight ring (NBUF slots of BN rows) and the input ring (XD slices) in shared memory, with their
-    mbarriers: ready/empty per weight slot, ready per input slice. A slot holds as many bytes a row as an input
-    slice: its columns in bf16 weights, twice as many in e4m3 ones (mma_block_fp8)."""
-    BK: gl.constexpr = x_desc.block_type.shape[1] * 2 // w_desc.dtype.itemsize    # a weight box is narrower
+    mbarriers: ready/empty per weight slot, ready per input slice. A slot holds as many bytes a row as SLOT_K bf16
+    columns (0: an input slice's): its columns in bf16 weights, twice as many in e4m3 ones (mma_block_fp8); an
+    input slice is one slot or several (mma_block)."""
+    SLOT: gl.constexpr = SLOT_K if SLOT_K > 0 else x_desc.block_type.shape[1]
+    BK: gl.constexpr = SLOT * 2 // w_desc.dtype.itemsize    # a weight box is narrower
     ring = gl.allocate_shared_memory(w_desc.dtype, [NBUF, BN, BK], w_desc.layout)
     xring = gl.allocate_shared_memory(x_desc.dtype, [XD] + x_desc.block_type.shape, x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
@@ -200,8 +202,8 @@ def load_block(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, first, 
     from one loop: boxes as wide as the slot were a copy per 128 bytes, unrolled at every call (96 copy sites, 22 KB
     of qwen3-30b-a3b's kernel; a kernel's code is time of its latency-bound tasks: benchmarks/code_size.py). PACK
     (packs_halves): the slot's bottom half holds the block's rows again, each swizzle line of the slot the next
-    line of columns of the top half's: a line is then two input slices, its top rows times one and its bottom rows
-    times the next (_w8a16_packed)."""
+    line of columns of the top half's: a line is then two 128-column parts of the input, its top rows times one and
+    its bottom rows times the next (_w8a16_packed)."""
     ring = weight_view(ring, desc)
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
@@ -253,14 +255,14 @@ def prime_inputs(x_desc, x_row, K: gl.constexpr, xring, xready, cx):
 
 
 @gluon.jit
-def _refill_input(x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, chained, CHAIN: gl.constexpr):
+def _refill_input(x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, chained, CHAIN: gl.constexpr, pred=True):
     """At input slice `it` of a block, once slice it - 1's product is done: the TMA copy of slice it + XD - 1 into its
-    slot, or (a `chained` block, past its own slices) of the next block's first ones."""
+    slot, or (a `chained` block, past its own slices) of the next block's first ones; none unless `pred`."""
     XD: gl.constexpr = xring.type.shape[0]
     BK: gl.constexpr = xring.type.shape[2]
     ahead = it + XD - 1
     slot = (cx + ahead) % XD
-    issue = (ahead < KT) | (CHAIN & (chained != 0) & (ahead - KT < KT))
+    issue = ((ahead < KT) | (CHAIN & (chained != 0) & (ahead - KT < KT))) & pred
     mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes, pred=issue)
     tma_load(x_desc, [x_row, (ahead % KT) * BK], xready.index(slot), xring.index(slot), pred=issue)
 
@@ -268,32 +270,27 @@ def _refill_input(x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, chaine
 @gluon.jit
 def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready, c, cx, primed, chained,
               num_warps: gl.constexpr):
-    """Consumer: acc[BN, B_PAD] = W_block @ x[x_row:x_row + B_PAD, :K]^T in float32 over the ring's next K / BK
-    slots (as load_block filled them): one wgmma a slot, one in flight while the next slot is waited for. The
-    input slices come by TMA, XD - 1 ahead, issued here because they may depend on the event just waited for.
-    Blocks of one task read the same input: a `chained` block goes on issuing the next block's first slices
-    (from its own last ones), so the next, `primed`, block starts without a round trip for its input.
-    Returns the accumulator and the slots and input slices used so far."""
+    """Consumer: acc[BN, B_PAD] = W_block @ x[x_row:x_row + B_PAD, :K]^T in float32 over the ring's next slots (as
+    load_block filled them): one wgmma a slot, one in flight while the next slot is waited for. The input slices
+    (a slot's columns, or several slots') come by TMA, XD - 1 ahead, issued here because they may depend on the
+    event just waited for. Blocks of one task read the same input: a `chained` block goes on issuing the next
+    block's first slices (from its own last ones), so the next, `primed`, block starts without a round trip for
+    its input. Returns the accumulator and the slots and input slices used so far."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
     XD: gl.constexpr = xring.type.shape[0]
     B_PAD: gl.constexpr = xring.type.shape[1]
-    BK: gl.constexpr = xring.type.shape[2]
-    KT: gl.constexpr = K // BK
+    KT: gl.constexpr = K // xring.type.shape[2]
     # a block of fewer than XD - 1 slices cannot issue all of the next block's first ones: no chaining then
     CHAIN: gl.constexpr = KT >= XD - 1
     _first_inputs(x_desc, x_row, KT, xring, xready, cx, (primed == 0) | (not CHAIN))
     acc = gl.zeros([BN, B_PAD], gl.float32, layout=acc_layout(BN, B_PAD, num_warps))
-    for it in range(KT):
-        xs = (cx + it) % XD
-        mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1)
+    for it in range(K // ring.type.shape[2]):
         s = c % NBUF
         mbarrier.wait(ready.index(s), (c // NBUF) & 1)
-        acc = warpgroup_mma(ring.index(s), xring.index(xs).permute((1, 0)), acc, use_acc=it > 0, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-        # the previous wgmma is done: its weight slot goes back to the producer, its input slot is refilled
+        acc = _mma_part(ring.index(s), None, acc, x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
+        # the previous wgmma is done: its weight slot goes back to the producer
         mbarrier.arrive(empty.index((c + NBUF - 1) % NBUF), count=1, pred=it > 0)
-        _refill_input(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
         c += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     mbarrier.arrive(empty.index((c + NBUF - 1) % NBUF), count=1)
@@ -321,17 +318,19 @@ def _next_slice(x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, chained,
 def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready, empty, xring, xready, c, cx, primed,
                   chained, num_warps: gl.constexpr, xq=None, PACK: gl.constexpr = False):
     """mma_block over e4m3 weights whose 128 x 128 blocks each have a float32 scale (models/fp8.py; `scale`: the
-    matrix's grid [ceil(R / 128), K / 128], `row0`: the block's first row, of `rows`). A slot holds two input slices'
-    columns (make_rings), each half times an input slice. W8A16: the halves dequantized to bf16 in registers, as the
-    reference's weights are (_w8a16_block). With `xq` (e4m3 shared memory of an input slice's shape), W8A8: each
-    input slice quantized to e4m3 with a scale a row (its largest magnitude at e4m3's largest) into xq, then the
-    e4m3 wgmma straight from the slot, times the weight rows' and input rows' scales. PACK (W8A16, a block of half a
-    slot): a slot holds four input slices' columns (load_block, _w8a16_packed)."""
+    matrix's grid [ceil(R / 128), K / 128], `row0`: the block's first row, of `rows`). A slot holds 128-column parts
+    (make_rings), an input slice one part or two. W8A16: the slot dequantized to bf16 in registers a part (one block
+    scale a row) at a time, as the reference's weights are (_w8a16_block). With `xq` (e4m3 shared memory of an input
+    slice's shape; slots of two slices of 128 columns), W8A8: each input slice quantized to e4m3 with a scale a row
+    (its largest magnitude at e4m3's largest) into xq, then the e4m3 wgmma straight from the slot, times the weight
+    rows' and input rows' scales. PACK (W8A16, a block of half a slot): the slot's bottom half holds further columns
+    of the block (load_block, _w8a16_packed)."""
     BN: gl.constexpr = ring.type.shape[1]
     XD: gl.constexpr = xring.type.shape[0]
     B_PAD: gl.constexpr = xring.type.shape[1]
     BK: gl.constexpr = xring.type.shape[2]
-    gl.static_assert((BK == 128) & (ring.type.shape[2] == 2 * BK), "an e4m3 slot is two input slices of one block")
+    gl.static_assert(((BK == 128) & (ring.type.shape[2] == 2 * BK)) | ((BK == 256) & (xq is None)),
+                     "e4m3 slots of two input slices of 128 columns, or input slices of 256 (W8A16)")
     KT: gl.constexpr = K // BK
     CHAIN: gl.constexpr = KT >= XD - 1
     _first_inputs(x_desc, x_row, KT, xring, xready, cx, (primed == 0) | (not CHAIN))
@@ -339,9 +338,9 @@ def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready
     rn = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
     row = rn % (BN // 2) if PACK else rn        # PACK: the bottom half holds the block's rows again (load_block)
     valid = row < rows
-    scales = scale + ((row0 + row) // 128) * (K // 128)     # each row's scales, one an input slice
+    scales = scale + ((row0 + row) // 128) * (K // 128)     # each row's scales, one a 128-column part
     if xq is None:
-        if PACK:        # the bottom half's columns are an input slice further
+        if PACK:        # the bottom half's columns are a part further
             acc, c = _w8a16_packed(x_desc, x_row, KT, scales + rn // (BN // 2), valid, ring, ready, empty,
                                    xring, xready, c, cx, chained, CHAIN, layout)
         else:
@@ -353,82 +352,103 @@ def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready
     return acc, c, cx + KT
 
 
+PART = gl.constexpr(128)        # a block scale's columns: the e4m3 loops convert one part at a time
+
+
 @gluon.jit
-def _mma_slice(a, pending, acc, x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, chained, CHAIN: gl.constexpr):
-    """acc += a @ input slice `it`, its wgmma left in flight once the one before (of A operand `pending`, kept alive
-    until then) is done: then slice it - 1's slot is refilled."""
+def _mma_part(a, pending, acc, x_desc, x_row, KT: gl.constexpr, xring, xready, cx, q, chained, CHAIN: gl.constexpr):
+    """acc += a @ part q of the input, a part being A's columns (a weight slot in shared memory, or a 128-column part
+    of one in registers) and an input slice SUB parts: part q % SUB of slice q // SUB. Its wgmma is left in flight
+    once the one before (of register A operand `pending`, kept alive until then) is done: then, at a slice's first
+    part, the slot of the slice before is refilled."""
     XD: gl.constexpr = xring.type.shape[0]
+    B_PAD: gl.constexpr = xring.type.shape[1]
+    A_K: gl.constexpr = a.type.shape[1]
+    SUB: gl.constexpr = xring.type.shape[2] // A_K
+    parts = xring.reinterpret(xring.dtype, [XD * SUB, B_PAD, A_K], xring.layout)    # a slice: [SUB, B_PAD, A_K]
+    it = q // SUB
     xs = (cx + it) % XD
-    mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1)
-    acc = warpgroup_mma(a, xring.index(xs).permute((1, 0)), acc, use_acc=it > 0, is_async=True)
-    acc, pending = warpgroup_mma_wait(num_outstanding=1, deps=[acc, pending])
-    _refill_input(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
+    first = q % SUB == 0
+    mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1, pred=first)
+    acc = warpgroup_mma(a, parts.index(xs * SUB + q % SUB).permute((1, 0)), acc, use_acc=q > 0, is_async=True)
+    if pending is None:
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+    else:
+        acc, pending = warpgroup_mma_wait(num_outstanding=1, deps=[acc, pending])
+    _refill_input(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN, first)
     return acc
 
 
 @gluon.jit
 def _w8a16_block(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, empty, xring, xready, c, cx, chained,
                  CHAIN: gl.constexpr, layout: gl.constexpr):
-    """mma_block_fp8's loop, the weights dequantized to bf16 in registers a half slot (an input slice) at a time, its
-    rows' scales loaded a slice ahead; the slot goes back to the producer once its second half is in registers. One
-    accumulator, one wgmma in flight while the next half is converted and its input slice waited for, as in
-    mma_block. One conversion in the loop, not one a half: the loop is inlined at every matmul call site, and a
-    kernel's code is time of its latency-bound tasks (benchmarks/code_size.py)."""
+    """mma_block_fp8's loop, the weights dequantized to bf16 in registers a 128-column part at a time, its rows'
+    scales loaded a part ahead; the slot goes back to the producer once its last part is in registers. One
+    accumulator, one wgmma in flight while the next part is converted and its input slice waited for, as in
+    mma_block. The loop walks input slices and writes out one conversion for each of a slice's parts, so that
+    which part of the slice a wgmma reads is known at compile time (chosen at run time, it slowed the loop more
+    than the code it saves); the loop is inlined at every matmul call site, and a kernel's code is time of its
+    latency-bound tasks (benchmarks/code_size.py)."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
-    BK: gl.constexpr = ring.type.shape[2] // 2
+    PARTS: gl.constexpr = ring.type.shape[2] // PART        # a slot's
+    SUB: gl.constexpr = xring.type.shape[2] // PART          # an input slice's
+    QT: gl.constexpr = KT * SUB                               # the block's
     B_PAD: gl.constexpr = xring.type.shape[1]
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
-    halves = ring.reinterpret(ring.dtype, [NBUF * 2, BN, BK], ring.layout)     # a slot: [2, BN, BK] (load_block)
+    parts = ring.reinterpret(ring.dtype, [NBUF * PARTS, BN, PART], ring.layout)     # a slot: [PARTS, BN, PART]
     scales = gl.convert_layout(scales, gl.SliceLayout(1, operand))
     valid = gl.convert_layout(valid, gl.SliceLayout(1, operand))
     scale = gl.load(scales, mask=valid, other=0.0)
     acc = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
-    a = gl.zeros([BN, BK], gl.bfloat16, layout=operand)
+    a = gl.zeros([BN, PART], gl.bfloat16, layout=operand)
     for it in range(KT):
-        slot = c + it // 2
-        s = slot % NBUF
-        mbarrier.wait(ready.index(s), (slot // NBUF) & 1, pred=it % 2 == 0)
-        next_scale = gl.load(scales + it + 1, mask=valid & (it + 1 < KT), other=0.0)
-        pending = a
-        a = _dequantized(halves.index(s * 2 + it % 2), scale, operand)
-        mbarrier.arrive(empty.index(s), count=1, pred=(it % 2 == 1) | (it + 1 == KT))
-        acc = _mma_slice(a, pending, acc, x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
-        scale = next_scale
+        for sub in gl.static_range(SUB):        # the part of the input slice known at compile time
+            q = it * SUB + sub
+            slot = c + q // PARTS
+            s = slot % NBUF
+            mbarrier.wait(ready.index(s), (slot // NBUF) & 1, pred=q % PARTS == 0)
+            next_scale = gl.load(scales + q + 1, mask=valid & (q + 1 < QT), other=0.0)
+            pending = a
+            a = _dequantized(parts.index(s * PARTS + q % PARTS), scale, operand)
+            mbarrier.arrive(empty.index(s), count=1, pred=(q % PARTS == PARTS - 1) | (q + 1 == QT))
+            acc = _mma_part(a, pending, acc, x_desc, x_row, KT, xring, xready, cx, q, chained, CHAIN)
+            scale = next_scale
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    return acc, c + (KT + 1) // 2
+    return acc, c + (QT + PARTS - 1) // PARTS
 
 
 @gluon.jit
 def _w8a16_packed(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, empty, xring, xready, c, cx, chained,
                   CHAIN: gl.constexpr, layout: gl.constexpr):
-    """_w8a16_block over slots whose bottom half holds the block's rows again (load_block): a half slot, converted
-    once, is two input slices, its top rows' product with the first going into one accumulator and its bottom
-    rows' with the second into another, summed at the end (a layout conversion brings a row's two sums, other
-    warps', to one thread)."""
+    """_w8a16_block over slots whose bottom half holds the block's rows again (load_block): a 128-column part of the
+    slot, converted once, is two parts of the input, its top rows' product with the first going into one
+    accumulator and its bottom rows' with the second into another, summed at the end (a layout conversion brings a
+    row's two sums, other warps', to one thread)."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
-    BK: gl.constexpr = ring.type.shape[2] // 2
+    PARTS: gl.constexpr = ring.type.shape[2] // PART
+    QT: gl.constexpr = KT * xring.type.shape[2] // PART
     B_PAD: gl.constexpr = xring.type.shape[1]
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
-    gl.static_assert(KT % 4 == 0, "a block's slots are whole: four input slices each")
-    halves = ring.reinterpret(ring.dtype, [NBUF * 2, BN, BK], ring.layout)
+    gl.static_assert(QT % (2 * PARTS) == 0, "a block's slots are whole")
+    parts = ring.reinterpret(ring.dtype, [NBUF * PARTS, BN, PART], ring.layout)
     scales = gl.convert_layout(scales, gl.SliceLayout(1, operand))
     valid = gl.convert_layout(valid, gl.SliceLayout(1, operand))
     scale = gl.load(scales, mask=valid, other=0.0)
     top = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
     bottom = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
-    a = gl.zeros([BN, BK], gl.bfloat16, layout=operand)
-    for hh in range(KT // 2):
-        slot = c + hh // 2
+    a = gl.zeros([BN, PART], gl.bfloat16, layout=operand)
+    for hh in range(QT // 2):
+        slot = c + hh // PARTS
         s = slot % NBUF
-        mbarrier.wait(ready.index(s), (slot // NBUF) & 1, pred=hh % 2 == 0)
-        next_scale = gl.load(scales + hh * 2 + 2, mask=valid & (hh * 2 + 2 < KT), other=0.0)
+        mbarrier.wait(ready.index(s), (slot // NBUF) & 1, pred=hh % PARTS == 0)
+        next_scale = gl.load(scales + hh * 2 + 2, mask=valid & (hh * 2 + 2 < QT), other=0.0)
         pending = a
-        a = _dequantized(halves.index(s * 2 + hh % 2), scale, operand)
-        mbarrier.arrive(empty.index(s), count=1, pred=hh % 2 == 1)
-        top = _mma_slice(a, pending, top, x_desc, x_row, KT, xring, xready, cx, hh * 2, chained, CHAIN)
-        bottom = _mma_slice(a, a, bottom, x_desc, x_row, KT, xring, xready, cx, hh * 2 + 1, chained, CHAIN)
+        a = _dequantized(parts.index(s * PARTS + hh % PARTS), scale, operand)
+        mbarrier.arrive(empty.index(s), count=1, pred=hh % PARTS == PARTS - 1)
+        top = _mma_part(a, pending, top, x_desc, x_row, KT, xring, xready, cx, hh * 2, chained, CHAIN)
+        bottom = _mma_part(a, a, bottom, x_desc, x_row, KT, xring, xready, cx, hh * 2 + 1, chained, CHAIN)
         scale = next_scale
     top, bottom = warpgroup_mma_wait(num_outstanding=0, deps=[top, bottom])
     # rows r of the sum: top's r and bottom's r + BN / 2, gathered into one thread's registers; rows past BN / 2 (the
@@ -440,7 +460,7 @@ def _w8a16_packed(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, e
     half = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, paired)))[:, None, None]
     total = gl.sum(gl.where(half == 0, top, bottom), axis=0)
     total = gl.expand_dims(total, 0) + gl.zeros([2, BN // 2, B_PAD], gl.float32, layout=paired)
-    return gl.convert_layout(gl.reshape(total, [BN, B_PAD]), layout), c + KT // 4
+    return gl.convert_layout(gl.reshape(total, [BN, B_PAD]), layout), c + QT // (2 * PARTS)
 
 
 @gluon.jit

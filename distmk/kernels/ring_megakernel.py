@@ -128,7 +128,7 @@ def _tasks({tasks_params}):
 
 @gluon.jit(do_not_specialize={scalars!r})
 def ring_megakernel({kernel_params}):
-    ring, ready, empty, xring, xready = make_rings(lm_head_desc, xs_desc, BN, NBUF, XD)     # bf16 slots
+    ring, ready, empty, xring, xready = make_rings(lm_head_desc, xs_desc, BN, NBUF, XD, SLOT_K)     # bf16 slots
     released = make_handoff()
     counted, counted_bar = make_count_handoff()
     gl.warp_specialize([
@@ -195,7 +195,7 @@ def generate_source(kinds) -> str:
     weights_args = ["queued", "queue", "queue_ptr", "epoch_ptr", "event_need", "error", "timeout", "rank", "counters",
                     "route_count", "route_unique", "route_expert", *DESCRIPTORS, "ring", "ready", "empty", *handoffs]
     flags = ["TRACE: gl.constexpr", "num_warps: gl.constexpr"]
-    ring = ["BN: gl.constexpr", "NBUF: gl.constexpr", "XD: gl.constexpr"]
+    ring = ["BN: gl.constexpr", "NBUF: gl.constexpr", "XD: gl.constexpr", "SLOT_K: gl.constexpr"]
     return _TEMPLATE.format(imports="\n".join(imports), scalars=scalars,
                             tasks_params=parameter_list([*tasks, *constants, *flags], 11),
                             tasks_args=parameter_list([*tasks, *CONSTANT_NAMES, "TRACE", "num_warps"], 18),
@@ -219,6 +219,7 @@ def load_ring_megakernel(kinds):
 
 
 RING_ROWS = 64          # weight rows of a ring slot: the wgmma M
+E4M3_SLOT_K = 128       # a slot's columns (bf16; twice as many e4m3) in a kernel with e4m3 products
 RING_B_PAD = 16         # the most rows of a step: the wgmma N, the batch padded to 8 or 16
 # shared memory for the two rings: by default 180 KB, at most 208 KB (Hopper's 227 KB less what the tasks'
 # reductions and layout conversions take: 12-36 KB measured)
@@ -265,21 +266,23 @@ def ring_arguments(args: dict, batch: int, block_k: int = 0, slots: int = 0, inp
     """The ring megakernel's arguments from the tl megakernel's: TMA descriptors of the weights it streams and
     of the tiles' inputs (tensors of `args`; the products of `fp8`, RankWeights.fp8, in e4m3), the ring's shape:
     `slots` weight slots (0: as many as RING_BYTES holds beside the inputs) of `block_k` columns (0: 256 where it
-    divides every K; 128 with e4m3 products, whose slot is two input slices: device/ring.py mma_block_fp8),
-    `input_slots` input slices of as many columns, `batch` rows padded to 8 or 16."""
+    divides every K, else 128 or 64), `input_slots` input slices of as many columns, `batch` rows padded to 8 or 16.
+    With e4m3 products a slot holds 128 bf16 columns or 256 e4m3 ones, an input slice one or two slots
+    (device/ring.py mma_block_fp8): deep rings of small slots, few input slices."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from distmk.device.ring import matmul_layouts
     fp8 = fp8 or {}
     widest = ring_block_k(args["H"], args["HQ"] * args["D"], args["INTER"], args["EXPERT_INTER"])
-    block_k = block_k or (min(widest, 128) if fp8 else widest)
+    block_k = block_k or widest
     if widest % block_k:
         raise DistmkError(f"ring_block_k={block_k} must divide every matmul's K (the widest that does: {widest})")
-    if fp8 and block_k != 128:
-        raise DistmkError(f"ring_block_k={block_k}: e4m3 weights stream with input slices of 128 columns")
+    if fp8 and block_k not in (128, 256):
+        raise DistmkError(f"ring_block_k={block_k}: e4m3 weights stream with input slices of 128 or 256 columns")
     b_pad = 8 if batch <= 8 else RING_B_PAD
-    slots = slots or (RING_BYTES - input_slots * b_pad * block_k * 2) // (RING_ROWS * block_k * 2)
-    ring_bytes = (slots * RING_ROWS + input_slots * b_pad) * block_k * 2
+    slot_k = E4M3_SLOT_K if fp8 else block_k
+    slots = slots or (RING_BYTES - input_slots * b_pad * block_k * 2) // (RING_ROWS * slot_k * 2)
+    ring_bytes = (slots * RING_ROWS * slot_k + input_slots * b_pad * block_k) * 2
     # one slot of either would wait for itself (the consumer frees a slot only after using the next one)
     if slots < 2 or input_slots < 2 or ring_bytes > RING_BYTES_LIMIT:
         raise DistmkError(f"ring_slots={slots} and ring_inputs={input_slots} (of {block_k} columns) must be at "
@@ -308,5 +311,5 @@ def ring_arguments(args: dict, batch: int, block_k: int = 0, slots: int = 0, inp
         queued=args["tasks"][args["queue"].long()].contiguous(),    # the rows in queue order: one load a row
         **{f"{name}_desc": weights(name) for name in STREAMED},
         **{f"{name}_desc": inputs(args[name]) for name in INPUTS},
-        BN=RING_ROWS, NBUF=slots, XD=input_slots, num_warps=4)
+        BN=RING_ROWS, NBUF=slots, XD=input_slots, SLOT_K=slot_k, num_warps=4)
     return ring_args
