@@ -39,7 +39,8 @@ class KernelOptions:
     kernel: str = option("auto", "the megakernel: the Gluon weight ring (Hopper, bf16, exchanges through "
                                  "peer pointers), the tl one, or the ring where it runs",
                          choices=("auto", "ring", "tl"))
-    ring_block_k: int = option(0, "ring: columns of a slot (0: the widest of 256/128/64 dividing every K)")
+    ring_block_k: int = option(0, "ring: columns of an input slice and of a bf16 slot (0: the widest of 256/128/64 "
+                                  "dividing every K; e4m3 slots hold 256 columns)")
     stream_e4m3: int = option(0, "1 = the products a model holds in e4m3 (--quantize fp8, FP8 checkpoints) stream so: "
                                  "both kernels dequantize them as they load them (device/ring.py mma_block_fp8; an "
                                  "8B model's decode step 0.87-0.95 of bf16's on an H100); 0 = their dequantized bf16 "
