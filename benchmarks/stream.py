@@ -242,8 +242,9 @@ def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_RO
         configs += [("gluon", bn, bk, stages, xd) for bn, bk, stages, xd in
                     ((64, 256, 4, 3), (64, 256, 4, 4), (64, 128, 8, 4), (64, 128, 8, 6), (128, 128, 6, 4))
                     if rows % bn == 0 or rows < bn]
-        configs += [(kernel, 64, 128, stages, xd) for kernel in ("gluon-fp8", "gluon-w8a8")
-                    for stages, xd in ((8, 4), (10, 4), (10, 6))]
+        # e4m3 slots are 16 KB; input slices of 256 columns are what the megakernel reads, W8A8 takes 128
+        configs += [("gluon-fp8", 64, bk, stages, xd) for bk, stages, xd in ((128, 10, 4), (256, 9, 4), (256, 10, 3))]
+        configs += [("gluon-w8a8", 64, 128, stages, xd) for stages, xd in ((8, 4), (10, 4), (10, 6))]
         configs = [config for config in configs if config[0] in kernels]
         for kernel, bn, bk, stages, xd in configs:
             e4m3 = kernel in ("gluon-fp8", "gluon-w8a8")

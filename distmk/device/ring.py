@@ -428,7 +428,7 @@ def _w8a16_packed(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, e
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
     PARTS: gl.constexpr = ring.type.shape[2] // PART
-    QT: gl.constexpr = KT * xring.type.shape[2] // PART
+    QT: gl.constexpr = KT * (xring.type.shape[2] // PART)
     B_PAD: gl.constexpr = xring.type.shape[1]
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
     gl.static_assert(QT % (2 * PARTS) == 0, "a block's slots are whole")

@@ -285,8 +285,8 @@ def ring_arguments(args: dict, batch: int, block_k: int = 0, slots: int = 0, inp
     ring_bytes = (slots * RING_ROWS * slot_k + input_slots * b_pad * block_k) * 2
     # one slot of either would wait for itself (the consumer frees a slot only after using the next one)
     if slots < 2 or input_slots < 2 or ring_bytes > RING_BYTES_LIMIT:
-        raise DistmkError(f"ring_slots={slots} and ring_inputs={input_slots} (of {block_k} columns) must be at "
-                          f"least 2 each and take at most {RING_BYTES_LIMIT // 1024} KB (they take "
+        raise DistmkError(f"ring_slots={slots} (of {slot_k} columns) and ring_inputs={input_slots} (of {block_k}) "
+                          f"must be at least 2 each and take at most {RING_BYTES_LIMIT // 1024} KB (they take "
                           f"{ring_bytes // 1024} KB)")
     w_layout, x_layout = matmul_layouts(block_k, b_pad)
     fp8_layout = gl.NVMMASharedLayout.get_default_for([16, 128], gl.float8e4nv)
