@@ -14,7 +14,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from distmk.device.ring import (_acquire64, acc_layout, cta_barrier, load_rows, make_rings, matmul_layouts, mma_block,
+from distmk.device.ring import (_acquire64, acc_layout, cta_barrier, load_rows, make_rings, make_xq, matmul_layouts, mma_block,
                                 mma_block_fp8, packs_halves, task_row)
 from distmk.graph.table import COLUMNS
 from distmk.kernels.ring_megakernel import E4M3_SLOT_K, RING_ROWS
@@ -35,10 +35,10 @@ def _acquire(ptr):
 
 @gluon.jit
 def _consume(x_desc, x_row, out, OUT_STRIDE: gl.constexpr, col0, rows, n, K: gl.constexpr, SCALE: gl.constexpr,
-             w_scale, ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr, xq=None,
+             w_scale, ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr, xq=None, xq_scale=None,
              PACK: gl.constexpr = False):
     """out[:n, col0:col0 + rows] = SCALE * x[x_row:x_row + n] @ W^T over the slots _produce filled (e4m3 weights
-    with the block scales `w_scale` where the ring holds e4m3; with `xq`, e4m3 activations too; PACK: two column
+    with the block scales `w_scale` where the ring holds e4m3; with `xq` and `xq_scale`, e4m3 activations too; PACK: two column
     ranges a slot, device/ring.py packs_halves)."""
     BN: gl.constexpr = ring.type.shape[1]
     B_PAD: gl.constexpr = xring.type.shape[1]
@@ -48,7 +48,7 @@ def _consume(x_desc, x_row, out, OUT_STRIDE: gl.constexpr, col0, rows, n, K: gl.
     for j in range(0, rows, BN):
         if ring.dtype.itemsize == 1:
             acc, c, cx = mma_block_fp8(x_desc, x_row, K, w_scale, col0 + j, rows - j, ring, ready, empty, xring,
-                                       xready, c, cx, j > 0, j + BN < rows, num_warps, xq, PACK)
+                                       xready, c, cx, j > 0, j + BN < rows, num_warps, xq, xq_scale, PACK)
         else:
             acc, c, cx = mma_block(x_desc, x_row, K, ring, ready, empty, xring, xready, c, cx, j > 0, j + BN < rows,
                                    num_warps)
@@ -70,7 +70,7 @@ def _stream_producer(w_desc, ring, ready, empty, layers, ROWS: gl.constexpr, N: 
 
 
 @gluon.jit
-def _stream_consumer(x_desc, y, w_scale, counters, ring, ready, empty, xring, xready, xq, layers,
+def _stream_consumer(x_desc, y, w_scale, counters, ring, ready, empty, xring, xready, xq, xq_scale, layers,
                      ROWS: gl.constexpr, N: gl.constexpr, K: gl.constexpr, NPROG: gl.constexpr, MODE: gl.constexpr,
                      A8: gl.constexpr, num_warps: gl.constexpr):
     """y[(layer + 1) % 2][:, rows] = STREAM_SCALE * y[layer % 2] @ W_layer[rows]^T for every layer, after a
@@ -92,7 +92,7 @@ def _stream_consumer(x_desc, y, w_scale, counters, ring, ready, empty, xring, xr
         scales = w_scale + layer * (N // 128) * (K // 128)
         if A8:
             c, cx = _consume(x_desc, (layer % 2) * B_PAD, out, N, row0, ROWS, B_PAD, K, STREAM_SCALE, scales, ring,
-                             ready, empty, xring, xready, c, cx, num_warps, xq)
+                             ready, empty, xring, xready, c, cx, num_warps, xq, xq_scale)
         else:
             c, cx = _consume(x_desc, (layer % 2) * B_PAD, out, N, row0, ROWS, B_PAD, K, STREAM_SCALE, scales, ring,
                              ready, empty, xring, xready, c, cx, num_warps,
@@ -107,18 +107,16 @@ def ring_stream(w_desc, x_desc, y, w_scale, counters, layers, ROWS: gl.constexpr
                 NBUF: gl.constexpr, XD: gl.constexpr, NPROG: gl.constexpr, MODE: gl.constexpr, A8: gl.constexpr,
                 num_warps: gl.constexpr):
     """w_scale: the e4m3 weights' block scales [layers * N / 128, K / 128] (bf16 weights: unused); A8: e4m3
-    activations too (mma_block_w8a8)."""
+    activations too (device/ring.py _w8a8_block)."""
     # a slot of bf16 weights is one box; e4m3 boxes are 16 rows (stream_descriptors), the megakernel's slots 64 rows
     # of 256 columns
     e4m3: gl.constexpr = w_desc.dtype.itemsize == 1
     BN: gl.constexpr = E4M3_SLOT_ROWS if e4m3 else w_desc.block_type.shape[0]
     ring, ready, empty, xring, xready = make_rings(w_desc, x_desc, BN, NBUF, XD, E4M3_SLOT_COLUMNS if e4m3 else 0)
-    B_PAD: gl.constexpr = x_desc.block_type.shape[0]
-    xq = gl.allocate_shared_memory(gl.float8e4nv, [B_PAD, 128],
-                                   gl.NVMMASharedLayout.get_default_for([B_PAD, 128], gl.float8e4nv))
+    xq, xq_scale = make_xq(xring)
     gl.warp_specialize([
-        (_stream_consumer, (x_desc, y, w_scale, counters, ring, ready, empty, xring, xready, xq, layers, ROWS, N, K,
-                            NPROG, MODE, A8, num_warps)),
+        (_stream_consumer, (x_desc, y, w_scale, counters, ring, ready, empty, xring, xready, xq, xq_scale, layers, ROWS,
+                            N, K, NPROG, MODE, A8, num_warps)),
         (_stream_producer, (w_desc, ring, ready, empty, layers, ROWS, N, K, A8)),
     ], [1], [24])
 

@@ -72,6 +72,9 @@ def parse_args(argv=None):
                    help=f"the probe's kernels, of {','.join(PROBE_KERNELS)} (default: all)")
     p.add_argument("--probe-rows", type=rows_list, default=list(PROBE_ROWS), metavar="R,R",
                    help="the probe's rows a worker, of 32, 64 and 128 (default: all)")
+    p.add_argument("--probe-pad", type=int, choices=(8, 16), default=16,
+                   help="the probe's padded batch (the wgmma N): the megakernel's is 8 for batches up to 8 and 16 "
+                        "above; the tl twin needs 16 (default 16)")
     p.add_argument("--json", action="store_true", help="print the JSON on one line (default: indented)")
     p.add_argument("--out", help="also write the JSON to this file")
     return p.parse_args(argv)
@@ -220,16 +223,16 @@ def run_ring_matmuls(engine, tables: dict, ceiling: float, iters: int, layers: i
     return result
 
 
-def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_ROWS) -> list[dict]:
+def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_ROWS, b_pad: int = 16) -> list[dict]:
     """The weight ring against its tl twin over 32 layers of [SMs * rows, 4096] bf16 (2.2 GB at 64 rows; 32 rows:
     half a slot's, as o_proj's and down's tiles at tp=1), and the ring over the same weights in e4m3 with 128 x 128
-    block scales (models/fp8.py): bf16 activations (gluon-fp8), or e4m3 ones with a scale a row an input slice
+    block scales (models/fp8.py): bf16 activations (gluon-fp8), or e4m3 ones with a scale a row and 128 columns
     (gluon-w8a8); barrier off and on; a few tile shapes each. Each Gluon configuration is checked against torch
-    first (the e4m3 ones against the dequantized weights)."""
+    first (the e4m3 ones against the dequantized weights, W8A8's against quantize_activations' input too)."""
     import ring_probe as ring
-    from distmk.models.fp8 import DEFAULT_BLOCK, dequantize, quantize
+    from distmk.models.fp8 import DEFAULT_BLOCK, dequantize, quantize, quantize_activations
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    layers, k, b_pad = 32, 4096, 16
+    layers, k = 32, 4096
     results = []
     for rows in row_counts:
         n = sms * rows
@@ -238,13 +241,13 @@ def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_RO
         y = torch.randn(2, b_pad, n, device=device, dtype=torch.bfloat16) * 0.1
         counters = torch.zeros(layers, device=device, dtype=torch.int32)
         # the tl twin stores whole blocks: rows it does not own otherwise; the ring masks a short block
-        configs = [("tl", 64, 256, 4, 0), ("tl", 64, 128, 6, 0)] if rows % 64 == 0 else []
+        configs = [("tl", 64, 256, 4, 0), ("tl", 64, 128, 6, 0)] if rows % 64 == 0 and b_pad == 16 else []
         configs += [("gluon", bn, bk, stages, xd) for bn, bk, stages, xd in
                     ((64, 256, 4, 3), (64, 256, 4, 4), (64, 128, 8, 4), (64, 128, 8, 6), (128, 128, 6, 4))
                     if rows % bn == 0 or rows < bn]
-        # e4m3 slots are 16 KB; input slices of 256 columns are what the megakernel reads, W8A8 takes 128
-        configs += [("gluon-fp8", 64, bk, stages, xd) for bk, stages, xd in ((128, 10, 4), (256, 9, 4), (256, 10, 3))]
-        configs += [("gluon-w8a8", 64, 128, stages, xd) for stages, xd in ((8, 4), (10, 4), (10, 6))]
+        # e4m3 slots are 16 KB; input slices of 256 columns are what the megakernel reads
+        configs += [(kernel, 64, bk, stages, xd) for kernel in ("gluon-fp8", "gluon-w8a8")
+                    for bk, stages, xd in ((128, 10, 4), (256, 9, 4), (256, 10, 3))]
         configs = [config for config in configs if config[0] in kernels]
         for kernel, bn, bk, stages, xd in configs:
             e4m3 = kernel in ("gluon-fp8", "gluon-w8a8")
@@ -264,18 +267,20 @@ def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_RO
             before = y.clone()
             launch(1, 0)
             first = dequantize(w8[:n], w_scale[:n // DEFAULT_BLOCK[0]], DEFAULT_BLOCK) if e4m3 else w[:n].float()
-            expected = before[0].float()[:, :k] @ first.t() * ring.STREAM_SCALE.value
+            x = before[0].float()[:, :k]
+            x = quantize_activations(x) if kernel == "gluon-w8a8" else x
+            expected = x @ first.t() * ring.STREAM_SCALE.value
             error = float((y[1].float() - expected).abs().max() / expected.abs().max())
             for mode in (0, 1):
                 def step():
                     counters.zero_()
                     launch(layers, mode)
                 ms = kernel_ms(step, warmup_ms=5, rep_ms=max(20, iters))
-                row = {"kernel": kernel, "rows": rows, "block_n": bn, "block_k": bk, "stages": stages, "x_stages": xd,
-                       "barrier": bool(mode), "gbps": nbytes / ms / 1e6, "us_per_layer": ms * 1e3 / layers,
+                row = {"kernel": kernel, "rows": rows, "batch_pad": b_pad, "block_n": bn, "block_k": bk,
+                       "stages": stages, "x_stages": xd, "barrier": bool(mode), "gbps": nbytes / ms / 1e6, "us_per_layer": ms * 1e3 / layers,
                        "relative_error": error}
                 results.append(row)
-                log(f"ring {kernel:9s} rows {rows} BN {bn} BK {bk} stages {stages} x {xd} barrier {mode}: "
+                log(f"ring {kernel:9s} rows {rows} pad {b_pad} BN {bn} BK {bk} stages {stages} x {xd} barrier {mode}: "
                     f"{row['gbps']:.0f} GB/s, {row['us_per_layer']:.2f} us/layer (error {error:.1e})")
         del w, w8
         torch.cuda.empty_cache()
@@ -298,7 +303,7 @@ def main(argv=None) -> int:
     result["read_gbps"] = ceiling / 1e9
     log(f"read ceiling {ceiling / 1e9:.0f} GB/s")
     if args.probe_only:
-        result["ring"] = run_ring(device, args.iters, log, args.probe_kernels, args.probe_rows)
+        result["ring"] = run_ring(device, args.iters, log, args.probe_kernels, args.probe_rows, args.probe_pad)
         return emit_result(result, args)
     engine = decode_engine(args.model, args.batch, 512, **json.loads(args.options))
     layers = args.layers or engine.spec.num_layers
@@ -319,7 +324,7 @@ def main(argv=None) -> int:
     del engine
     torch.cuda.empty_cache()
     if not (args.no_ring or args.no_probe):
-        result["ring"] = run_ring(device, args.iters, log, args.probe_kernels, args.probe_rows)
+        result["ring"] = run_ring(device, args.iters, log, args.probe_kernels, args.probe_rows, args.probe_pad)
     return emit_result(result, args)
 
 

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from conftest import hf_generate, hf_model_from_files
 from distmk.comm.cpu import run_simulated_ranks
 from distmk.errors import ModelError
-from distmk.models.fp8 import E4M3_MAX, dequantize, linear_weights, quantize
+from distmk.models.fp8 import E4M3_MAX, activation_scale, dequantize, linear_weights, quantize, quantize_activations
 from distmk.models.presets import preset
 from distmk.models.weights import RandomWeights
 from distmk.runtime.engine import Engine
@@ -86,6 +86,21 @@ def test_an_fp8_weight_without_its_scale_is_refused(tmp_path):
     save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
     with pytest.raises(ModelError, match="model.layers.0.mlp.up_proj.weight is FP8 but the checkpoint has no"):
         distmk_tokens(tmp_path / "fp8", 1, 1)
+
+
+def test_w8a8_activations_take_the_least_power_of_two_scale_that_keeps_them_finite():
+    """The scale of a group of activations is the least power of two that maps its largest magnitude within e4m3's
+    range, so the quantized values are the activations rounded to e4m3 (x / s exact); zeros stay zeros."""
+    largest = torch.tensor([E4M3_MAX, E4M3_MAX + 1, 1.0, 0.0, 3.0e38])
+    assert activation_scale(largest).tolist() == [1.0, 2.0, 2.0 ** -8, 2.0 ** -100, 2.0 ** 120]
+    x = torch.randn(3, 256) * torch.tensor([1.0, 1e3, 1e-3])[:, None]
+    x[2, 128:] = 0
+    q = quantize_activations(x)
+    for row, part in ((r, p) for r in range(3) for p in range(2)):
+        group, got = x[row, part * 128:(part + 1) * 128], q[row, part * 128:(part + 1) * 128]
+        s = activation_scale(group.abs().max())
+        assert group.abs().max() / s <= E4M3_MAX and (s == 2.0 ** -100 or group.abs().max() / s > E4M3_MAX / 2)
+        assert torch.equal(got, (group / s).to(torch.float8_e4m3fn).float() * s)
 
 
 def test_quantize_fp8_gives_a_preset_its_fp8_twin():

@@ -186,12 +186,14 @@ def test_weight_ring_compiles_for_sm90():
     probe = ring.compile_ring_stream(rows=64, n=DEFAULT_WORKERS * 64, k=4096, block_n=64, block_k=256, stages=4,
                                      x_stages=3, programs=DEFAULT_WORKERS, mode=1)
     # e4m3 weights (device/ring.py mma_block_fp8): dequantized to bf16 in registers (W8A16), the wgmma one in flight
-    # while the next half is converted; or multiplied by e4m3 activations (W8A8)
-    fp8, w8a8 = (ring.compile_ring_stream(rows=64, n=DEFAULT_WORKERS * 64, k=4096, block_n=64, block_k=128, stages=8,
-                                          x_stages=4, programs=DEFAULT_WORKERS, mode=1, fp8=True, a8=a8)
+    # while the next half is converted; or multiplied by e4m3 activations (W8A8), quantized with power-of-two scales
+    # (no division) into a double buffer while the part before is in flight
+    fp8, w8a8 = (ring.compile_ring_stream(rows=64, n=DEFAULT_WORKERS * 64, k=4096, block_n=64, block_k=256, stages=9,
+                                          x_stages=4, programs=DEFAULT_WORKERS, mode=1, fp8=True, a8=a8, b_pad=8)
                  for a8 in (False, True))
     assert "e4m3x2" in fp8.asm["ptx"] and "wgmma.wait_group.sync.aligned 1" in fp8.asm["ptx"]
-    assert "e4m3.e4m3" in w8a8.asm["ptx"]
+    assert "e4m3.e4m3" in w8a8.asm["ptx"] and "wgmma.wait_group.sync.aligned 1" in w8a8.asm["ptx"]
+    assert "div." not in w8a8.asm["ptx"]
     for compiled in (probe, fp8, w8a8, ring.compile_ring_matmuls(shape)):
         assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
         ptx = compiled.asm["ptx"]

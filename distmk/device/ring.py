@@ -60,6 +60,18 @@ def make_rings(w_desc, x_desc, BN: gl.constexpr, NBUF: gl.constexpr, XD: gl.cons
 
 
 @gluon.jit
+def make_xq(xring):
+    """W8A8's double buffer of quantized input slices (_quantize_slice): e4m3 [2 * SUB, B_PAD, 128] (a slice of SUB
+    128-column parts), and their scales, float32 [2 * SUB, B_PAD]."""
+    B_PAD: gl.constexpr = xring.type.shape[1]
+    SUB: gl.constexpr = xring.type.shape[2] // PART
+    xq = gl.allocate_shared_memory(gl.float8e4nv, [2 * SUB, B_PAD, PART],
+                                   gl.NVMMASharedLayout.get_default_for([B_PAD, PART], gl.float8e4nv))
+    xq_scale = gl.allocate_shared_memory(gl.float32, [2 * SUB, B_PAD], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    return xq, xq_scale
+
+
+@gluon.jit
 def make_handoff():
     """The mbarrier the tasks partition arrives on after signalling a task that read weights: the producer begins
     the next such task's weights after it (wait_handoff), so the release is not issued behind their copies."""
@@ -316,21 +328,19 @@ def _next_slice(x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, chained,
 
 @gluon.jit
 def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready, empty, xring, xready, c, cx, primed,
-                  chained, num_warps: gl.constexpr, xq=None, PACK: gl.constexpr = False):
+                  chained, num_warps: gl.constexpr, xq=None, xq_scale=None, PACK: gl.constexpr = False):
     """mma_block over e4m3 weights whose 128 x 128 blocks each have a float32 scale (models/fp8.py; `scale`: the
     matrix's grid [ceil(R / 128), K / 128], `row0`: the block's first row, of `rows`). A slot holds 128-column parts
     (make_rings), an input slice one part or two. W8A16: the slot dequantized to bf16 in registers a part (one block
-    scale a row) at a time, as the reference's weights are (_w8a16_block). With `xq` (e4m3 shared memory of an input
-    slice's shape; slots of two slices of 128 columns), W8A8: each input slice quantized to e4m3 with a scale a row
-    (its largest magnitude at e4m3's largest) into xq, then the e4m3 wgmma straight from the slot, times the weight
-    rows' and input rows' scales. PACK (W8A16, a block of half a slot): the slot's bottom half holds further columns
+    scale a row) at a time, as the reference's weights are (_w8a16_block). With `xq` and `xq_scale` (make_xq), W8A8:
+    the input quantized to e4m3 with a scale a row and part, and the e4m3 wgmma straight from the slot
+    (_w8a8_block). PACK (W8A16, a block of half a slot): the slot's bottom half holds further columns
     of the block (load_block, _w8a16_packed)."""
     BN: gl.constexpr = ring.type.shape[1]
     XD: gl.constexpr = xring.type.shape[0]
     B_PAD: gl.constexpr = xring.type.shape[1]
     BK: gl.constexpr = xring.type.shape[2]
-    gl.static_assert(((BK == 128) & (ring.type.shape[2] == 2 * BK)) | ((BK == 256) & (xq is None)),
-                     "e4m3 slots of two input slices of 128 columns, or input slices of 256 (W8A16)")
+    gl.static_assert((BK == 128) | (BK == 256), "e4m3 weights take input slices of 128 or 256 columns")
     KT: gl.constexpr = K // BK
     CHAIN: gl.constexpr = KT >= XD - 1
     _first_inputs(x_desc, x_row, KT, xring, xready, cx, (primed == 0) | (not CHAIN))
@@ -347,8 +357,8 @@ def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready
             acc, c = _w8a16_block(x_desc, x_row, KT, scales, valid, ring, ready, empty, xring, xready, c, cx,
                                   chained, CHAIN, layout)
     else:
-        acc, c = _w8a8_block(x_desc, x_row, KT, scales, valid, ring, ready, empty, xring, xready, xq, c, cx, chained,
-                             CHAIN, layout, num_warps)
+        acc, c = _w8a8_block(x_desc, x_row, KT, scales, valid, ring, ready, empty, xring, xready, xq, xq_scale, c, cx,
+                             chained, CHAIN, layout, num_warps)
     return acc, c, cx + KT
 
 
@@ -463,40 +473,91 @@ def _w8a16_packed(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, e
     return gl.convert_layout(gl.reshape(total, [BN, B_PAD]), layout), c + QT // (2 * PARTS)
 
 
+E4M3_MAX = gl.constexpr(448.0)        # e4m3's largest finite value: an input row's largest magnitude maps to it
+
+
 @gluon.jit
-def _w8a8_block(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, empty, xring, xready, xq, c, cx, chained,
-                CHAIN: gl.constexpr, layout: gl.constexpr, num_warps: gl.constexpr):
-    """mma_block_fp8's loop with e4m3 activations: the e4m3 wgmma (instructions of K 32: its accumulator layout,
-    the same registers as `layout`'s) straight from the slot."""
+def power_of_two_scale(largest):
+    """models/fp8.py activation_scale: the least power of two s with largest / s <= E4M3_MAX (at least 2^-100),
+    and 1 / s, both exact: bit operations, no division."""
+    least = gl.maximum(largest * (1 / E4M3_MAX), 2.0 ** -100)
+    bits = (least.to(gl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+    return bits.to(gl.float32, bitcast=True), (0x7F000000 - bits).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _quantize_slice(x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, chained, CHAIN: gl.constexpr, xq, xq_scale,
+                    num_warps: gl.constexpr):
+    """W8A8: input slice `it` quantized into buffer it % 2 of xq ([2 * SUB, B_PAD, PART] e4m3), a scale per row and
+    128-column part (power_of_two_scale of the row's largest magnitude over it) into xq_scale ([2 * SUB, B_PAD]
+    float32), as models/fp8.py quantize_activations; the slot of slice it - 1 (quantized before) is refilled. Every warp's
+    stores are visible to the wgmma and to every warp's scale loads on return."""
+    XD: gl.constexpr = xring.type.shape[0]
+    B_PAD: gl.constexpr = xring.type.shape[1]
+    SUB: gl.constexpr = xring.type.shape[2] // PART
+    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    parts = xring.reinterpret(xring.dtype, [XD * SUB, B_PAD, PART], xring.layout)
+    xs = _next_slice(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
+    buf = it % 2
+    for sub in gl.static_range(SUB):
+        xv = parts.index(xs * SUB + sub).load(x_layout).to(gl.float32)
+        scale, inverse = power_of_two_scale(gl.max(gl.abs(xv), axis=1))
+        xq.index(buf * SUB + sub).store((xv * inverse[:, None]).to(gl.float8e4nv))
+        xq_scale.index(buf * SUB + sub).store(scale)
+    fence_async_shared()
+    cta_barrier()
+
+
+@gluon.jit
+def _w8a8_block(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, empty, xring, xready, xq, xq_scale, c,
+                cx, chained, CHAIN: gl.constexpr, layout: gl.constexpr, num_warps: gl.constexpr):
+    """mma_block_fp8's loop with e4m3 activations: each input slice quantized into a double buffer a slice ahead
+    (_quantize_slice, while the wgmma before it is in flight), then for each 128-column part an e4m3 wgmma straight
+    from the weight slot into an accumulator of its own, added into the block's times the part's weight-row and input-row scales once done, while the
+    next part's wgmma runs: the block scales are per part, and a wgmma's e4m3 sums are short. The products are
+    summed in the e4m3 wgmma's layout, converted once a block."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
+    PARTS: gl.constexpr = ring.type.shape[2] // PART        # a slot's
+    SUB: gl.constexpr = xring.type.shape[2] // PART          # an input slice's
+    QT: gl.constexpr = KT * SUB                               # the block's
     B_PAD: gl.constexpr = xring.type.shape[1]
-    BK: gl.constexpr = xring.type.shape[2]
     layout8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, B_PAD, 32])
-    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    parts = ring.reinterpret(ring.dtype, [NBUF * PARTS, BN, PART], ring.layout)     # a slot: [PARTS, BN, PART]
+    scales = gl.convert_layout(scales, gl.SliceLayout(1, layout8))
+    valid = gl.convert_layout(valid, gl.SliceLayout(1, layout8))
     zero = gl.zeros([BN, B_PAD], gl.float32, layout=layout8)
-    acc = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
-    for jt in range((KT + 1) // 2):
-        s = c % NBUF
-        mbarrier.wait(ready.index(s), (c // NBUF) & 1)
-        for h in gl.static_range(2):
-            it = jt * 2 + h
-            if it < KT:
-                w_row_scale = gl.load(scales + it, mask=valid, other=0.0)
-                xs = _next_slice(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
-                xv = xring.index(xs).load(x_layout).to(gl.float32)
-                x_scale = gl.maximum(gl.max(gl.abs(xv), axis=1), 1e-30) / 448.0
-                xq.store((xv / x_scale[:, None]).to(gl.float8e4nv))
-                fence_async_shared()
-                cta_barrier()
-                part = warpgroup_mma(ring.index(s).slice(h * BK, BK, dim=1), xq.permute((1, 0)), zero,
-                                     use_acc=False)
-                x_scale = gl.convert_layout(x_scale, gl.SliceLayout(0, layout))
-                acc += gl.convert_layout(part, layout) * w_row_scale[:, None] * x_scale[None, :]
-        mbarrier.arrive(empty.index(s), count=1)
-        c += 1
-    return acc, c
+    acc = zero
+    _quantize_slice(x_desc, x_row, KT, xring, xready, cx, 0, chained, CHAIN, xq, xq_scale, num_warps)
+    done = zero         # the product of the part before, in flight
+    done_scale = zero
+    for it in range(KT):
+        for sub in gl.static_range(SUB):
+            q = it * SUB + sub
+            slot = c + q // PARTS
+            s = slot % NBUF
+            mbarrier.wait(ready.index(s), (slot // NBUF) & 1, pred=q % PARTS == 0)
+            b = (it % 2) * SUB + sub
+            product = warpgroup_mma(parts.index(s * PARTS + q % PARTS), xq.index(b).permute((1, 0)), zero,
+                                    use_acc=False, is_async=True)
+            scale = (gl.load(scales + q, mask=valid, other=0.0)[:, None]
+                     * xq_scale.index(b).load(gl.SliceLayout(0, layout8))[None, :])
+            product, done = warpgroup_mma_wait(num_outstanding=1, deps=[product, done])
+            acc += done * done_scale       # part q - 1's (zero at q = 0)
+            # part q - 1 done: its slot goes back once it was the slot's last
+            mbarrier.arrive(empty.index((slot + NBUF - 1) % NBUF), count=1, pred=(q > 0) & (q % PARTS == 0))
+            if sub == SUB - 1:      # slice it - 1's products are done: its buffer takes slice it + 1
+                if it + 1 < KT:
+                    _quantize_slice(x_desc, x_row, KT, xring, xready, cx, it + 1, chained, CHAIN, xq, xq_scale,
+                                    num_warps)
+            done = product
+            done_scale = scale
+    done = warpgroup_mma_wait(num_outstanding=0, deps=[done])
+    acc += done * done_scale
+    slots = (QT + PARTS - 1) // PARTS
+    mbarrier.arrive(empty.index((c + slots - 1) % NBUF), count=1)
+    return gl.convert_layout(acc, layout), c + slots
 
 
 @gluon.constexpr_function

@@ -79,6 +79,25 @@ def quantize(weight: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tu
     return values, scale
 
 
+def activation_scale(largest: torch.Tensor) -> torch.Tensor:
+    """The scale of activations whose largest magnitude is `largest` (float32): the least power of two s with
+    largest / s <= E4M3_MAX, at least 2^-100. A power of two makes the quantized values the activations' own
+    (x / s is exact; e4m3 is a float, so precision is not lost to the rounding up) and lets the kernel compute s
+    and 1 / s with bit operations (device/ring.py power_of_two_scale), exactly as here."""
+    least = torch.clamp(largest.float() * torch.tensor(1 / E4M3_MAX, dtype=torch.float32), min=2.0 ** -100)
+    return ((least.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
+
+
+def quantize_activations(x: torch.Tensor, per: int = KERNEL_BLOCK) -> torch.Tensor:
+    """W8A8's input (kernel option stream_e4m3 2): x [..., K] as the weight ring multiplies it, each row's `per`
+    columns quantized to e4m3 with activation_scale of their largest magnitude; returned dequantized (float32)."""
+    *lead, cols = x.shape
+    groups = x.float().reshape(*lead, cols // per, per)
+    scale = activation_scale(groups.abs().amax(dim=-1, keepdim=True))
+    values = (groups * (1 / scale)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return (values.float() * scale).reshape(*lead, cols)
+
+
 def linear_weights(spec) -> set[str]:
     """The weights of the layers' products (attention, dense MLP, experts): what --quantize fp8 quantizes."""
     routers = {spec.moe_names(i, 0)[0] for i in spec.moe_layers}
