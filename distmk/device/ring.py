@@ -366,11 +366,14 @@ PART = gl.constexpr(128)        # a block scale's columns: the e4m3 loops conver
 
 
 @gluon.jit
-def _mma_part(a, pending, acc, x_desc, x_row, KT: gl.constexpr, xring, xready, cx, q, chained, CHAIN: gl.constexpr):
+def _mma_part(a, pending, acc, x_desc, x_row, KT: gl.constexpr, xring, xready, cx, q, chained, CHAIN: gl.constexpr,
+              SLICE_START: gl.constexpr = None):
     """acc += a @ part q of the input, a part being A's columns (a weight slot in shared memory, or a 128-column part
     of one in registers) and an input slice SUB parts: part q % SUB of slice q // SUB. Its wgmma is left in flight
     once the one before (of register A operand `pending`, kept alive until then) is done: then, at a slice's first
-    part, the slot of the slice before is refilled."""
+    part, the slot of the slice before is refilled. SLICE_START: whether part q begins its slice, where the caller
+    knows it at compile time (None: worked out at run time); the other parts then issue no input wait or refill at
+    all, where a predicated one still costs the barrier its shared memory access brings."""
     XD: gl.constexpr = xring.type.shape[0]
     B_PAD: gl.constexpr = xring.type.shape[1]
     A_K: gl.constexpr = a.type.shape[1]
@@ -378,14 +381,20 @@ def _mma_part(a, pending, acc, x_desc, x_row, KT: gl.constexpr, xring, xready, c
     parts = xring.reinterpret(xring.dtype, [XD * SUB, B_PAD, A_K], xring.layout)    # a slice: [SUB, B_PAD, A_K]
     it = q // SUB
     xs = (cx + it) % XD
-    first = q % SUB == 0
-    mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1, pred=first)
+    if SLICE_START is None:
+        first = q % SUB == 0
+        mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1, pred=first)
+    elif SLICE_START:
+        mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1)
     acc = warpgroup_mma(a, parts.index(xs * SUB + q % SUB).permute((1, 0)), acc, use_acc=q > 0, is_async=True)
     if pending is None:
         acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
     else:
         acc, pending = warpgroup_mma_wait(num_outstanding=1, deps=[acc, pending])
-    _refill_input(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN, first)
+    if SLICE_START is None:
+        _refill_input(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN, first)
+    elif SLICE_START:
+        _refill_input(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
     return acc
 
 
@@ -417,12 +426,20 @@ def _w8a16_block(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, em
             q = it * SUB + sub
             slot = c + q // PARTS
             s = slot % NBUF
-            mbarrier.wait(ready.index(s), (slot // NBUF) & 1, pred=q % PARTS == 0)
+            if SUB % PARTS == 0:        # slices of whole slots: which part begins or ends one is known too
+                if sub % PARTS == 0:
+                    mbarrier.wait(ready.index(s), (slot // NBUF) & 1)
+            else:
+                mbarrier.wait(ready.index(s), (slot // NBUF) & 1, pred=q % PARTS == 0)
             next_scale = gl.load(scales + q + 1, mask=valid & (q + 1 < QT), other=0.0)
             pending = a
             a = _dequantized(parts.index(s * PARTS + q % PARTS), scale, operand)
-            mbarrier.arrive(empty.index(s), count=1, pred=(q % PARTS == PARTS - 1) | (q + 1 == QT))
-            acc = _mma_part(a, pending, acc, x_desc, x_row, KT, xring, xready, cx, q, chained, CHAIN)
+            if SUB % PARTS == 0:
+                if sub % PARTS == PARTS - 1:
+                    mbarrier.arrive(empty.index(s), count=1)
+            else:
+                mbarrier.arrive(empty.index(s), count=1, pred=(q % PARTS == PARTS - 1) | (q + 1 == QT))
+            acc = _mma_part(a, pending, acc, x_desc, x_row, KT, xring, xready, cx, q, chained, CHAIN, sub == 0)
             scale = next_scale
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     return acc, c + (QT + PARTS - 1) // PARTS
@@ -457,8 +474,10 @@ def _w8a16_packed(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, e
         pending = a
         a = _dequantized(parts.index(s * PARTS + hh % PARTS), scale, operand)
         mbarrier.arrive(empty.index(s), count=1, pred=hh % PARTS == PARTS - 1)
-        top = _mma_part(a, pending, top, x_desc, x_row, KT, xring, xready, cx, hh * 2, chained, CHAIN)
-        bottom = _mma_part(a, a, bottom, x_desc, x_row, KT, xring, xready, cx, hh * 2 + 1, chained, CHAIN)
+        # input slices of one part or two: an even part begins one, an odd one only if a slice is one part
+        top = _mma_part(a, pending, top, x_desc, x_row, KT, xring, xready, cx, hh * 2, chained, CHAIN, True)
+        bottom = _mma_part(a, a, bottom, x_desc, x_row, KT, xring, xready, cx, hh * 2 + 1, chained, CHAIN,
+                           xring.type.shape[2] == PART)
         scale = next_scale
     top, bottom = warpgroup_mma_wait(num_outstanding=0, deps=[top, bottom])
     # rows r of the sum: top's r and bottom's r + BN / 2, gathered into one thread's registers; rows past BN / 2 (the
