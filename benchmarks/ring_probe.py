@@ -14,8 +14,8 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from distmk.device.ring import (_acquire64, acc_layout, cta_barrier, load_rows, make_rings, make_xq, matmul_layouts, mma_block,
-                                mma_block_fp8, packs_halves, task_row)
+from distmk.device.ring import (_acquire64, acc_layout, cta_barrier, load_rows, make_rings, make_xq, matmul_layouts,
+                                mma_block, mma_block_fp8, packs_halves, task_row)
 from distmk.graph.table import COLUMNS
 from distmk.kernels.ring_megakernel import E4M3_SLOT_K, RING_ROWS
 
@@ -38,8 +38,8 @@ def _consume(x_desc, x_row, out, OUT_STRIDE: gl.constexpr, col0, rows, n, K: gl.
              w_scale, ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr, xq=None, xq_scale=None,
              PACK: gl.constexpr = False):
     """out[:n, col0:col0 + rows] = SCALE * x[x_row:x_row + n] @ W^T over the slots _produce filled (e4m3 weights
-    with the block scales `w_scale` where the ring holds e4m3; with `xq` and `xq_scale`, e4m3 activations too; PACK: two column
-    ranges a slot, device/ring.py packs_halves)."""
+    with the block scales `w_scale` where the ring holds e4m3; with `xq` and `xq_scale`, e4m3 activations too; PACK:
+    two column ranges a slot, device/ring.py packs_halves)."""
     BN: gl.constexpr = ring.type.shape[1]
     B_PAD: gl.constexpr = xring.type.shape[1]
     layout: gl.constexpr = acc_layout(BN, B_PAD, num_warps)

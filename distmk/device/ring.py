@@ -31,6 +31,9 @@ if not hasattr(gl.shared_memory_descriptor, "reinterpret"):
     gl.shared_memory_descriptor.reinterpret = gl.shared_memory_descriptor._reinterpret
 
 
+PART = gl.constexpr(128)        # a block scale's columns: the e4m3 loops convert one part at a time
+
+
 @gluon.jit
 def as_boxes(smem, desc, N: gl.constexpr):
     """Shared memory seen as N boxes of a descriptor's."""
@@ -362,9 +365,6 @@ def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready
     return acc, c, cx + KT
 
 
-PART = gl.constexpr(128)        # a block scale's columns: the e4m3 loops convert one part at a time
-
-
 @gluon.jit
 def _mma_part(a, pending, acc, x_desc, x_row, KT: gl.constexpr, xring, xready, cx, q, chained, CHAIN: gl.constexpr,
               SLICE_START: gl.constexpr = None):
@@ -511,8 +511,8 @@ def _quantize_slice(x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, chai
                     num_warps: gl.constexpr):
     """W8A8: input slice `it` quantized into buffer it % 2 of xq ([2 * SUB, B_PAD, PART] e4m3), a scale per row and
     128-column part (power_of_two_scale of the row's largest magnitude over it) into xq_scale ([2 * SUB, B_PAD]
-    float32), as models/fp8.py quantize_activations; the slot of slice it - 1 (quantized before) is refilled. Every warp's
-    stores are visible to the wgmma and to every warp's scale loads on return."""
+    float32), as models/fp8.py quantize_activations; the slot of slice it - 1 (quantized before) is refilled. Every
+    warp's stores are visible to the wgmma and to every warp's scale loads on return."""
     XD: gl.constexpr = xring.type.shape[0]
     B_PAD: gl.constexpr = xring.type.shape[1]
     SUB: gl.constexpr = xring.type.shape[2] // PART
@@ -534,9 +534,10 @@ def _w8a8_block(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, emp
                 cx, chained, CHAIN: gl.constexpr, layout: gl.constexpr, num_warps: gl.constexpr):
     """mma_block_fp8's loop with e4m3 activations: each input slice quantized into a double buffer a slice ahead
     (_quantize_slice, while the wgmma before it is in flight), then for each 128-column part an e4m3 wgmma straight
-    from the weight slot into an accumulator of its own, added into the block's times the part's weight-row and input-row scales once done, while the
-    next part's wgmma runs: the block scales are per part, and a wgmma's e4m3 sums are short. The products are
-    summed in the e4m3 wgmma's layout, converted once a block."""
+    from the weight slot into an accumulator of its own, added into the block's times the part's weight-row and
+    input-row scales once done, while the next part's wgmma runs: the block scales are per part, and a wgmma's e4m3
+    sums are short. The products are summed in the e4m3 wgmma's layout, converted once a block. stream.py's probe
+    measures it beside the W8A16 loop (benchmarks/results/h100-2026-12-06-bf2ceb1); the megakernel streams W8A16."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
     PARTS: gl.constexpr = ring.type.shape[2] // PART        # a slot's
