@@ -466,21 +466,19 @@ def _w8a16_packed(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, e
     top = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
     bottom = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
     a = gl.zeros([BN, PART], gl.bfloat16, layout=operand)
-    for j in range(QT // (2 * PARTS)):         # a slot at a time: waited for and released once
-        slot = c + j
+    for hh in range(QT // 2):
+        slot = c + hh // PARTS
         s = slot % NBUF
-        mbarrier.wait(ready.index(s), (slot // NBUF) & 1)
-        for p in range(PARTS):
-            hh = j * PARTS + p
-            next_scale = gl.load(scales + hh * 2 + 2, mask=valid & (hh * 2 + 2 < QT), other=0.0)
-            pending = a
-            a = _dequantized(parts.index(s * PARTS + p), scale, operand)
-            # input slices of one part or two: an even part begins one, an odd one only if a slice is one part
-            top = _mma_part(a, pending, top, x_desc, x_row, KT, xring, xready, cx, hh * 2, chained, CHAIN, True)
-            bottom = _mma_part(a, a, bottom, x_desc, x_row, KT, xring, xready, cx, hh * 2 + 1, chained, CHAIN,
-                               xring.type.shape[2] == PART)
-            scale = next_scale
-        mbarrier.arrive(empty.index(s), count=1)     # its parts are all in registers
+        mbarrier.wait(ready.index(s), (slot // NBUF) & 1, pred=hh % PARTS == 0)
+        next_scale = gl.load(scales + hh * 2 + 2, mask=valid & (hh * 2 + 2 < QT), other=0.0)
+        pending = a
+        a = _dequantized(parts.index(s * PARTS + hh % PARTS), scale, operand)
+        mbarrier.arrive(empty.index(s), count=1, pred=hh % PARTS == PARTS - 1)
+        # input slices of one part or two: an even part begins one, an odd one only if a slice is one part
+        top = _mma_part(a, pending, top, x_desc, x_row, KT, xring, xready, cx, hh * 2, chained, CHAIN, True)
+        bottom = _mma_part(a, a, bottom, x_desc, x_row, KT, xring, xready, cx, hh * 2 + 1, chained, CHAIN,
+                           xring.type.shape[2] == PART)
+        scale = next_scale
     top, bottom = warpgroup_mma_wait(num_outstanding=0, deps=[top, bottom])
     # rows r of the sum: top's r and bottom's r + BN / 2, gathered into one thread's registers; rows past BN / 2 (the
     # block's padding: never stored) repeat them
