@@ -278,8 +278,7 @@ def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_RO
                 ms = kernel_ms(step, warmup_ms=5, rep_ms=max(20, iters))
                 row = {"kernel": kernel, "rows": rows, "batch_pad": b_pad, "block_n": bn, "block_k": bk,
                        "stages": stages, "x_stages": xd, "barrier": bool(mode), "gbps": nbytes / ms / 1e6,
-                       "us_per_layer": ms * 1e3 / layers,
-                       "relative_error": error}
+                       "us_per_layer": ms * 1e3 / layers, "relative_error": error}
                 results.append(row)
                 log(f"ring {kernel:9s} rows {rows} pad {b_pad} BN {bn} BK {bk} stages {stages} x {xd} barrier {mode}: "
                     f"{row['gbps']:.0f} GB/s, {row['us_per_layer']:.2f} us/layer (error {error:.1e})")

@@ -89,8 +89,9 @@ def activation_scale(largest: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_activations(x: torch.Tensor, per: int = KERNEL_BLOCK) -> torch.Tensor:
-    """W8A8's input (kernel option stream_e4m3 2): x [..., K] as the weight ring multiplies it, each row's `per`
-    columns quantized to e4m3 with activation_scale of their largest magnitude; returned dequantized (float32)."""
+    """W8A8's input: x [..., K] as the weight ring's e4m3-by-e4m3 loop multiplies it (device/ring.py _w8a8_block,
+    stream.py's gluon-w8a8 probe), each row's `per` columns quantized to e4m3 with activation_scale of their largest
+    magnitude; returned dequantized (float32)."""
     *lead, cols = x.shape
     groups = x.float().reshape(*lead, cols // per, per)
     scale = activation_scale(groups.abs().amax(dim=-1, keepdim=True))
