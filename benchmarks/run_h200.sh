@@ -65,9 +65,12 @@ if [[ $STAGES == *" fp8 "* ]]; then
   timeout 300 python3 -m pytest -q -s tests/test_gpu.py -k "e4m3 or (matches_tl and fp8)" 2>&1 | grep -v Warn \
       > "$OUT/gpu_tests_fp8.log"
   tail -n 4 "$OUT/gpu_tests_fp8.log"
+  # the probe at the megakernel's padded batch up to 8: bf16, W8A16 and W8A8 over the same bytes (an H100 had W8A8
+  # the slower: results/h100-2026-12-06-bf2ceb1)
   stamp "stream.py --probe-only"
-  timeout 150 python3 benchmarks/stream.py --probe-only --probe-rows 64 --iters 20 --json --out "$OUT/stream_probe.json" 2>&1 \
-      | grep "\[stream\]" | grep "rows 64" | grep "fp8\|w8a8\|BK 256 stages 4 x 4"
+  timeout 150 python3 benchmarks/stream.py --probe-only --probe-kernels gluon,gluon-fp8,gluon-w8a8 --probe-rows 64,128 \
+      --probe-pad 8 --iters 20 --json --out "$OUT/stream_probe.json" 2>&1 \
+      | grep "\[stream\]" | grep "barrier 0" | grep "BK 256 stages \(9\|4 x 4\)"
   for one in ${FP8_MODELS:-llama-3-8b:1 llama-3-8b:8 qwen3-8b:1}; do
     IFS=: read -r model batch <<< "$one"
     stamp "decode $one, e4m3 products"
