@@ -19,6 +19,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
+from distmk.models import fp8
+
 # Gluon moves between releases: the CTA-wide barrier is thread_barrier on Triton 3.6 (the GPU image's), barrier
 # from 3.7 on
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
@@ -492,7 +494,7 @@ def _w8a16_packed(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, e
     return gl.convert_layout(gl.reshape(total, [BN, B_PAD]), layout), c + QT // (2 * PARTS)
 
 
-E4M3_MAX = gl.constexpr(448.0)        # e4m3's largest finite value: an input row's largest magnitude maps to it
+E4M3_MAX = gl.constexpr(fp8.E4M3_MAX)        # an input row's largest magnitude maps within it
 
 
 @gluon.jit
