@@ -14,7 +14,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from distmk.device.ring import (_acquire64, acc_layout, cta_barrier, load_rows, make_rings, make_xq, matmul_layouts,
+from distmk.device.ring import (_load64, acc_layout, cta_barrier, load_rows, make_rings, make_xq, matmul_layouts,
                                 mma_block, mma_block_fp8, packs_halves, task_row)
 from distmk.graph.table import COLUMNS
 from distmk.kernels.ring_megakernel import E4M3_SLOT_K, RING_ROWS
@@ -277,10 +277,10 @@ def _matmul_consumer(tasks, queue, queue_ptr, event_need, counters, rows_ptr, xh
         kind, layer, a0, a1, a2, a3, wait, signal = task_row(tasks, gl.load(queue + i), True, ROW_WIDTH)
         if wait >= 0:
             target = gl.load(event_need + wait).to(gl.int64)
-            seen = _acquire64(counters + wait)
+            seen = _load64(counters + wait, "acquire")
             polls = 0
             while (seen < target) & (polls < POLL_LIMIT):
-                seen = _acquire64(counters + wait)
+                seen = _load64(counters + wait, "acquire")
                 polls += 1
             cta_barrier()
         for seg in gl.static_range(2):

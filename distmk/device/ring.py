@@ -599,32 +599,17 @@ def load_rows(desc, row0, rows, K: gl.constexpr, ring, ready, empty, c, INFLIGHT
     return c
 
 
-@gluon.jit
-def _acquire64(ptr):
-    return gl.inline_asm_elementwise("ld.global.acquire.gpu.b64 $0, [$1];", "=l,l", [ptr], dtype=gl.int64,
-                                     is_pure=False, pack=1)
+@gluon.constexpr_function
+def _load64_asm(order, system):
+    return f"ld.global.{order}.{'sys' if system else 'gpu'}.b64 $0, [$1];"
 
 
 @gluon.jit
-def _acquire64_sys(ptr):
-    return gl.inline_asm_elementwise("ld.global.acquire.sys.b64 $0, [$1];", "=l,l", [ptr], dtype=gl.int64,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
-def _acquire_at(ptr, SYSTEM: gl.constexpr):
-    """Acquire load of an event counter: system scope where peers on other GPUs signal it."""
-    if SYSTEM:
-        value = _acquire64_sys(ptr)
-    else:
-        value = _acquire64(ptr)
-    return value
-
-
-@gluon.jit
-def _relaxed64(ptr):
-    return gl.inline_asm_elementwise("ld.global.relaxed.gpu.b64 $0, [$1];", "=l,l", [ptr], dtype=gl.int64,
-                                     is_pure=False, pack=1)
+def _load64(ptr, ORDER: gl.constexpr, SYSTEM: gl.constexpr = False):
+    """A 64-bit load of an event counter or the abort flag, `ORDER` (acquire, relaxed) at GPU scope, or at system
+    scope where peers on other GPUs write it."""
+    return gl.inline_asm_elementwise(_load64_asm(ORDER, SYSTEM), "=l,l", [ptr], dtype=gl.int64, is_pure=False,
+                                     pack=1)
 
 
 @gluon.jit
@@ -678,15 +663,15 @@ def wait_event(counter_ptr, target, abort_ptr, timeout_us, SYSTEM: gl.constexpr)
     relaxed and first: an acquire load waits for its own return before any later load is issued (CCTL.IVALL),
     so two acquires made every look two round trips to L2, even at an event long complete. SYSTEM: peers on
     other GPUs signal events (acquire at system scope)."""
-    aborted = _relaxed64(abort_ptr)
-    value = _acquire_at(counter_ptr, SYSTEM)
+    aborted = _load64(abort_ptr, "relaxed")
+    value = _load64(counter_ptr, "acquire", SYSTEM)
     deadline = now_ns() + timeout_us.to(gl.int64) * 1000
     while (value - target < 0) & (aborted == 0) & (now_ns() < deadline):
-        aborted = _relaxed64(abort_ptr)
-        value = _acquire_at(counter_ptr, SYSTEM)
+        aborted = _load64(abort_ptr, "relaxed")
+        value = _load64(counter_ptr, "acquire", SYSTEM)
     cta_barrier()
     if value - target < 0:          # one CTA, one verdict (see primitives.wait_event)
-        value = _acquire_at(counter_ptr, SYSTEM)
+        value = _load64(counter_ptr, "acquire", SYSTEM)
     fence_async_global()
     return value - target
 
