@@ -770,6 +770,21 @@ def push_block(values, packed, mask, exchange_peers, WORLD: gl.constexpr):
 
 
 @gluon.jit
+def deliver_sums(total, x, xs, offs, mask, residual, next_norm_w, partial, push, packed, exchange_peers,
+                 WORLD: gl.constexpr):
+    """Where a row-parallel tile's float32 sums go: at tp=1 added to the residual stream (`residual` and the next
+    RMSNorm's weight `next_norm_w`, broadcast against `total`, loaded before the products: store_residual_ring), at
+    tp > 1 pushed into every rank's exchange at offsets `packed` (push: the lowering's PUSH_PARTIAL) or stored as
+    this rank's partial sum."""
+    if WORLD == 1:
+        store_residual_ring(x, xs, offs, mask, residual + total, next_norm_w)
+    elif push:
+        push_block(total, packed, mask, exchange_peers, WORLD)
+    else:
+        gl.store(partial + offs, total, mask=mask)
+
+
+@gluon.jit
 def row_parallel_rows(w_desc, w_scale, x_desc, x_row, K: gl.constexpr, row0, rows, n, x, xs, next_norm_w, partial,
                       push, region, signal, exchange_peers, counter_peers, H: gl.constexpr, WORLD: gl.constexpr,
                       SYSTEM_SCOPE: gl.constexpr, ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr,
@@ -787,17 +802,15 @@ def row_parallel_rows(w_desc, w_scale, x_desc, x_row, K: gl.constexpr, row0, row
         cols = row0 + j + rn
         offs = rb[None, :] * H + cols[:, None]
         mask = (rn < rows - j)[:, None] & (rb < n)[None, :]
+        residual = None
+        g = None
         if WORLD == 1:
             residual = gl.load(x + offs, mask=mask, other=0.0).to(gl.float32)
-            g = gl.load(next_norm_w + cols, mask=rn < rows - j, other=0.0).to(gl.float32)
+            g = gl.load(next_norm_w + cols, mask=rn < rows - j, other=0.0).to(gl.float32)[:, None]
         acc, c, cx = mma_rows(w_desc, w_scale, row0 + j, rows - j, x_desc, x_row, K, ring, ready, empty, xring,
                               xready, c, cx, j > 0, j + BN < rows, num_warps, PACK)
-        if WORLD == 1:
-            store_residual_ring(x, xs, offs, mask, residual + acc, g[:, None])
-        elif push:
-            push_block(acc, region + rb[None, :] * rows + (j + rn)[:, None], mask, exchange_peers, WORLD)
-        else:
-            gl.store(partial + offs, acc, mask=mask)
+        packed = region + rb[None, :] * rows + (j + rn)[:, None]
+        deliver_sums(acc, x, xs, offs, mask, residual, g, partial, push, packed, exchange_peers, WORLD)
     if WORLD > 1:
         if push:
             signal_all_ranks(counter_peers, signal, WORLD, SYSTEM_SCOPE, num_warps)

@@ -42,7 +42,7 @@ def moe_combine_ring(layer, row0, nrows, mode, n, rank, signal, route_weight, ex
                      O_PROJ_ROWS: gl.constexpr, WORLD: gl.constexpr, EXCHANGE_SLOTS: gl.constexpr,
                      SYSTEM_SCOPE: gl.constexpr, num_warps: gl.constexpr):
     """A block of the tile's columns at a time: added to the residual stream at tp=1, at tp > 1 this rank's partial
-    sum, pushed or stored by the lowering's mode (device/ring.py row_parallel_rows)."""
+    sum, pushed or stored by the lowering's mode (device/ring.py deliver_sums)."""
     CP: gl.constexpr = rg.next_power_of_2(O_PROJ_ROWS)
     layout: gl.constexpr = rg.exchange_layout(num_warps)
     rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(1, layout))
@@ -52,20 +52,18 @@ def moe_combine_ring(layer, row0, nrows, mode, n, rank, signal, route_weight, ex
         cols = row0 + j + rc
         mask = (rb < n)[:, None] & (rc < nrows - j)[None, :]
         offs = rb[:, None] * H + cols[None, :]
+        residual = None
+        g = None
         if WORLD == 1:
             residual = gl.load(x + offs, mask=mask, other=0.0).to(gl.float32)
-            g = gl.load(norms + (2 * layer + 2) * H + cols, mask=rc < nrows - j, other=0.0).to(gl.float32)
+            g = gl.load(norms + (2 * layer + 2) * H + cols, mask=rc < nrows - j, other=0.0).to(gl.float32)[None, :]
         total = gl.zeros([B_PAD, CP], gl.float32, layout)
         for k in gl.static_range(TOP_K):
             weight = gl.load(route_weight + rb * TOP_K + k, mask=rb < n, other=0.0)
             out = gl.load(expert_out + (rb * TOP_K + k)[:, None] * H + cols[None, :], mask=mask, other=0.0)
             total += weight[:, None] * out
-        if WORLD == 1:
-            rg.store_residual_ring(x, xs, offs, mask, residual + total, g[None, :])
-        elif mode == _PUSH_PARTIAL:
-            rg.push_block(total, region + rb[:, None] * nrows + (j + rc)[None, :], mask, exchange_peers, WORLD)
-        else:
-            gl.store(partial + offs, total, mask=mask)
+        rg.deliver_sums(total, x, xs, offs, mask, residual, g, partial, mode == _PUSH_PARTIAL,
+                        region + rb[:, None] * nrows + (j + rc)[None, :], exchange_peers, WORLD)
     if WORLD > 1:
         if mode == _PUSH_PARTIAL:
             rg.signal_all_ranks(counter_peers, signal, WORLD, SYSTEM_SCOPE, num_warps)
