@@ -55,6 +55,8 @@ def test_ring_megakernel_compiles_for_sm90(name, batch, fused_route, quantize):
                     config=GraphConfig(batch=batch, workers=DEFAULT_WORKERS, fused_route=fused_route),
                     kernel_options={"kernel": "ring", "stream_e4m3": int(quantize == "fp8")}, quantize=quantize)
     assert len(engine.weights.fp8) == (5 if quantize else 0)
+    # attention passes of 2 keys where the kernel is large (MoE) or its matmul loops convert e4m3 (4 spilled)
+    assert engine.executor.args["RING_ATTN_KEYS"] == (2 if quantize or engine.spec.num_experts else 0)
     compiled = engine.executor.compile_ahead(arch=90)
     assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
     assert "wgmma" in compiled.asm["ptx"] and "cp.async.bulk.tensor" in compiled.asm["ptx"]

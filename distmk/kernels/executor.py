@@ -203,6 +203,7 @@ class TritonExecutor:
                         rank=comm.rank, interpret=self.interpret, transport=TRANSPORTS.index(self.transport),
                         signal_add=signal_add, exchange_slots=EXCHANGE_SLOTS, lm_tiles=num_lm_tiles(plan, config),
                         peers_on_device=getattr(comm, "peers_on_device", False),
+                        streams_e4m3=bool(weights.fp8),
                         # polls when interpreted: simulated ranks (threads) may have to wait for each other a while
                         timeout=(1000 if comm.world == 1 else 10 ** 6) if self.interpret else int(o.timeout_s * 1e6))
         control = dict(tasks=self.dev_table.tasks, queue=self.dev_table.queue, queue_ptr=self.dev_table.queue_ptr,

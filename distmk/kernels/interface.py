@@ -47,6 +47,7 @@ class Launch:
     lm_tiles: int
     exchange_slots: int
     peers_on_device: bool = False   # every rank runs on this GPU (virtual ranks: comm/cpu.py ThreadRanks)
+    streams_e4m3: bool = False      # some products stream their e4m3 weights (RankWeights.fp8)
 
     @property
     def b_pad(self) -> int:
@@ -175,8 +176,9 @@ CONSTANTS = (
     Arg("RING_INFLIGHT", lambda l: l.options.ring_inflight, "weight slots in flight while the ring fills (0: all)"),
     Arg("FUSED_ATTN_REDUCE", lambda l: l.config.fused_attn_reduce, "the last split of a group combines it"),
     Arg("FUSED_ROUTE", lambda l: l.config.fused_route, "the o_proj tile that adds a layer's last share routes it"),
-    # MoE kernels are larger, and 2 keys a pass is less code; dense kernels gain nothing from it
-    Arg("RING_ATTN_KEYS", lambda l: l.options.ring_attention_keys or (2 if l.spec.num_experts else 0),
+    # MoE kernels are larger, and 2 keys a pass is less code; a kernel streaming e4m3 weights spills registers in its
+    # attention tasks at 4; dense bf16 kernels gain nothing from it
+    Arg("RING_ATTN_KEYS", lambda l: l.options.ring_attention_keys or (2 if l.spec.num_experts or l.streams_e4m3 else 0),
         "keys a thread of an attention task holds a pass (0: by its heads)"),
 )
 

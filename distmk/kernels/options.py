@@ -48,8 +48,8 @@ class KernelOptions:
     ring_slots: int = option(0, "ring: weight slots (0: as many as its shared memory holds)")
     ring_inputs: int = option(4, "ring: input slices in flight")
     ring_attention_keys: int = option(0, "ring: consecutive keys a thread of an attention task holds a pass, a "
-                                          "power of two (0: 2 in a MoE model, else 4, fewer for more heads; fewer "
-                                          "is less code, more passes)")
+                                          "power of two (0: 2 in a MoE model or one streaming e4m3 weights, else 4, "
+                                          "fewer for more heads; fewer is less code, more passes)")
     ring_inflight: int = option(2, "ring: weight slots a worker has in flight at most while its ring fills ahead "
                                    "of a task, so that the task's event poll and first inputs queue behind fewer "
                                    "bytes (0: every free slot)")

@@ -146,9 +146,9 @@ def attention_gpu(layer, row, kv_head, split, head0, n, qk_raw, qk_norm, rope, k
 @gluon.constexpr_function
 def keys_per_thread(AH_PAD, RING_ATTN_KEYS):
     """Consecutive keys of a key slot that each of its threads holds: RING_ATTN_KEYS (a kernel option, 2 in a MoE
-    kernel: kernels/interface.py), else 4, fewer where a task's heads are many (every thread holds heads x keys x 8
-    columns of the products; 8 heads at 4 keys spilled registers). Fewer keys a pass is less code (qwen3-30b-a3b's
-    kernel: 143 KB at 4, 134 KB at 2) and more passes."""
+    kernel or one streaming e4m3 weights: kernels/interface.py), else 4, fewer where a task's heads are many (every
+    thread holds heads x keys x 8 columns of the products; 8 heads at 4 keys spilled registers). Fewer keys a pass
+    is less code (qwen3-30b-a3b's kernel: 143 KB at 4, 134 KB at 2) and more passes."""
     return RING_ATTN_KEYS or max(1, min(4, 16 // AH_PAD))
 
 
