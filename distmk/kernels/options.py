@@ -46,7 +46,8 @@ class KernelOptions:
                                  "8B model's decode step 0.80-0.85 of bf16's on an H100); 0 = their dequantized bf16 "
                                  "copies stream")
     ring_slots: int = option(0, "ring: weight slots (0: as many as its shared memory holds)")
-    ring_inputs: int = option(4, "ring: input slices in flight")
+    ring_inputs: int = option(0, "ring: input slices in flight (0: 4, or 6 where e4m3 weights stream and every "
+                                 "product's K holds 5 slices or more)")
     ring_attention_keys: int = option(0, "ring: consecutive keys a thread of an attention task holds a pass, a "
                                           "power of two (0: 2 in a MoE model or one streaming e4m3 weights, else 4, "
                                           "fewer for more heads; fewer is less code, more passes)")
@@ -63,13 +64,13 @@ class KernelOptions:
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise DistmkError(f"kernel option {name} must be a power of two, got {value}")
-        for name in ("num_stages", "ring_inputs"):
+        for name in ("num_stages",):
             if getattr(self, name) < 1:
                 raise DistmkError(f"kernel option {name} must be >= 1, got {getattr(self, name)}")
         if self.ring_attention_keys & (self.ring_attention_keys - 1) or self.ring_attention_keys < 0:
             raise DistmkError(f"kernel option ring_attention_keys must be 0 or a power of two, got "
                               f"{self.ring_attention_keys}")
-        for name in ("prefetch_kb", "ring_block_k", "ring_slots", "ring_inflight", "block_n"):
+        for name in ("prefetch_kb", "ring_block_k", "ring_slots", "ring_inputs", "ring_inflight", "block_n"):
             if getattr(self, name) < 0:
                 raise DistmkError(f"kernel option {name} must be >= 0, got {getattr(self, name)}")
         if self.stream_e4m3 not in (0, 1):

@@ -261,19 +261,21 @@ def ring_unsupported(spec, plan, config, dtype, transport: str, kinds, fp8=()) -
     return None
 
 
-def ring_arguments(args: dict, batch: int, block_k: int = 0, slots: int = 0, input_slots: int = 4,
+def ring_arguments(args: dict, batch: int, block_k: int = 0, slots: int = 0, input_slots: int = 0,
                    fp8: dict | None = None) -> dict:
     """The ring megakernel's arguments from the tl megakernel's: TMA descriptors of the weights it streams and
     of the tiles' inputs (tensors of `args`; the products of `fp8`, RankWeights.fp8, in e4m3), the ring's shape:
     `slots` weight slots (0: as many as RING_BYTES holds beside the inputs) of `block_k` columns (0: 256 where it
-    divides every K, else 128 or 64), `input_slots` input slices of as many columns, `batch` rows padded to 8 or 16.
-    With e4m3 products a slot holds 128 bf16 columns or 256 e4m3 ones, an input slice one or two slots
-    (device/ring.py mma_block_fp8): deep rings of small slots, few input slices."""
+    divides every K, else 128 or 64), `input_slots` input slices of as many columns (0: 4, or 6 with e4m3 products
+    where every K holds 5 slices or more), `batch` rows padded to 8 or 16. With e4m3 products a slot holds 128 bf16
+    columns or 256 e4m3 ones, an input slice one or two slots (device/ring.py mma_block_fp8): deep rings of small
+    slots, which use up input slices twice as fast a byte as bf16 ones."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from distmk.device.ring import matmul_layouts
     fp8 = fp8 or {}
-    widest = ring_block_k(args["H"], args["HQ"] * args["D"], args["INTER"], args["EXPERT_INTER"])
+    widths = [k for k in (args["H"], args["HQ"] * args["D"], args["INTER"], args["EXPERT_INTER"]) if k]
+    widest = ring_block_k(*widths)
     block_k = block_k or widest
     if widest % block_k:
         raise DistmkError(f"ring_block_k={block_k} must divide every matmul's K (the widest that does: {widest})")
@@ -281,6 +283,8 @@ def ring_arguments(args: dict, batch: int, block_k: int = 0, slots: int = 0, inp
         raise DistmkError(f"ring_block_k={block_k}: e4m3 weights stream with input slices of 128 or 256 columns")
     b_pad = 8 if batch <= 8 else RING_B_PAD
     slot_k = E4M3_SLOT_K if fp8 else block_k
+    # six in flight only where every block has the five that a chained block issues for the next (mma_block)
+    input_slots = input_slots or (6 if fp8 and min(widths) // block_k >= 5 else 4)
     slots = slots or (RING_BYTES - input_slots * b_pad * block_k * 2) // (RING_ROWS * slot_k * 2)
     ring_bytes = (slots * RING_ROWS * slot_k + input_slots * b_pad * block_k) * 2
     # one slot of either would wait for itself (the consumer frees a slot only after using the next one)
