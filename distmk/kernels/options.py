@@ -43,7 +43,7 @@ class KernelOptions:
                                   "dividing every K; e4m3 slots hold 256 columns)")
     stream_e4m3: int = option(0, "1 = the products a model holds in e4m3 (--quantize fp8, FP8 checkpoints) stream so: "
                                  "both kernels dequantize them as they load them (device/ring.py mma_block_fp8; an "
-                                 "8B model's decode step 0.80-0.85 of bf16's on an H100); 0 = their dequantized bf16 "
+                                 "8B model's decode step 0.78-0.83 of bf16's on an H100); 0 = their dequantized bf16 "
                                  "copies stream")
     ring_slots: int = option(0, "ring: weight slots (0: as many as its shared memory holds)")
     ring_inputs: int = option(0, "ring: input slices in flight (0: 4, or 6 where e4m3 weights stream and every "
