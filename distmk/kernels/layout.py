@@ -70,10 +70,14 @@ def _stack(weights: RankWeights) -> dict[str, torch.Tensor]:
 
 
 def stack_in_place(layers, name: str) -> torch.Tensor:
-    """getattr(lw, name) of every layer stacked into one tensor, each layer's field rebound to its view as it is
-    copied, so its own tensor is freed then: the experts (most of a MoE model) are held once and a layer's worth
-    more, where torch.stack would hold them twice until it returned (mixtral-8x7b: 2 x 90 GB in bf16)."""
+    """getattr(lw, name) of every layer stacked into one tensor: the tensor they are already views of, in order
+    (load_shard's experts), else a new one, each layer's field rebound to its view as it is copied, so its own
+    tensor is freed then (torch.stack would hold them twice until it returned)."""
     first = getattr(layers[0], name)
+    base = first._base
+    if base is not None and base.shape == (len(layers), *first.shape) and base.is_contiguous() and all(
+            getattr(lw, name).data_ptr() == view.data_ptr() for lw, view in zip(layers, base)):
+        return base
     stacked = first.new_empty((len(layers), *first.shape))
     for lw, view in zip(layers, stacked):
         view.copy_(getattr(lw, name))

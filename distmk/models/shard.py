@@ -140,9 +140,18 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
             return read()
         return dequantize(fp8[name][0][i], fp8[name][1][i], DEFAULT_BLOCK).to(device=device, dtype=dtype)
 
+    expert_stacks = {}      # name -> [sparse layers, experts, rows, K], filled a sparse layer at a time
+
     def experts(name: str, i: int, pieces: list) -> torch.Tensor:
-        """Layer i's experts' slices of `name` ([experts, rows, K]), by product()."""
-        return product(name, spec.moe_layers.index(i), lambda: torch.stack([rd(*piece) for piece in pieces]))
+        """Layer i's experts' slices of `name` ([experts, rows, K]), by product(), as a view of the one tensor that
+        holds them for every sparse layer: the megakernel's layout (kernels/layout.py), so the experts, most of a
+        MoE model, are never held twice."""
+        s = spec.moe_layers.index(i)
+        layer = product(name, s, lambda: torch.stack([rd(*piece) for piece in pieces]))
+        if name not in expert_stacks:
+            expert_stacks[name] = layer.new_empty((len(spec.moe_layers), *layer.shape))
+        expert_stacks[name][s].copy_(layer)
+        return expert_stacks[name][s]
 
     def mlp(i: int) -> dict:
         """Layer i's MLP weights: this rank's rows of the dense MLP, or the router and every expert's rows."""
