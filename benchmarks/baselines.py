@@ -265,12 +265,13 @@ def build_torch_decoder(spec: ModelSpec, weights: RankWeights, device, dtype, ma
     choices in the decoder's `experts` (a copy per layer, so the timed steps leave it out). With fp8 the products
     that the weights hold in e4m3 (RankWeights.fp8) are multiplied from those bytes (linear)."""
     plan, d, eps = weights.plan, spec.head_dim, spec.rms_norm_eps
-    layers = weights.layers
     if fp8:
         if not weights.fp8:
             raise ValueError("an FP8 decoder needs weights with e4m3 products (load_shard(keep_fp8=True) of an FP8 "
                              "checkpoint or --quantize fp8)")
-        layers = [replace(lw, **e4m3_products(spec, weights, i)) for i, lw in enumerate(layers)]
+        layers = [replace(lw, **e4m3_products(spec, weights, i)) for i, lw in enumerate(weights.layers)]
+    else:       # products held in e4m3 alone dequantized: a bf16 copy of them while the decoder lives
+        layers = [weights.layer(i) for i in range(spec.num_layers)]
     world, _ = tp_rank()
     hq, hkv = plan.num_heads, plan.num_kv_heads
     cache_shape = (max_batch, hkv, max_context, d)
@@ -438,12 +439,13 @@ def build_torch_prefill(spec: ModelSpec, weights: RankWeights, max_context: int)
     k_cache = [torch.zeros(cache_shape, dtype=embed.dtype, device=embed.device) for _ in range(spec.num_layers)]
     v_cache = [torch.zeros(cache_shape, dtype=embed.dtype, device=embed.device) for _ in range(spec.num_layers)]
     inv_freq = weights.inv_freq.to(device=embed.device, dtype=torch.float32)
+    layers = [weights.layer(i) for i in range(spec.num_layers)]
 
     def prefill(tokens: torch.Tensor) -> None:
         n = tokens.shape[0]
         cos, sin = rope_angles(torch.arange(n, device=tokens.device), inv_freq, embed.dtype)
         x = F.embedding(tokens, embed)
-        for layer, (lw, k_layer, v_layer) in enumerate(zip(weights.layers, k_cache, v_cache)):
+        for layer, (lw, k_layer, v_layer) in enumerate(zip(layers, k_cache, v_cache)):
             q, k, v = rotated_qkv(spec, lw, x, cos, sin, hq, hkv)
             k_layer[0, :, :n] = k.transpose(0, 1)
             v_layer[0, :, :n] = v.transpose(0, 1)

@@ -195,7 +195,7 @@ def ring_matmuls_runner(engine, b_pad: int = 16, block_k: int = 256, stages: int
 
     def expected(layer: int = 0):
         """What the matmul tasks of `layer` write, in float32."""
-        lw = engine.weights.layers[layer]
+        lw = engine.weights.layer(layer)
         xh, xa, xi = (x.float() for x in inputs)
         n = engine.config.batch
         return {"qkv": xh[:n] @ lw.wqkv.float().t(), "o_proj": xa[:n] @ lw.wo.float().t(),

@@ -80,7 +80,7 @@ def float32_logits(spec, weights, tokens: list[int], routes: torch.Tensor | None
     used = []
     with exact_float32():
         x = weights.embed[torch.as_tensor(tokens, device=device)].float()
-        for lw in weights.layers:
+        for lw in map(weights.layer, range(len(weights.layers))):
             qkv = _rms_norm(x, lw.input_norm, eps) @ lw.wqkv.float().t()
             if lw.bqkv is not None:
                 qkv = qkv + lw.bqkv.float()

@@ -134,7 +134,8 @@ def test_the_products_the_ring_streams_in_e4m3_are_the_weights_the_reference_mul
     multiplies. At tp=2 tiny-qwen3's q, k and v slices are 64 rows (tiny-qwen3-moe's k and v at tp=1): its wqkv
     stays dequantized only; blocks of
     another size and per-channel scales are not streamed. A MoE model's experts are streamed ([sparse layers,
-    experts, ...]); its dense MLP (tiny-qwen3-moe's layer 1) is not."""
+    experts, ...]); its dense MLP (tiny-qwen3-moe's layer 1) is not. A streamed product is held in e4m3 alone:
+    RankWeights.layer dequantizes it."""
     from distmk.models.fp8 import QuantizedAtLoad
     from distmk.models.shard import load_shard, plan_shard
     from distmk.models.weights import CheckpointWeights
@@ -153,9 +154,10 @@ def test_the_products_the_ring_streams_in_e4m3_are_the_weights_the_reference_mul
         layers = spec.moe_layers if product.startswith("expert") else range(spec.num_layers)
         assert len(values) == len(scales) == len(layers)
         for i, layer in enumerate(layers):
-            lw, lw_read = shard.layers[layer], read.layers[layer]
+            lw_read = read.layers[layer]
+            assert getattr(shard.layers[layer], product) is None, (product, layer)     # held in e4m3 alone
             assert torch.equal(dequantize(values[i], scales[i], (128, 128)), getattr(lw_read, product))
-            assert torch.equal(getattr(lw, product), getattr(lw_read, product)), (product, layer)
+            assert torch.equal(getattr(shard.layer(layer), product), getattr(lw_read, product)), (product, layer)
 
 
 def test_fp8_accuracy_compares_the_fp8_twins_logits_with_the_originals(tmp_path):
@@ -169,3 +171,33 @@ def test_fp8_accuracy_compares_the_fp8_twins_logits_with_the_originals(tmp_path)
     assert 0 < r["rel_err_median"] <= r["rel_err_max"] < 0.3
     assert 0 < r["kl_mean"] <= r["kl_max"] < 0.05
     assert r["top1_agreement"] >= 0.8
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe"])
+def test_prefill_multiplies_the_products_held_in_e4m3_alone_as_their_dequantized_weights(name):
+    """An engine streaming e4m3 products holds them in e4m3 alone, not beside a dequantized copy (an FP8 model in
+    about half the bytes); its prefill dequantizes them a layer at a time and writes the KV cache and logits that
+    the engine holding them dequantized writes."""
+    from distmk.runtime.prefill import prefill_chunk
+    engines = [Engine(name, backend=backend, quantize="fp8", max_context=32, step_batches=(1,),
+                      kernel_options={"stream_e4m3": 1} if backend == "triton" else None)
+               for backend in ("reference", "triton")]
+    held, alone = (e.weights for e in engines)
+    assert alone.fp8 and not held.fp8
+    assert all(getattr(lw, product) is None for lw in alone.layers for product in alone.fp8
+               if lw.router is not None or not product.startswith("expert"))
+    assert sum(t.numel() * t.element_size() for t in layer_tensors(alone)) < \
+        0.6 * sum(t.numel() * t.element_size() for t in layer_tensors(held))
+    outputs = []
+    for engine in engines:
+        blocks = engine.kv.allocate([], len(PROMPT))
+        logits = prefill_chunk(engine, PROMPT, 0, blocks, logits=True)
+        outputs.append((logits, engine.kv.k.clone(), engine.kv.v.clone()))
+    for a, b in zip(*outputs):
+        assert torch.equal(a, b)
+
+
+def layer_tensors(weights) -> list[torch.Tensor]:
+    """Every tensor a rank holds for its layers' products: the LayerWeights fields and the e4m3 products."""
+    fields = [t for lw in weights.layers for t in vars(lw).values() if isinstance(t, torch.Tensor)]
+    return fields + [t for pair in weights.fp8.values() for t in pair]

@@ -1,6 +1,7 @@
 """The weight layout the megakernel reads: each per-layer weight stacked into one [layers, ...] tensor, so
 a task finds layer l's matrix at a fixed offset from one kernel argument. The rank's LayerWeights are
-rebound to views of the stacked tensors, so the reference executor and the kernel share one copy.
+rebound to views of the stacked tensors, so the reference executor and the kernel share one copy. A product held
+in e4m3 alone (RankWeights.fp8) is a placeholder here: the kernels take its e4m3 values.
 
 The router and experts are stacked over the sparse layers only ([sparse layers, experts, ...]: a sparse
 layer's tasks carry its index among them), the dense MLP over every layer, with zeros in the sparse ones
@@ -29,8 +30,12 @@ def stack_layers(weights: RankWeights) -> dict[str, torch.Tensor]:
 def _stack(weights: RankWeights) -> dict[str, torch.Tensor]:
     layers = weights.layers
     out = {}
+    placeholder = torch.zeros(1, dtype=weights.embed.dtype, device=weights.embed.device)
 
     def stack(name, fields):
+        if name in weights.fp8:         # held in e4m3 alone: the kernels take those values (kernels/executor.py)
+            out[name] = placeholder
+            return
         stacked = torch.stack([torch.stack([getattr(lw, f) for f in fields]) for lw in layers])
         for lw, per_layer in zip(layers, stacked):
             for f, view in zip(fields, per_layer):
@@ -39,11 +44,10 @@ def _stack(weights: RankWeights) -> dict[str, torch.Tensor]:
 
     for name in ("wqkv", "wo"):
         stack(name, [name])
-    placeholder = torch.zeros(1, dtype=weights.embed.dtype, device=weights.embed.device)
     dense = [lw for lw in layers if lw.router is None]
     sparse = [lw for lw in layers if lw.router is not None]
     for name in ("w_gate", "w_up", "w_down"):
-        if dense:
+        if dense and name not in weights.fp8:
             zeros = torch.zeros_like(getattr(dense[0], name))
             out[name] = torch.stack([zeros if lw.router is not None else getattr(lw, name) for lw in layers])
             for lw, view in zip(layers, out[name]):
@@ -52,7 +56,7 @@ def _stack(weights: RankWeights) -> dict[str, torch.Tensor]:
         else:
             out[name] = placeholder
     for name in ("router", "expert_gate", "expert_up", "expert_down"):
-        out[name] = stack_in_place(sparse, name) if sparse else placeholder   # [sparse layers, experts, ...]
+        out[name] = stack_in_place(sparse, name) if sparse and name not in weights.fp8 else placeholder
     if layers[0].bqkv is not None:
         stack("bqkv", ["bqkv"])
     else:

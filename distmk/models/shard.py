@@ -12,7 +12,7 @@ routes every token itself, to the same experts (its input, the residual stream, 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm import tqdm
@@ -106,14 +106,31 @@ class RankWeights:
     stacked: dict | None = None   # per-kind tensors stacked over layers for the megakernel (kernels/layout.py)
     # the products' e4m3 values [layers, rows, K] and 128 x 128 block scales [layers, rows / 128, K / 128] by name
     # (the experts': [sparse layers, experts, ...]), where the source has them and this rank's slices hold whole
-    # blocks: what the megakernels stream with kernel option stream_e4m3
+    # blocks: what the megakernels stream with kernel option stream_e4m3. These products are held so alone:
+    # their LayerWeights fields are None (layer() dequantizes them)
     fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def layer(self, i: int, convert=None) -> LayerWeights:
+        """Layer i's weights with every product in the model's dtype: those held in e4m3 alone dequantized now, by
+        convert(values, scales) (default: models/fp8.py dequantize, rounded to the dtype), for what multiplies
+        bf16 weights (prefill's GEMMs, the PyTorch baselines, a float32 reference)."""
+        lw = self.layers[i]
+        convert = convert or (lambda values, scales: dequantize(values, scales, DEFAULT_BLOCK).to(self.embed.dtype))
+        sparse = sum(w.router is not None for w in self.layers[:i])      # i's index among the sparse layers
+        held = {}
+        for name, (values, scales) in self.fp8.items():
+            if not name.startswith("expert"):
+                held[name] = convert(values[i], scales[i])
+            elif lw.router is not None:
+                held[name] = convert(values[sparse], scales[sparse])
+        return replace(lw, **held) if held else lw
 
 
 def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, device="cpu",
                progress: bool = False, keep_fp8: bool = False) -> RankWeights:
     """Read this rank's slices from `source` (CheckpointWeights, RandomWeights or models/fp8.py QuantizedAtLoad);
-    with `keep_fp8`, also the products' e4m3 values and scales where the source has them (RankWeights.fp8)."""
+    with `keep_fp8`, the products' e4m3 values and scales where the source has them (RankWeights.fp8), in place of
+    their values in `dtype`: an FP8 model is held in half the bytes."""
     d = spec.head_dim
 
     def rd(name, dim=0, start=0, stop=None):
@@ -133,12 +150,10 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
     inter = (plan.inter0, plan.inter0 + plan.inter)
     expert_inter = (plan.expert_inter0, plan.expert_inter0 + plan.expert_inter)
 
-    def product(name: str, i: int, read):
-        """Product `name` of layer i (of sparse layer i: the experts) in the model's dtype: its e4m3 values
-        dequantized where they are kept (not read twice), else read()."""
-        if name not in fp8:
-            return read()
-        return dequantize(fp8[name][0][i], fp8[name][1][i], DEFAULT_BLOCK).to(device=device, dtype=dtype)
+    def product(name: str, read):
+        """Product `name` of a layer in the model's dtype, read(); None where its e4m3 values are kept (RankWeights.fp8
+        holds it)."""
+        return None if name in fp8 else read()
 
     expert_stacks = {}      # name -> [sparse layers, experts, rows, K], filled a sparse layer at a time
 
@@ -146,8 +161,10 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
         """Layer i's experts' slices of `name` ([experts, rows, K]), by product(), as a view of the one tensor that
         holds them for every sparse layer: the megakernel's layout (kernels/layout.py), so the experts, most of a
         MoE model, are never held twice."""
+        layer = product(name, lambda: torch.stack([rd(*piece) for piece in pieces]))
+        if layer is None:
+            return None
         s = spec.moe_layers.index(i)
-        layer = product(name, s, lambda: torch.stack([rd(*piece) for piece in pieces]))
         if name not in expert_stacks:
             expert_stacks[name] = layer.new_empty((len(spec.moe_layers), *layer.shape))
         expert_stacks[name][s].copy_(layer)
@@ -157,9 +174,9 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
         """Layer i's MLP weights: this rank's rows of the dense MLP, or the router and every expert's rows."""
         p = f"model.layers.{i}."
         if i not in spec.moe_layers:
-            return dict(w_gate=product("w_gate", i, lambda: rd(p + "mlp.gate_proj.weight", 0, *inter)),
-                        w_up=product("w_up", i, lambda: rd(p + "mlp.up_proj.weight", 0, *inter)),
-                        w_down=product("w_down", i, lambda: rd(p + "mlp.down_proj.weight", 1, *inter)))
+            return dict(w_gate=product("w_gate", lambda: rd(p + "mlp.gate_proj.weight", 0, *inter)),
+                        w_up=product("w_up", lambda: rd(p + "mlp.up_proj.weight", 0, *inter)),
+                        w_down=product("w_down", lambda: rd(p + "mlp.down_proj.weight", 1, *inter)))
         names = [spec.moe_names(i, j) for j in range(spec.num_experts)]
         return dict(w_gate=None, w_up=None, w_down=None, router=rd(names[0][0]),
                     expert_gate=experts("expert_gate", i, [(gate, 0, *expert_inter) for _, gate, _, _ in names]),
@@ -199,7 +216,7 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
     for i in tqdm(range(spec.num_layers), desc="loading layers", disable=not progress, leave=False):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        wqkv = product("wqkv", i, lambda: torch.cat([rd(a + "q_proj.weight", 0, *q_rows),
+        wqkv = product("wqkv", lambda: torch.cat([rd(a + "q_proj.weight", 0, *q_rows),
                                                      rd(a + "k_proj.weight", 0, *kv_rows),
                                                      rd(a + "v_proj.weight", 0, *kv_rows)]))
         bqkv = torch.cat([rd(a + "q_proj.bias", 0, *q_rows), rd(a + "k_proj.bias", 0, *kv_rows),
@@ -209,7 +226,7 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
             wqkv=wqkv, bqkv=bqkv,
             q_norm=rd(a + "q_norm.weight") if spec.qk_norm else None,
             k_norm=rd(a + "k_norm.weight") if spec.qk_norm else None,
-            wo=product("wo", i, lambda: rd(a + "o_proj.weight", 1, *q_rows)),
+            wo=product("wo", lambda: rd(a + "o_proj.weight", 1, *q_rows)),
             post_norm=rd(p + "post_attention_layernorm.weight"),
             **mlp(i),
         ))

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from distmk.comm import sum_in_rank_order
+from distmk.models.fp8 import DEFAULT_BLOCK, dequantize
 from distmk.tasks.base import rms_norm, rope_angles, rotate
 from distmk.tasks.moe_combine import weighted_sum
 from distmk.tasks.route import choose
@@ -64,11 +65,16 @@ def dense_mlp(xn, w_gate, w_up, w_down):
     return F.linear(h, w_down)
 
 
+def e4m3_weight(values, scales, dtype):
+    """A product held in e4m3 alone (RankWeights.fp8) in the model's dtype, as load_shard would have held it."""
+    return dequantize(values, scales, DEFAULT_BLOCK).to(dtype)
+
+
 @functools.cache
 def stages(compiled: bool):
     """The element-wise stages, torch.compile'd (dynamic in the chunk's length: one compilation serves every
     chunk) or as they are."""
-    funcs = attention_inputs, residual_norm, dense_mlp
+    funcs = attention_inputs, residual_norm, dense_mlp, e4m3_weight
     return tuple(torch.compile(f, dynamic=True) for f in funcs) if compiled else funcs
 
 
@@ -134,11 +140,12 @@ def run_layers(engine, ids, positions, page, slot, attend, stored=None, logits: 
     float32 logits (the last layer then runs to its end)."""
     spec, plan, weights, kv, dtype = engine.spec, engine.plan, engine.weights, engine.kv, engine.dtype
     n, heads, eps = ids.shape[0], (plan.num_heads, plan.num_kv_heads, spec.head_dim), spec.rms_norm_eps
-    qkv_stage, norm_stage, mlp_stage = stages(engine.compile_prefill)
+    qkv_stage, norm_stage, mlp_stage, e4m3_stage = stages(engine.compile_prefill)
     cos, sin = rope_angles(positions, weights.inv_freq)
     x = weights.embed[ids].float()                                        # [n, H] residual stream
     delta = None                                                          # the last MLP's output, summed
-    for layer, lw in enumerate(weights.layers):
+    for layer in range(len(weights.layers)):
+        lw = weights.layer(layer, lambda values, scales: e4m3_stage(values, scales, dtype))
         x, q, k, v = qkv_stage(x, delta, lw.input_norm, lw.wqkv, lw.bqkv, lw.q_norm, lw.k_norm, cos, sin, heads,
                                eps, dtype)
         kv.k[layer, page, slot] = k if stored is None else k[stored]
