@@ -4,6 +4,7 @@ the same weights; one JSON object.
     python benchmarks/prefill.py --model llama-3-8b --chunks 256,512,2048 --json --out benchmarks/results/x.json
     python benchmarks/prefill.py --model tiny-llama --device cpu --chunks 16,32 --baseline eager --iters 3
     python benchmarks/prefill.py --model llama-3-8b --chunks 512 --start 1536 --baseline none
+    python benchmarks/prefill.py --model llama-3-8b --quantize fp8 --chunks 512 --baseline none
 
 Each chunk is the first of a fresh sequence (positions 0..n-1), its KV blocks allocated as the batcher does for
 a sequence of n tokens; with `--start S`, a later chunk (positions S..S+n-1, as a long prompt's chunks after the
@@ -67,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--no-prefill-graphs", action="store_true",
                    help="launch distmk's chunks op by op (by default a GPU replays them as CUDA graphs)")
     p.add_argument("--json", action="store_true", help="print the JSON on one line (default: indented)")
+    p.add_argument("--quantize", choices=("fp8",),
+                   help="the model's FP8 twin as the megakernel streams it (kernel option stream_e4m3 1): its products "
+                        "held in e4m3 alone, each chunk dequantizing them a layer at a time")
     p.add_argument("--out", help="also write the JSON to this file")
     args = p.parse_args(argv)
     if args.iters < 1:
@@ -79,13 +83,16 @@ def parse_args(argv=None):
 
 
 def prefill_engine(model: str, device: torch.device, dtype, max_context: int, compile_prefill: bool | None = None,
-                   graphs: bool = True) -> Engine:
+                   graphs: bool = True, quantize: str | None = None) -> Engine:
     """An Engine with KV-cache room for one sequence of max_context tokens, in chunks of up to that many.
-    Its decode executor is the reference one whatever the device: a prefill chunk never runs it, and the
-    megakernel would compile and autotune for nothing."""
+    Its decode executor is the reference one whatever the device (a prefill chunk never runs it, and the
+    megakernel would compile and autotune for nothing), but for an FP8 twin: the megakernel's, never launched,
+    whose weights hold the e4m3 products alone."""
     config = GraphConfig(batch=1, workers=1)
-    return Engine(model, backend="reference", device=device, dtype=dtype, config=config, max_context=max_context,
-                  max_seqs=1, prefill_chunk=max_context, compile_prefill=compile_prefill, prefill_graphs=graphs)
+    backend, options = ("triton", {"stream_e4m3": 1}) if quantize else ("reference", None)
+    return Engine(model, backend=backend, device=device, dtype=dtype, config=config, max_context=max_context,
+                  max_seqs=1, prefill_chunk=max_context, compile_prefill=compile_prefill, prefill_graphs=graphs,
+                  quantize=quantize, kernel_options=options, autotune=False)
 
 
 def time_ms(fn, device: torch.device, iters: int) -> float:
@@ -102,7 +109,8 @@ def run(args, log) -> dict:
     block = 16
     context = -(-(args.start + max(args.chunks)) // block) * block
     engine = prefill_engine(args.model, device, dtype, max_context=context,
-                            compile_prefill=False if args.eager_prefill else None, graphs=not args.no_prefill_graphs)
+                            compile_prefill=False if args.eager_prefill else None, graphs=not args.no_prefill_graphs,
+                            quantize=args.quantize)
     spec, kv = engine.spec, engine.kv
     baseline = baseline_error = None
     if args.baseline != "none":
@@ -151,6 +159,7 @@ def run(args, log) -> dict:
             if on_gpu:
                 torch.cuda.empty_cache()
     return {"model": args.model, "params": spec.num_parameters(), "dtype": str(dtype).removeprefix("torch."),
+            "quantize": args.quantize, "e4m3_products": sorted(engine.weights.fp8),
             "device": args.device, "gpu": torch.cuda.get_device_name(device) if on_gpu else None,
             "bf16_dense_flops_per_s": peak, "distmk_prefill_compiled": engine.compile_prefill,
             "distmk_prefill_graphs": engine.prefill_graphs is not None, "torch_baseline": args.baseline,
