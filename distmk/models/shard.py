@@ -155,20 +155,23 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
         holds it)."""
         return None if name in fp8 else read()
 
-    expert_stacks = {}      # name -> [sparse layers, experts, rows, K], filled a sparse layer at a time
+    def stacked(stacks: dict, key, count: int, index: int, t: torch.Tensor) -> torch.Tensor:
+        """t copied into stacks[key][index], the [count, ...] tensor of its kind allocated at its first layer: the
+        layers' tensors held once, laid out as the megakernel takes them (kernels/layout.py), never twice."""
+        if key not in stacks:
+            stacks[key] = t.new_empty((count, *t.shape))
+        stacks[key][index].copy_(t)
+        return stacks[key][index]
+
+    expert_stacks = {}      # name -> [sparse layers, experts, rows, K]
 
     def experts(name: str, i: int, pieces: list) -> torch.Tensor:
         """Layer i's experts' slices of `name` ([experts, rows, K]), by product(), as a view of the one tensor that
-        holds them for every sparse layer: the megakernel's layout (kernels/layout.py), so the experts, most of a
-        MoE model, are never held twice."""
+        holds them for every sparse layer (the experts are most of a MoE model)."""
         layer = product(name, lambda: torch.stack([rd(*piece) for piece in pieces]))
         if layer is None:
             return None
-        s = spec.moe_layers.index(i)
-        if name not in expert_stacks:
-            expert_stacks[name] = layer.new_empty((len(spec.moe_layers), *layer.shape))
-        expert_stacks[name][s].copy_(layer)
-        return expert_stacks[name][s]
+        return stacked(expert_stacks, name, len(spec.moe_layers), spec.moe_layers.index(i), layer)
 
     def mlp(i: int) -> dict:
         """Layer i's MLP weights: this rank's rows of the dense MLP, or the router and every expert's rows."""
@@ -203,15 +206,24 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
 
     fp8 = {}
     if keep_fp8:
-        per_layer = [products_fp8(i) for i in range(spec.num_layers)]
         # the dense MLP where every layer has it; the experts over the sparse layers ([sparse layers, experts, ...])
         names = ("wqkv", "wo", "w_gate", "w_up", "w_down") if not spec.moe_layers else ("wqkv", "wo")
         layers_of = {name: range(spec.num_layers) for name in names}
         if spec.moe_layers:
             layers_of.update(dict.fromkeys(("expert_gate", "expert_up", "expert_down"), spec.moe_layers))
-        fp8 = {name: tuple(torch.stack([per_layer[i][name][j] for i in layers]) for j in (0, 1))
-               for name, layers in layers_of.items() if all(per_layer[i].get(name) is not None for i in layers)}
-        del per_layer
+        stacks, missing = {}, set()         # a product that some layer lacks in e4m3 is read in `dtype` instead
+        for i in range(spec.num_layers):
+            for name, got in products_fp8(i).items():
+                if name not in layers_of or name in missing:
+                    continue
+                if got is None:
+                    missing.add(name)
+                    continue
+                for part, t in enumerate(got):
+                    stacked(stacks, (name, part), len(layers_of[name]), layers_of[name].index(i), t)
+        fp8 = {name: (stacks[name, 0], stacks[name, 1]) for name in layers_of
+               if name not in missing and (name, 0) in stacks}
+        del stacks
     layers = []
     for i in tqdm(range(spec.num_layers), desc="loading layers", disable=not progress, leave=False):
         p = f"model.layers.{i}."
