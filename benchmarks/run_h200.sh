@@ -58,8 +58,9 @@ fi
 
 if [[ $STAGES == *" fp8 "* ]]; then
   # the ring streaming e4m3 products (kernel option stream_e4m3): its GPU tests, stream.py's probe (bf16, W8A16, W8A8),
-  # then decode.py --quantize fp8 for FP8_MODELS (MODEL:BATCH; default llama-3-8b:1 llama-3-8b:8 qwen3-8b:1), each
-  # with distmk's bf16 step and the compiled bf16 and FP8 baselines from the same process; then fp8_accuracy.py for
+  # then decode.py --quantize fp8 for FP8_MODELS (MODEL:BATCH; default: issue 43's, llama-3-8b and qwen3-8b at
+  # batch 1 and 8, qwen3-30b-a3b at 1), each with distmk's bf16 step and the compiled bf16 and FP8 baselines from the
+  # same process; then prefill.py on llama-3-8b's FP8 twin and on its bf16 weights, and fp8_accuracy.py for
   # FP8_ACCURACY (default llama-3-8b)
   stamp "GPU tests (e4m3 products)"
   timeout 300 python3 -m pytest -q -s tests/test_gpu.py -k "e4m3 or (matches_tl and fp8)" 2>&1 | grep -v Warn \
@@ -71,7 +72,7 @@ if [[ $STAGES == *" fp8 "* ]]; then
   timeout 150 python3 benchmarks/stream.py --probe-only --probe-kernels gluon,gluon-fp8,gluon-w8a8 --probe-rows 64,128 \
       --probe-pad 8 --iters 20 --json --out "$OUT/stream_probe.json" 2>&1 \
       | grep "\[stream\]" | grep "barrier 0" | grep "BK 256 stages \(9\|4 x 4\)"
-  for one in ${FP8_MODELS:-llama-3-8b:1 llama-3-8b:8 qwen3-8b:1}; do
+  for one in ${FP8_MODELS:-llama-3-8b:1 llama-3-8b:8 qwen3-8b:1 qwen3-8b:8 qwen3-30b-a3b:1}; do
     IFS=: read -r model batch <<< "$one"
     stamp "decode $one, e4m3 products"
     left=$((DEADLINE - SECONDS))
@@ -84,6 +85,15 @@ if [[ $STAGES == *" fp8 "* ]]; then
 'roofline_ms', 'efficiency', 'bf16_step_ms', 'cudagraph_compiled_ms', 'cudagraph_compiled_fp8_ms')})" \
         "$OUT/decode_${model}_b${batch}_fp8.json" \
         2>/dev/null || tail -n 3 "$OUT/decode_${model}_b${batch}_fp8.log"
+  done
+  for quantize in fp8 ""; do      # a 512-token chunk: the FP8 twin dequantizes its weights a layer at a time
+    left=$((DEADLINE - SECONDS))
+    [ $left -lt 60 ] && { stamp "prefill.py ${quantize:-bf16} skipped: ${left} s left"; continue; }
+    stamp "prefill.py llama-3-8b ${quantize:-bf16}"
+    timeout $((left < 120 ? left : 120)) python3 benchmarks/prefill.py --model llama-3-8b ${quantize:+--quantize $quantize} \
+        --chunks 512 --baseline none --iters 10 --json --out "$OUT/prefill_llama-3-8b_${quantize:-bf16}.json" \
+        2> "$OUT/prefill_llama-3-8b_${quantize:-bf16}.log" > /dev/null
+    grep "tokens " "$OUT/prefill_llama-3-8b_${quantize:-bf16}.log" | cut -c1-120
   done
   for model in ${FP8_ACCURACY:-llama-3-8b}; do     # the FP8 twin's logits against the bf16 model's
     left=$((DEADLINE - SECONDS))
