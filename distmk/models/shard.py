@@ -115,6 +115,8 @@ class RankWeights:
         convert(values, scales) (default: models/fp8.py dequantize, rounded to the dtype), for what multiplies
         bf16 weights (prefill's GEMMs, the PyTorch baselines, a float32 reference)."""
         lw = self.layers[i]
+        if not self.fp8:
+            return lw
         convert = convert or (lambda values, scales: dequantize(values, scales, DEFAULT_BLOCK).to(self.embed.dtype))
         sparse = sum(w.router is not None for w in self.layers[:i])      # i's index among the sparse layers
         held = {}
