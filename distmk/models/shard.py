@@ -231,8 +231,8 @@ def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, de
         p = f"model.layers.{i}."
         a = p + "self_attn."
         wqkv = product("wqkv", lambda: torch.cat([rd(a + "q_proj.weight", 0, *q_rows),
-                                                     rd(a + "k_proj.weight", 0, *kv_rows),
-                                                     rd(a + "v_proj.weight", 0, *kv_rows)]))
+                                                  rd(a + "k_proj.weight", 0, *kv_rows),
+                                                  rd(a + "v_proj.weight", 0, *kv_rows)]))
         bqkv = torch.cat([rd(a + "q_proj.bias", 0, *q_rows), rd(a + "k_proj.bias", 0, *kv_rows),
                           rd(a + "v_proj.bias", 0, *kv_rows)]) if spec.qkv_bias else None
         layers.append(LayerWeights(

@@ -9,6 +9,8 @@ one fused kernel per stage: op by op, a chunk is some 60 kernel launches a layer
 Numerics follow the graph's tasks (tasks/): the residual stream in float32, activations rounded to the model's
 dtype where a task stores them, RMSNorm and RoPE in float32; the products run in the model's dtype (in bf16,
 cuBLAS accumulates in float32 and rounds each output once, where the tasks keep float32 until they store).
+Products an engine holds in e4m3 alone (kernel option stream_e4m3) are dequantized a layer at a time, as load_shard
+would have held them, for the chunk's GEMMs.
 Under tensor parallelism every rank runs its shard and the row-parallel outputs are summed in rank order
 (comm.gather), so the ranks stay bit-identical. A sparse layer routes and combines as router tiles do (a
 batch-1 decode table whose o_proj tiles add the logits' shares routes on the float32 normed stream instead).
