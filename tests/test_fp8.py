@@ -1,6 +1,6 @@
 """FP8 checkpoints (models/fp8.py): tiny checkpoints written in both layouts (e4m3 weights with a scale per block,
 or per output channel or per tensor) give the greedy tokens of transformers running the same dequantized weights in
-float32, at tp 1 and 2, dense and sparse; a tensor-parallel slice that would cut a block is refused by name; and
+float32, at tp 1 and 2, dense and sparse, and of transformers' own FP8 loader (block layout); a tensor-parallel slice that would cut a block is refused by name; and
 --quantize fp8 gives a preset its FP8 twin."""
 import json
 
@@ -69,6 +69,19 @@ def distmk_tokens(path, tp: int, n: int, **engine) -> list[int]:
 def test_fp8_checkpoint_gives_transformers_tokens_of_its_dequantized_weights(tmp_path, name, layout, tp):
     state = write_fp8(tmp_path / "fp8", name, layout)
     assert distmk_tokens(tmp_path / "fp8", tp, 12) == transformers_tokens(preset(name), state, 12)
+
+
+@pytest.mark.parametrize("name, block", [("tiny-llama", (16, 16)), ("tiny-qwen3", (128, 128)),
+                                         ("tiny-qwen3-moe", (16, 16))])
+def test_fp8_checkpoint_gives_the_tokens_of_transformers_own_fp8_loader(tmp_path, name, block):
+    """transformers' own FP8 integration (its fine-grained FP8 quantizer, which on a machine without a GPU
+    dequantizes the e4m3 weights by their `weight_scale_inv` as it loads them) reads the checkpoint distmk reads, and
+    generates distmk's greedy tokens: the block layout is the one transformers and vLLM read."""
+    from transformers import AutoModelForCausalLM
+    write_fp8(tmp_path / "fp8", name, "block", block=block)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp8"), dtype=torch.float32, device_map="cpu")
+    theirs = hf_generate(model, PROMPT, 12, eos_token_id=None)[0, len(PROMPT):].tolist()
+    assert distmk_tokens(tmp_path / "fp8", 1, 12) == theirs
 
 
 def test_a_rank_slice_that_cuts_a_block_is_refused(tmp_path):
