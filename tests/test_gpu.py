@@ -377,6 +377,28 @@ def test_ring_streaming_e4m3_weights_equals_the_float32_reference(name, tp, batc
     assert EXPERTS <= set(streamed) if name in TINY_MOE else True       # the experts' tiles stream e4m3 too
 
 
+@pytest.mark.skipif(not hopper(), reason="the ring megakernel needs a Hopper GPU")
+def test_fp8_checkpoint_on_the_ring_gives_the_tokens_of_transformers_fp8(tmp_path):
+    """A block-layout FP8 checkpoint (128 x 128) as transformers runs it on a GPU (its fine-grained FP8 linear
+    layers: e4m3 products with activations quantized per 128 columns) and as the ring streams it (e4m3 weights,
+    bf16 activations): the same greedy tokens."""
+    from transformers import AutoModelForCausalLM
+    from test_fp8 import write_fp8
+    path = tmp_path / "fp8"
+    write_fp8(path, "tiny-qwen3", "block", block=(128, 128))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, device_map="cuda")
+    assert "FP8" in type(model.model.layers[0].mlp.gate_proj).__name__          # not dequantized at load
+    ids = torch.tensor([PROMPT], device="cuda")
+    with torch.no_grad():
+        theirs = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                pad_token_id=0, eos_token_id=None)[0, len(PROMPT):].tolist()
+    del model
+    engine = Engine(str(path), backend="triton", device="cuda", dtype=torch.bfloat16, max_context=64, autotune=False,
+                    config=GraphConfig(batch=1, workers=sms()), kernel_options={"kernel": "ring", "stream_e4m3": 1})
+    assert engine.weights.fp8
+    assert engine.generate(PROMPT, 12, stop_on_eos=False) == theirs
+
+
 def ring_against_float32(model: str, tp: int, batch: int, quantize: str | None = None,
                          stream_e4m3: int = 0) -> list[str]:
     """The ring megakernel at `tp` (virtual ranks where > 1) through a 24-token sequence `batch` rows a step against
