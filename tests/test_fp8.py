@@ -1,7 +1,7 @@
 """FP8 checkpoints (models/fp8.py): tiny checkpoints written in both layouts (e4m3 weights with a scale per block,
 or per output channel or per tensor) give the greedy tokens of transformers running the same dequantized weights in
-float32, at tp 1 and 2, dense and sparse, and of transformers' own FP8 loader (block layout); a tensor-parallel slice that would cut a block is refused by name; and
---quantize fp8 gives a preset its FP8 twin."""
+float32, at tp 1 and 2, dense and sparse, and of transformers' own FP8 loader (block layout); a tensor-parallel
+slice that would cut a block is refused by name; and --quantize fp8 gives a preset its FP8 twin."""
 import json
 
 import pytest
