@@ -64,9 +64,8 @@ class KernelOptions:
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise DistmkError(f"kernel option {name} must be a power of two, got {value}")
-        for name in ("num_stages",):
-            if getattr(self, name) < 1:
-                raise DistmkError(f"kernel option {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_stages < 1:
+            raise DistmkError(f"kernel option num_stages must be >= 1, got {self.num_stages}")
         if self.ring_attention_keys & (self.ring_attention_keys - 1) or self.ring_attention_keys < 0:
             raise DistmkError(f"kernel option ring_attention_keys must be 0 or a power of two, got "
                               f"{self.ring_attention_keys}")
