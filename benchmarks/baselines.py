@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from distmk.models.fp8 import DEFAULT_BLOCK, dequantize
+from distmk.models.fp8 import dequantize_blocks
 from distmk.models.shard import RankWeights, ShardPlan, load_shard, plan_shard
 from distmk.models.spec import ModelSpec
 from distmk.tasks.base import rope_angles as distmk_rope_angles
@@ -173,7 +173,7 @@ def in_dtype(weight, dtype, index=None):
     if not isinstance(weight, E4M3):
         return weight if index is None else weight[index]
     values, scales = weight if index is None else (weight.values[index], weight.scales[index])
-    return dequantize(values, scales, DEFAULT_BLOCK).to(dtype)
+    return dequantize_blocks(values, scales, dtype)
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -66,6 +66,12 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, per: tuple[int, int]) ->
     return data.float() * full
 
 
+def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An e4m3 product in 128 x 128 blocks (RankWeights.fp8) in `dtype`, each weight rounded once: what the reference
+    multiplies and the kernels dequantize to."""
+    return dequantize(values, scales, DEFAULT_BLOCK).to(dtype)
+
+
 def quantize(weight: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values, float32 scale of each block) of a weight, each block's largest magnitude at e4m3's largest."""
     rows, cols = weight.shape

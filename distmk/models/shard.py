@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from distmk.errors import ShardingError
-from distmk.models.fp8 import DEFAULT_BLOCK, KERNEL_BLOCK, dequantize
+from distmk.models.fp8 import KERNEL_BLOCK, dequantize_blocks
 from distmk.models.spec import ModelSpec
 
 
@@ -110,21 +110,21 @@ class RankWeights:
     # their LayerWeights fields are None (layer() dequantizes them)
     fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    def layer(self, i: int, convert=None) -> LayerWeights:
+    def layer(self, i: int, convert=dequantize_blocks) -> LayerWeights:
         """Layer i's weights with every product in the model's dtype: those held in e4m3 alone dequantized now, by
-        convert(values, scales) (default: models/fp8.py dequantize, rounded to the dtype), for what multiplies
-        bf16 weights (prefill's GEMMs, the PyTorch baselines, a float32 reference)."""
+        convert(values, scales, dtype) (prefill passes its compiled dequantize_blocks), for what multiplies bf16
+        weights (prefill's GEMMs, the PyTorch baselines, a float32 reference)."""
         lw = self.layers[i]
         if not self.fp8:
             return lw
-        convert = convert or (lambda values, scales: dequantize(values, scales, DEFAULT_BLOCK).to(self.embed.dtype))
+        dtype = self.embed.dtype
         sparse = sum(w.router is not None for w in self.layers[:i])      # i's index among the sparse layers
         held = {}
         for name, (values, scales) in self.fp8.items():
             if not name.startswith("expert"):
-                held[name] = convert(values[i], scales[i])
+                held[name] = convert(values[i], scales[i], dtype)
             elif lw.router is not None:
-                held[name] = convert(values[sparse], scales[sparse])
+                held[name] = convert(values[sparse], scales[sparse], dtype)
         return replace(lw, **held) if held else lw
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from distmk.comm import sum_in_rank_order
-from distmk.models.fp8 import DEFAULT_BLOCK, dequantize
+from distmk.models.fp8 import dequantize_blocks
 from distmk.tasks.base import rms_norm, rope_angles, rotate
 from distmk.tasks.moe_combine import weighted_sum
 from distmk.tasks.route import choose
@@ -67,16 +67,11 @@ def dense_mlp(xn, w_gate, w_up, w_down):
     return F.linear(h, w_down)
 
 
-def e4m3_weight(values, scales, dtype):
-    """A product held in e4m3 alone (RankWeights.fp8) in the model's dtype, as load_shard would have held it."""
-    return dequantize(values, scales, DEFAULT_BLOCK).to(dtype)
-
-
 @functools.cache
 def stages(compiled: bool):
     """The element-wise stages, torch.compile'd (dynamic in the chunk's length: one compilation serves every
     chunk) or as they are."""
-    funcs = attention_inputs, residual_norm, dense_mlp, e4m3_weight
+    funcs = attention_inputs, residual_norm, dense_mlp, dequantize_blocks
     return tuple(torch.compile(f, dynamic=True) for f in funcs) if compiled else funcs
 
 
@@ -147,7 +142,7 @@ def run_layers(engine, ids, positions, page, slot, attend, stored=None, logits: 
     x = weights.embed[ids].float()                                        # [n, H] residual stream
     delta = None                                                          # the last MLP's output, summed
     for layer in range(len(weights.layers)):
-        lw = weights.layer(layer, lambda values, scales: e4m3_stage(values, scales, dtype))
+        lw = weights.layer(layer, e4m3_stage)
         x, q, k, v = qkv_stage(x, delta, lw.input_norm, lw.wqkv, lw.bqkv, lw.q_norm, lw.k_norm, cos, sin, heads,
                                eps, dtype)
         kv.k[layer, page, slot] = k if stored is None else k[stored]
