@@ -70,7 +70,10 @@ def parse_args(argv=None):
     p.add_argument("--json", action="store_true", help="print the JSON on one line (default: indented)")
     p.add_argument("--quantize", choices=("fp8",),
                    help="the model's FP8 twin as the megakernel streams it (kernel option stream_e4m3 1): its products "
-                        "held in e4m3 alone, each chunk dequantizing them a layer at a time")
+                        "held in e4m3 alone, multiplied as --prefill-fp8 says")
+    p.add_argument("--prefill-fp8", choices=("w8a8", "w8a16"),
+                   help="with --quantize fp8: each chunk's activations quantized to e4m3 (torch._scaled_mm), or the "
+                        "products dequantized a layer at a time (default: w8a8 on Hopper, else w8a16)")
     p.add_argument("--out", help="also write the JSON to this file")
     args = p.parse_args(argv)
     if args.iters < 1:
@@ -83,7 +86,7 @@ def parse_args(argv=None):
 
 
 def prefill_engine(model: str, device: torch.device, dtype, max_context: int, compile_prefill: bool | None = None,
-                   graphs: bool = True, quantize: str | None = None) -> Engine:
+                   graphs: bool = True, quantize: str | None = None, prefill_fp8: str | None = None) -> Engine:
     """An Engine with KV-cache room for one sequence of max_context tokens, in chunks of up to that many.
     Its decode executor is the reference one whatever the device (a prefill chunk never runs it, and the
     megakernel would compile and autotune for nothing), but for an FP8 twin: the megakernel's, never launched,
@@ -92,7 +95,7 @@ def prefill_engine(model: str, device: torch.device, dtype, max_context: int, co
     backend, options = ("triton", {"stream_e4m3": 1}) if quantize else ("reference", None)
     return Engine(model, backend=backend, device=device, dtype=dtype, config=config, max_context=max_context,
                   max_seqs=1, prefill_chunk=max_context, compile_prefill=compile_prefill, prefill_graphs=graphs,
-                  quantize=quantize, kernel_options=options, autotune=False)
+                  quantize=quantize, kernel_options=options, autotune=False, prefill_fp8=prefill_fp8)
 
 
 def time_ms(fn, device: torch.device, iters: int) -> float:
@@ -110,7 +113,7 @@ def run(args, log) -> dict:
     context = -(-(args.start + max(args.chunks)) // block) * block
     engine = prefill_engine(args.model, device, dtype, max_context=context,
                             compile_prefill=False if args.eager_prefill else None, graphs=not args.no_prefill_graphs,
-                            quantize=args.quantize)
+                            quantize=args.quantize, prefill_fp8=args.prefill_fp8)
     spec, kv = engine.spec, engine.kv
     baseline = baseline_error = None
     if args.baseline != "none":
@@ -160,6 +163,7 @@ def run(args, log) -> dict:
                 torch.cuda.empty_cache()
     return {"model": args.model, "params": spec.num_parameters(), "dtype": str(dtype).removeprefix("torch."),
             "quantize": args.quantize, "e4m3_products": sorted(engine.weights.fp8),
+            "prefill_fp8": engine.prefill_fp8 if engine.weights.fp8 else None,
             "device": args.device, "gpu": torch.cuda.get_device_name(device) if on_gpu else None,
             "bf16_dense_flops_per_s": peak, "distmk_prefill_compiled": engine.compile_prefill,
             "distmk_prefill_graphs": engine.prefill_graphs is not None, "torch_baseline": args.baseline,

@@ -148,13 +148,14 @@ def test_prefill_benchmark_times_a_later_chunk(tmp_path, capsys):
 
 
 def test_prefill_benchmark_times_the_fp8_twin_as_the_megakernel_holds_it(tmp_path):
-    """--quantize fp8: the engine holds the e4m3 products alone (its chunks dequantize them, as
-    test_fp8.py's prefill test checks) and the baseline multiplies their dequantized weights; both are timed."""
+    """--quantize fp8: the engine holds the e4m3 products alone (its chunks multiply them as --prefill-fp8 says,
+    as test_fp8.py's prefill tests check) and the baseline multiplies their dequantized weights; both are timed."""
     import prefill
     out = tmp_path / "prefill.json"
     assert prefill.main(["--model", "tiny-qwen3", "--device", "cpu", "--quantize", "fp8", "--chunks", "16",
-                         "--baseline", "eager", "--iters", "1", "--out", str(out)]) == 0
+                         "--prefill-fp8", "w8a8", "--baseline", "eager", "--iters", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["quantize"] == "fp8" and result["e4m3_products"] == ["w_down", "w_gate", "w_up", "wo", "wqkv"]
+    assert result["prefill_fp8"] == "w8a8"
     chunk, = result["chunks"]
     assert chunk["distmk_ms"] > 0 and chunk["torch_ms"] > 0

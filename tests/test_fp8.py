@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from conftest import hf_generate, hf_model_from_files
 from distmk.comm.cpu import run_simulated_ranks
-from distmk.errors import ModelError
+from distmk.errors import DistmkError, ModelError
 from distmk.models.fp8 import E4M3_MAX, activation_scale, dequantize, linear_weights, quantize, quantize_activations
 from distmk.models.presets import preset
 from distmk.models.weights import RandomWeights
@@ -214,3 +214,27 @@ def layer_tensors(weights) -> list[torch.Tensor]:
     """Every tensor a rank holds for its layers' products: the LayerWeights fields and the e4m3 products."""
     fields = [t for lw in weights.layers for t in vars(lw).values() if isinstance(t, torch.Tensor)]
     return fields + [t for pair in weights.fp8.values() for t in pair]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-moe"])
+def test_w8a8_prefill_quantizes_the_activations_of_the_products_held_in_e4m3(name):
+    """prefill_fp8 w8a8 (the default on Hopper): a product held in e4m3 multiplies its input quantized a row and 128
+    columns (models/fp8.py scaled_mm_blocks; on the CPU the float32 sums torch._scaled_mm makes on a GPU), so the KV
+    cache and logits move from w8a16's (the products dequantized, the input in the model's dtype) by about e4m3's
+    precision: a value rounds to 3 bits of mantissa, within 2^-4 of itself."""
+    from distmk.runtime.prefill import prefill_chunk
+    outputs = {}
+    for mode in ("w8a16", "w8a8"):
+        engine = Engine(name, backend="triton", quantize="fp8", max_context=32, step_batches=(1,),
+                        kernel_options={"stream_e4m3": 1}, prefill_fp8=mode)
+        blocks = engine.kv.allocate([], len(PROMPT))
+        logits = prefill_chunk(engine, PROMPT, 0, blocks, logits=True)
+        outputs[mode] = (logits, engine.kv.k.clone(), engine.kv.v.clone())
+    for w8a16, w8a8 in zip(outputs["w8a16"], outputs["w8a8"]):
+        moved = ((w8a8 - w8a16).norm() / w8a16.norm()).item()
+        assert 0 < moved < 2 ** -3
+
+
+def test_an_unknown_prefill_fp8_is_refused():
+    with pytest.raises(DistmkError, match="prefill_fp8 must be w8a8 or w8a16, got 'fp8'"):
+        Engine("tiny-llama", prefill_fp8="fp8")

@@ -384,6 +384,8 @@ def test_fp8_checkpoint_on_the_ring_gives_the_tokens_of_transformers_fp8(tmp_pat
     bf16 activations): the same greedy tokens."""
     from transformers import AutoModelForCausalLM
     from test_fp8 import write_fp8
+    # transformers' FP8 linear layers run a kernel that the `kernels` package fetches from the Hugging Face Hub
+    pytest.importorskip("kernels", reason="transformers' FP8 layers on a GPU need the kernels package (and the Hub)")
     path = tmp_path / "fp8"
     write_fp8(path, "tiny-qwen3", "block", block=(128, 128))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, device_map="cuda")
@@ -397,6 +399,39 @@ def test_fp8_checkpoint_on_the_ring_gives_the_tokens_of_transformers_fp8(tmp_pat
                     config=GraphConfig(batch=1, workers=sms()), kernel_options={"kernel": "ring", "stream_e4m3": 1})
     assert engine.weights.fp8
     assert engine.generate(PROMPT, 12, stop_on_eos=False) == theirs
+
+
+@pytest.mark.skipif(not hopper(), reason="torch._scaled_mm's block scales need a Hopper GPU")
+@pytest.mark.parametrize("rows", [1, 7, 16, 512])
+def test_scaled_mm_blocks_on_the_gpu_is_the_float32_product_of_the_quantized_operands(rows):
+    """W8A8 prefill's product (torch._scaled_mm, blocks of 128 x 128 and activations a row and 128 columns): the
+    float32 product of quantize_activations' input and the dequantized weight, within bf16's rounding of it."""
+    from distmk.models.fp8 import DEFAULT_BLOCK, dequantize, quantize, quantize_activations, quantize_groups, \
+        scaled_mm_blocks
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    values, scales = quantize(torch.randn(6144, 4096, device="cuda") / 64)
+    got = scaled_mm_blocks(*quantize_groups(x), values, scales, torch.bfloat16).float()
+    expected = quantize_activations(x) @ dequantize(values, scales, DEFAULT_BLOCK).t()
+    assert ((got - expected).norm() / expected.norm()).item() < 2 ** -8
+
+
+@pytest.mark.skipif(not hopper(), reason="the ring megakernel needs a Hopper GPU")
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe"])
+def test_w8a8_prefill_on_the_gpu_moves_the_cache_by_e4m3_precision(name):
+    """A prompt prefilled in chunks (compiled stages, CUDA graphs where they apply) by an engine streaming e4m3
+    products, W8A8 (the default on Hopper; tiny-qwen3's products all through torch._scaled_mm) against W8A16:
+    the KV cache within e4m3's precision (as test_fp8's CPU test), and decoding goes on from it."""
+    prompt = [(7 * i + 3) % 50 for i in range(40)]
+    caches = {}
+    for mode in ("w8a16", None):
+        engine = Engine(name, backend="triton", device="cuda", dtype=torch.bfloat16, max_context=64, autotune=False,
+                        prefill_chunk=16, config=GraphConfig(batch=1, workers=sms()), quantize="fp8",
+                        kernel_options={"kernel": "ring", "stream_e4m3": 1}, prefill_fp8=mode)
+        assert engine.prefill_fp8 == (mode or "w8a8")
+        assert len(engine.generate(prompt, 4, stop_on_eos=False)) == 4
+        caches[engine.prefill_fp8] = [c.float().clone() for c in (engine.kv.k, engine.kv.v)]
+    for w8a16, w8a8 in zip(caches["w8a16"], caches["w8a8"]):
+        assert 0 < ((w8a8 - w8a16).norm() / w8a16.norm()).item() < 2 ** -3
 
 
 def ring_against_float32(model: str, tp: int, batch: int, quantize: str | None = None,

@@ -94,15 +94,40 @@ def activation_scale(largest: torch.Tensor) -> torch.Tensor:
     return ((least.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
 
 
-def quantize_activations(x: torch.Tensor, per: int = KERNEL_BLOCK) -> torch.Tensor:
-    """W8A8's input: x [..., K] as the weight ring's e4m3-by-e4m3 loop multiplies it (device/ring.py _w8a8_block,
-    stream.py's gluon-w8a8 probe), each row's `per` columns quantized to e4m3 with activation_scale of their largest
-    magnitude; returned dequantized (float32)."""
+def quantize_groups(x: torch.Tensor, per: int = KERNEL_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values [..., K], float32 scales [..., K / per]) of activations x [..., K]: each row's `per` columns
+    quantized with activation_scale of their largest magnitude (W8A8's input)."""
     *lead, cols = x.shape
     groups = x.float().reshape(*lead, cols // per, per)
     scale = activation_scale(groups.abs().amax(dim=-1, keepdim=True))
     values = (groups * (1 / scale)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return (values.float() * scale).reshape(*lead, cols)
+    return values.reshape(*lead, cols), scale.reshape(*lead, cols // per)
+
+
+def quantize_activations(x: torch.Tensor, per: int = KERNEL_BLOCK) -> torch.Tensor:
+    """W8A8's input: x [..., K] as the weight ring's e4m3-by-e4m3 loop multiplies it (device/ring.py _w8a8_block,
+    stream.py's gluon-w8a8 probe), quantize_groups dequantized (float32)."""
+    values, scale = quantize_groups(x, per)
+    return (values.float().unflatten(-1, (-1, per)) * scale[..., None]).flatten(-2)
+
+
+@torch.library.custom_op("distmk::scaled_mm_blocks", mutates_args=())
+def scaled_mm_blocks(x: torch.Tensor, x_scales: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T in `dtype`, both in e4m3: x with a scale a row and 128 columns (quantize_groups),
+    the weight in 128 x 128 blocks. On a GPU torch._scaled_mm's blockwise kernel (Hopper: the checkpoints' own
+    recipe, as vLLM runs them); elsewhere, and for shapes it does not take, the same sums in float32. A custom op:
+    torch.compile'd code calls it as it is."""
+    if x.is_cuda and values.shape[0] % 128 == 0 and x.shape[1] % 128 == 0:
+        return torch._scaled_mm(x, values.t(), scale_a=x_scales.t().contiguous().t(), scale_b=scales.t(),
+                                out_dtype=dtype)
+    x = (x.float().unflatten(-1, (-1, KERNEL_BLOCK)) * x_scales[..., None]).flatten(-2)
+    return (x @ dequantize(values, scales, DEFAULT_BLOCK).t()).to(dtype)
+
+
+@scaled_mm_blocks.register_fake
+def _(x, x_scales, values, scales, dtype):
+    return x.new_empty((x.shape[0], values.shape[0]), dtype=dtype)
 
 
 def linear_weights(spec) -> set[str]:

@@ -112,8 +112,9 @@ class RankWeights:
 
     def layer(self, i: int, convert=dequantize_blocks) -> LayerWeights:
         """Layer i's weights with every product in the model's dtype: those held in e4m3 alone dequantized now, by
-        convert(values, scales, dtype) (prefill passes its compiled dequantize_blocks), for what multiplies bf16
-        weights (prefill's GEMMs, the PyTorch baselines, a float32 reference)."""
+        convert(values, scales, dtype), for what multiplies bf16 weights (prefill's GEMMs, the PyTorch baselines, a
+        float32 reference); prefill passes its compiled dequantize_blocks, or, multiplying in e4m3, a convert that
+        keeps (values, scales)."""
         lw = self.layers[i]
         if not self.fp8:
             return lw

@@ -84,7 +84,7 @@ class Engine:
                  max_context: int | None = None, block_size: int = 16, seed: int = 0, progress: bool = False,
                  kernel_options: dict | None = None, autotune: bool = True, max_seqs: int | None = None,
                  prefill_chunk: int = 0, step_batches: tuple[int, ...] = (), compile_prefill: bool | None = None,
-                 prefill_graphs: bool = True, quantize: str | None = None):
+                 prefill_graphs: bool = True, quantize: str | None = None, prefill_fp8: str | None = None):
         if backend not in BACKENDS:
             raise DistmkError(f"unknown backend {backend!r}: use {' or '.join(BACKENDS)}")
         self.comm = comm or SingleRank()
@@ -109,6 +109,12 @@ class Engine:
         # length and key buckets where it can be (prefill_graphs, runtime/prefill.ChunkGraphs)
         self.prefill_chunk = prefill_chunk
         self.compile_prefill = torch.device(device).type == "cuda" if compile_prefill is None else compile_prefill
+        # how prefill multiplies the products held in e4m3 (runtime/prefill.py): w8a8 where torch._scaled_mm takes
+        # block scales (Hopper), else w8a16
+        if prefill_fp8 not in (None, "w8a8", "w8a16"):
+            raise DistmkError(f"prefill_fp8 must be w8a8 or w8a16, got {prefill_fp8!r}")
+        hopper = torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+        self.prefill_fp8 = prefill_fp8 or ("w8a8" if hopper else "w8a16")
         config = config or GraphConfig(**device_fields(backend, device,
                                                        ranks_on_device=getattr(self.comm, "ranks_on_device", 1)))
         bad = [b for b in step_batches if not 1 <= b <= config.batch]

@@ -9,8 +9,10 @@ one fused kernel per stage: op by op, a chunk is some 60 kernel launches a layer
 Numerics follow the graph's tasks (tasks/): the residual stream in float32, activations rounded to the model's
 dtype where a task stores them, RMSNorm and RoPE in float32; the products run in the model's dtype (in bf16,
 cuBLAS accumulates in float32 and rounds each output once, where the tasks keep float32 until they store).
-Products an engine holds in e4m3 alone (kernel option stream_e4m3) are dequantized a layer at a time, as load_shard
-would have held them, for the chunk's GEMMs.
+Products an engine holds in e4m3 alone (kernel option stream_e4m3) multiply as the engine's prefill_fp8 says:
+"w8a8", the chunk's activations quantized a row and 128 columns and multiplied in e4m3 by torch._scaled_mm (the
+recipe of the block-FP8 checkpoints, as vLLM runs them; the default on Hopper), or "w8a16", the products
+dequantized a layer at a time, as load_shard would have held them, for GEMMs in the model's dtype.
 Under tensor parallelism every rank runs its shard and the row-parallel outputs are summed in rank order
 (comm.gather), so the ranks stay bit-identical. A sparse layer routes and combines as router tiles do (a
 batch-1 decode table whose o_proj tiles add the logits' shares routes on the float32 normed stream instead).
@@ -32,10 +34,28 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from distmk.comm import sum_in_rank_order
-from distmk.models.fp8 import dequantize_blocks
+from distmk.models.fp8 import dequantize_blocks, quantize_groups, scaled_mm_blocks
 from distmk.tasks.base import rms_norm, rope_angles, rotate
 from distmk.tasks.moe_combine import weighted_sum
 from distmk.tasks.route import choose
+
+
+def linear(x, w):
+    """x @ w.T for a product in the model's dtype, or for one held in e4m3, (values, block scales): x quantized a
+    row and 128 columns and both multiplied in e4m3 (W8A8)."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w)
+    return scaled_mm_blocks(*quantize_groups(x), *w, x.dtype)
+
+
+def expert(w, index: int):
+    """Expert `index`'s product of the experts' stacked one (a tensor, or e4m3 values and block scales)."""
+    return w[index] if isinstance(w, torch.Tensor) else (w[0][index], w[1][index])
+
+
+def held_e4m3(values, scales, dtype):
+    """RankWeights.layer's convert for W8A8: a product held in e4m3 stays (values, block scales)."""
+    return values, scales
 
 
 def attention_inputs(x, delta, norm, wqkv, bqkv, q_norm, k_norm, cos, sin, heads: tuple[int, int, int],
@@ -45,7 +65,7 @@ def attention_inputs(x, delta, norm, wqkv, bqkv, q_norm, k_norm, cos, sin, heads
     hq, hkv, d = heads
     if delta is not None:
         x = x + delta.float()
-    qkv = F.linear(rms_norm(x, norm, eps).to(dtype), wqkv).float()
+    qkv = linear(rms_norm(x, norm, eps).to(dtype), wqkv).float()
     if bqkv is not None:
         qkv = qkv + bqkv.float()
     q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
@@ -63,15 +83,15 @@ def residual_norm(x, delta, norm, eps: float, dtype):
 
 def dense_mlp(xn, w_gate, w_up, w_down):
     """A dense layer's MLP output, this rank's partial sum in the model's dtype."""
-    h = (F.silu(F.linear(xn, w_gate).float()) * F.linear(xn, w_up).float()).to(xn.dtype)
-    return F.linear(h, w_down)
+    h = (F.silu(linear(xn, w_gate).float()) * linear(xn, w_up).float()).to(xn.dtype)
+    return linear(h, w_down)
 
 
 @functools.cache
 def stages(compiled: bool):
-    """The element-wise stages, torch.compile'd (dynamic in the chunk's length: one compilation serves every
-    chunk) or as they are."""
-    funcs = attention_inputs, residual_norm, dense_mlp, dequantize_blocks
+    """The element-wise stages and the products between them, torch.compile'd (dynamic in the chunk's length: one
+    compilation serves every chunk) or as they are."""
+    funcs = attention_inputs, residual_norm, dense_mlp, dequantize_blocks, linear
     return tuple(torch.compile(f, dynamic=True) for f in funcs) if compiled else funcs
 
 
@@ -137,12 +157,13 @@ def run_layers(engine, ids, positions, page, slot, attend, stored=None, logits: 
     float32 logits (the last layer then runs to its end)."""
     spec, plan, weights, kv, dtype = engine.spec, engine.plan, engine.weights, engine.kv, engine.dtype
     n, heads, eps = ids.shape[0], (plan.num_heads, plan.num_kv_heads, spec.head_dim), spec.rms_norm_eps
-    qkv_stage, norm_stage, mlp_stage, e4m3_stage = stages(engine.compile_prefill)
+    qkv_stage, norm_stage, mlp_stage, dequantize_stage, linear_stage = stages(engine.compile_prefill)
+    e4m3 = held_e4m3 if engine.prefill_fp8 == "w8a8" else dequantize_stage
     cos, sin = rope_angles(positions, weights.inv_freq)
     x = weights.embed[ids].float()                                        # [n, H] residual stream
     delta = None                                                          # the last MLP's output, summed
     for layer in range(len(weights.layers)):
-        lw = weights.layer(layer, e4m3_stage)
+        lw = weights.layer(layer, e4m3)
         x, q, k, v = qkv_stage(x, delta, lw.input_norm, lw.wqkv, lw.bqkv, lw.q_norm, lw.k_norm, cos, sin, heads,
                                eps, dtype)
         kv.k[layer, page, slot] = k if stored is None else k[stored]
@@ -151,7 +172,7 @@ def run_layers(engine, ids, positions, page, slot, attend, stored=None, logits: 
             break                       # the chunk's output is its KV entries: the last layer's end feeds nothing
         attn = attend(layer, *(t.transpose(0, 1)[None] for t in (q, k, v)))
         attn = attn[0].transpose(0, 1).reshape(n, -1)
-        x, xn = norm_stage(x, sum_in_rank_order(engine.comm, F.linear(attn, lw.wo).float()), lw.post_norm, eps,
+        x, xn = norm_stage(x, sum_in_rank_order(engine.comm, linear_stage(attn, lw.wo).float()), lw.post_norm, eps,
                            dtype)
         mlp = mlp_stage(xn, lw.w_gate, lw.w_up, lw.w_down) if lw.router is None else sparse_mlp(xn, lw, spec)
         delta = sum_in_rank_order(engine.comm, mlp.float())
@@ -256,9 +277,9 @@ def sparse_mlp(xn: torch.Tensor, lw, spec) -> torch.Tensor:
     over the rows that chose it, and the weighted sum in the order of the choices."""
     weights, experts = choose(xn.float() @ lw.router.float().t(), spec.experts_per_token, spec.norm_topk_prob)
     outs = torch.zeros(*experts.shape, spec.hidden_size, dtype=torch.float32, device=xn.device)
-    for expert in experts.unique().tolist():
-        rows, choices = (experts == expert).nonzero(as_tuple=True)
-        h = (F.silu(F.linear(xn[rows], lw.expert_gate[expert]).float())
-             * F.linear(xn[rows], lw.expert_up[expert]).float()).to(xn.dtype)
-        outs[rows, choices] = F.linear(h, lw.expert_down[expert]).float()
+    for index in experts.unique().tolist():
+        rows, choices = (experts == index).nonzero(as_tuple=True)
+        h = (F.silu(linear(xn[rows], expert(lw.expert_gate, index)).float())
+             * linear(xn[rows], expert(lw.expert_up, index)).float()).to(xn.dtype)
+        outs[rows, choices] = linear(h, expert(lw.expert_down, index)).float()
     return weighted_sum(weights, outs)
