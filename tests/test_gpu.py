@@ -402,14 +402,16 @@ def test_fp8_checkpoint_on_the_ring_gives_the_tokens_of_transformers_fp8(tmp_pat
 
 
 @pytest.mark.skipif(not hopper(), reason="torch._scaled_mm's block scales need a Hopper GPU")
-@pytest.mark.parametrize("rows", [1, 7, 16, 512])
-def test_scaled_mm_blocks_on_the_gpu_is_the_float32_product_of_the_quantized_operands(rows):
-    """W8A8 prefill's product (torch._scaled_mm, blocks of 128 x 128 and activations a row and 128 columns): the
-    float32 product of quantize_activations' input and the dequantized weight, within bf16's rounding of it."""
+@pytest.mark.parametrize("rows, n, k", [(1, 6144, 4096), (7, 6144, 4096), (16, 6144, 4096), (17, 512, 256),
+                                        (512, 6144, 4096), (16, 512, 128)])
+def test_scaled_mm_blocks_on_the_gpu_is_the_float32_product_of_the_quantized_operands(rows, n, k):
+    """W8A8 prefill's product (torch._scaled_mm, blocks of 128 x 128 and activations a row and 128 columns; rows
+    padded to a multiple of 16, a K of one block in float32): the float32 product of quantize_activations' input
+    and the dequantized weight, within bf16's rounding of it."""
     from distmk.models.fp8 import DEFAULT_BLOCK, dequantize, quantize, quantize_activations, quantize_groups, \
         scaled_mm_blocks
-    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
-    values, scales = quantize(torch.randn(6144, 4096, device="cuda") / 64)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    values, scales = quantize(torch.randn(n, k, device="cuda") / k ** 0.5)
     got = scaled_mm_blocks(*quantize_groups(x), values, scales, torch.bfloat16).float()
     expected = quantize_activations(x) @ dequantize(values, scales, DEFAULT_BLOCK).t()
     assert ((got - expected).norm() / expected.norm()).item() < 2 ** -8
@@ -419,7 +421,7 @@ def test_scaled_mm_blocks_on_the_gpu_is_the_float32_product_of_the_quantized_ope
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe"])
 def test_w8a8_prefill_on_the_gpu_moves_the_cache_by_e4m3_precision(name):
     """A prompt prefilled in chunks (compiled stages, CUDA graphs where they apply) by an engine streaming e4m3
-    products, W8A8 (the default on Hopper; tiny-qwen3's products all through torch._scaled_mm) against W8A16:
+    products, W8A8 (the default on Hopper; the products of K > 128 through torch._scaled_mm) against W8A16:
     the KV cache within e4m3's precision (as test_fp8's CPU test), and decoding goes on from it."""
     prompt = [(7 * i + 3) % 50 for i in range(40)]
     caches = {}

@@ -116,11 +116,17 @@ def scaled_mm_blocks(x: torch.Tensor, x_scales: torch.Tensor, values: torch.Tens
                      dtype: torch.dtype) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T in `dtype`, both in e4m3: x with a scale a row and 128 columns (quantize_groups),
     the weight in 128 x 128 blocks. On a GPU torch._scaled_mm's blockwise kernel (Hopper: the checkpoints' own
-    recipe, as vLLM runs them); elsewhere, and for shapes it does not take, the same sums in float32. A custom op:
+    recipe, as vLLM runs them), x's rows padded to a multiple of 16 (cuBLAS takes no fewer); elsewhere, and for
+    shapes it does not take (a K of one block reads as a scale a row), the same sums in float32. A custom op:
     torch.compile'd code calls it as it is."""
-    if x.is_cuda and values.shape[0] % 128 == 0 and x.shape[1] % 128 == 0:
+    rows, cols = x.shape
+    if x.is_cuda and values.shape[0] % 128 == 0 and cols % 128 == 0 and cols > 128:
+        pad = -rows % 16
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, cols)])
+            x_scales = torch.cat([x_scales, x_scales.new_ones(pad, x_scales.shape[1])])
         return torch._scaled_mm(x, values.t(), scale_a=x_scales.t().contiguous().t(), scale_b=scales.t(),
-                                out_dtype=dtype)
+                                out_dtype=dtype)[:rows]
     x = (x.float().unflatten(-1, (-1, KERNEL_BLOCK)) * x_scales[..., None]).flatten(-2)
     return (x @ dequantize(values, scales, DEFAULT_BLOCK).t()).to(dtype)
 
