@@ -45,7 +45,9 @@ def linear(x, w):
     row and 128 columns and both multiplied in e4m3 (W8A8)."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w)
-    return scaled_mm_blocks(*quantize_groups(x), *w, x.dtype)
+    values, scales = quantize_groups(x)
+    # the scales column-major, as torch._scaled_mm takes them: a compiled stage writes them so, not a copy after
+    return scaled_mm_blocks(values, scales.t().contiguous().t(), *w, x.dtype)
 
 
 def expert(w, index: int):
