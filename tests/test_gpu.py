@@ -402,11 +402,11 @@ def test_fp8_checkpoint_on_the_ring_gives_the_tokens_of_transformers_fp8(tmp_pat
 
 
 @pytest.mark.skipif(not hopper(), reason="torch._scaled_mm's block scales need a Hopper GPU")
-@pytest.mark.parametrize("rows, n, k", [(1, 6144, 4096), (7, 6144, 4096), (16, 6144, 4096), (17, 512, 256),
-                                        (512, 6144, 4096), (16, 512, 128)])
+@pytest.mark.parametrize("rows, n, k", [(1, 6144, 4096), (7, 6144, 4096), (16, 6144, 4096), (17, 512, 512),
+                                        (512, 6144, 4096), (16, 512, 128), (17, 2048, 768)])
 def test_scaled_mm_blocks_on_the_gpu_is_the_float32_product_of_the_quantized_operands(rows, n, k):
     """W8A8 prefill's product (torch._scaled_mm, blocks of 128 x 128 and activations a row and 128 columns; rows
-    padded to a multiple of 16, a K of one block in float32): the float32 product of quantize_activations' input
+    padded to a multiple of 16, a K that is not a multiple of 512 in float32): the float32 product of quantize_activations' input
     and the dequantized weight, within bf16's rounding of it."""
     from distmk.models.fp8 import DEFAULT_BLOCK, dequantize, quantize, quantize_activations, quantize_groups, \
         scaled_mm_blocks
@@ -420,9 +420,11 @@ def test_scaled_mm_blocks_on_the_gpu_is_the_float32_product_of_the_quantized_ope
 @pytest.mark.skipif(not hopper(), reason="the ring megakernel needs a Hopper GPU")
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe"])
 def test_w8a8_prefill_on_the_gpu_moves_the_cache_by_e4m3_precision(name):
-    """A prompt prefilled in chunks (compiled stages, CUDA graphs where they apply) by an engine streaming e4m3
-    products, W8A8 (the default on Hopper; the products of K > 128 through torch._scaled_mm) against W8A16:
-    the KV cache within e4m3's precision (as test_fp8's CPU test), and decoding goes on from it."""
+    """A prompt prefilled in chunks of 16 (compiled stages, CUDA graphs where they apply) by an engine streaming e4m3
+    products, W8A8 (the default on Hopper; the products of K a multiple of 512 through torch._scaled_mm) against
+    W8A16: the prompt's KV cache within e4m3's precision (as test_fp8's CPU test). Decode steps after it are left
+    out: a token they choose differently writes a whole position apart."""
+    from distmk.runtime.prefill import prefill_chunk
     prompt = [(7 * i + 3) % 50 for i in range(40)]
     caches = {}
     for mode in ("w8a16", None):
@@ -430,7 +432,9 @@ def test_w8a8_prefill_on_the_gpu_moves_the_cache_by_e4m3_precision(name):
                         prefill_chunk=16, config=GraphConfig(batch=1, workers=sms()), quantize="fp8",
                         kernel_options={"kernel": "ring", "stream_e4m3": 1}, prefill_fp8=mode)
         assert engine.prefill_fp8 == (mode or "w8a8")
-        assert len(engine.generate(prompt, 4, stop_on_eos=False)) == 4
+        blocks = engine.kv.allocate([], len(prompt))
+        for start in range(0, len(prompt), 16):
+            prefill_chunk(engine, prompt[start:start + 16], start, blocks)
         caches[engine.prefill_fp8] = [c.float().clone() for c in (engine.kv.k, engine.kv.v)]
     for w8a16, w8a8 in zip(caches["w8a16"], caches["w8a8"]):
         assert 0 < ((w8a8 - w8a16).norm() / w8a16.norm()).item() < 2 ** -3
