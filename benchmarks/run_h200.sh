@@ -63,7 +63,7 @@ if [[ $STAGES == *" fp8 "* ]]; then
   # same process; then prefill.py on llama-3-8b's FP8 twin and on its bf16 weights, and fp8_accuracy.py for
   # FP8_ACCURACY (default llama-3-8b)
   stamp "GPU tests (e4m3 products; transformers' own FP8 on the same checkpoint)"
-  timeout 300 python3 -m pytest -q -s tests/test_gpu.py -k "e4m3 or (matches_tl and fp8) or transformers_fp8" 2>&1 | grep -v Warn \
+  timeout 300 python3 -m pytest -q -s tests/test_gpu.py -k "e4m3 or (matches_tl and fp8) or transformers_fp8 or scaled_mm_blocks or w8a8_prefill" 2>&1 | grep -v Warn \
       > "$OUT/gpu_tests_fp8.log"
   tail -n 4 "$OUT/gpu_tests_fp8.log"
   # the probe at the megakernel's padded batch up to 8: bf16, W8A16 and W8A8 over the same bytes (an H100 had W8A8
