@@ -238,3 +238,18 @@ def test_w8a8_prefill_quantizes_the_activations_of_the_products_held_in_e4m3(nam
 def test_an_unknown_prefill_fp8_is_refused():
     with pytest.raises(DistmkError, match="prefill_fp8 must be w8a8 or w8a16, got 'fp8'"):
         Engine("tiny-llama", prefill_fp8="fp8")
+
+
+@pytest.mark.parametrize("k", [256, 200])
+def test_prefill_multiplies_an_e4m3_product_w8a8_where_its_k_holds_whole_groups(k):
+    """prefill's linear: an e4m3 product (values, block scales) times x quantized a row and 128 columns (the float32
+    sums of quantize_activations' input and the dequantized weight); a K that ends inside a block (the tl kernel
+    may hold such a product in e4m3) times x as it is, the weight dequantized."""
+    from distmk.models.fp8 import DEFAULT_BLOCK, dequantize_blocks
+    from distmk.runtime.prefill import linear
+    x, values, scales = torch.randn(5, k), *quantize(torch.randn(192, k))
+    if k % 128:
+        expected = torch.nn.functional.linear(x, dequantize_blocks(values, scales, x.dtype))
+    else:
+        expected = quantize_activations(x) @ dequantize(values, scales, DEFAULT_BLOCK).t()
+    assert torch.equal(linear(x, (values, scales)), expected)

@@ -117,9 +117,8 @@ def scaled_mm_blocks(x: torch.Tensor, x_scales: torch.Tensor, values: torch.Tens
     """x [M, K] @ weight [N, K].T in `dtype`, both in e4m3: x with a scale a row and 128 columns (quantize_groups),
     the weight in 128 x 128 blocks. On a GPU torch._scaled_mm's blockwise kernel (Hopper: the checkpoints' own
     recipe, as vLLM runs them), x's rows padded to a multiple of 16 (cuBLAS takes no fewer); elsewhere, and for
-    shapes it does not take, the same sums in float32: cuBLAS (torch 2.11, H100) returned wrong sums wherever K was
-    not a multiple of 512 (the weight scales' rows 16-byte aligned). A custom op: torch.compile'd code calls it as
-    it is."""
+    shapes it does not take, the same sums in float32: cuBLAS (torch 2.11, H100) returned wrong sums, without an
+    error, for every K tried that is not a multiple of 512. A custom op: torch.compile'd code calls it as it is."""
     rows, cols = x.shape
     if x.is_cuda and values.shape[0] % 128 == 0 and cols % 512 == 0:
         pad = -rows % 16

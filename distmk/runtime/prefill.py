@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from distmk.comm import sum_in_rank_order
-from distmk.models.fp8 import dequantize_blocks, quantize_groups, scaled_mm_blocks
+from distmk.models.fp8 import KERNEL_BLOCK, dequantize_blocks, quantize_groups, scaled_mm_blocks
 from distmk.tasks.base import rms_norm, rope_angles, rotate
 from distmk.tasks.moe_combine import weighted_sum
 from distmk.tasks.route import choose
@@ -42,9 +42,12 @@ from distmk.tasks.route import choose
 
 def linear(x, w):
     """x @ w.T for a product in the model's dtype, or for one held in e4m3, (values, block scales): x quantized a
-    row and 128 columns and both multiplied in e4m3 (W8A8)."""
+    row and 128 columns and both multiplied in e4m3 (W8A8; a K of a part of a block, as the tl kernel may hold,
+    dequantized instead)."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w)
+    if x.shape[-1] % KERNEL_BLOCK:
+        return F.linear(x, dequantize_blocks(*w, x.dtype))
     values, scales = quantize_groups(x)
     # the scales column-major, as torch._scaled_mm takes them: a compiled stage writes them so, not a copy after
     return scaled_mm_blocks(values, scales.t().contiguous().t(), *w, x.dtype)
