@@ -216,21 +216,24 @@ def layer_tensors(weights) -> list[torch.Tensor]:
     return fields + [t for pair in weights.fp8.values() for t in pair]
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-moe"])
-def test_w8a8_prefill_quantizes_the_activations_of_the_products_held_in_e4m3(name):
+@pytest.mark.parametrize("name, tp", [("tiny-llama", 1), ("tiny-qwen3-moe", 1), ("tiny-qwen3", 2),
+                                      ("tiny-qwen3-moe", 2)])
+def test_w8a8_prefill_quantizes_the_activations_of_the_products_held_in_e4m3(name, tp):
     """prefill_fp8 w8a8 (the default on Hopper): a product held in e4m3 multiplies its input quantized a row and 128
     columns (models/fp8.py scaled_mm_blocks; on the CPU the float32 sums torch._scaled_mm makes on a GPU), so the KV
     cache and logits move from w8a16's (the products dequantized, the input in the model's dtype) by about e4m3's
-    precision: a value rounds to 3 bits of mantissa, within 2^-4 of itself."""
+    precision: a value rounds to 3 bits of mantissa, within 2^-4 of itself. Tensor-parallel ranks stay identical."""
     from distmk.runtime.prefill import prefill_chunk
-    outputs = {}
-    for mode in ("w8a16", "w8a8"):
-        engine = Engine(name, backend="triton", quantize="fp8", max_context=32, step_batches=(1,),
-                        kernel_options={"stream_e4m3": 1}, prefill_fp8=mode)
+
+    def rank(r, comm, mode):
+        engine = Engine(name, tp=tp, rank=r, comm=comm, backend="triton", quantize="fp8", max_context=32,
+                        step_batches=(1,), kernel_options={"stream_e4m3": 1}, prefill_fp8=mode)
         blocks = engine.kv.allocate([], len(PROMPT))
         logits = prefill_chunk(engine, PROMPT, 0, blocks, logits=True)
-        outputs[mode] = (logits, engine.kv.k.clone(), engine.kv.v.clone())
-    for w8a16, w8a8 in zip(outputs["w8a16"], outputs["w8a8"]):
+        return logits, engine.kv.k.clone(), engine.kv.v.clone()
+    outputs = {mode: run_simulated_ranks(tp, lambda r, comm: rank(r, comm, mode)) for mode in ("w8a16", "w8a8")}
+    assert torch.equal(outputs["w8a8"][0][0], outputs["w8a8"][-1][0])     # the logits, gathered over the ranks
+    for w8a16, w8a8 in zip(outputs["w8a16"][0], outputs["w8a8"][0]):
         moved = ((w8a8 - w8a16).norm() / w8a16.norm()).item()
         assert 0 < moved < 2 ** -3
 
