@@ -406,8 +406,8 @@ def test_fp8_checkpoint_on_the_ring_gives_the_tokens_of_transformers_fp8(tmp_pat
                                         (512, 6144, 4096), (16, 512, 128), (17, 2048, 768)])
 def test_scaled_mm_blocks_on_the_gpu_is_the_float32_product_of_the_quantized_operands(rows, n, k):
     """W8A8 prefill's product (torch._scaled_mm, blocks of 128 x 128 and activations a row and 128 columns; rows
-    padded to a multiple of 16, a K that is not a multiple of 512 in float32): the float32 product of quantize_activations' input
-    and the dequantized weight, within bf16's rounding of it."""
+    padded to a multiple of 16, a K that is not a multiple of 512 in float32): the float32 product of
+    quantize_activations' input and the dequantized weight, within bf16's rounding of it."""
     from distmk.models.fp8 import DEFAULT_BLOCK, dequantize, quantize, quantize_activations, quantize_groups, \
         scaled_mm_blocks
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -421,9 +421,10 @@ def test_scaled_mm_blocks_on_the_gpu_is_the_float32_product_of_the_quantized_ope
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe"])
 def test_w8a8_prefill_on_the_gpu_moves_the_cache_by_e4m3_precision(name):
     """A prompt prefilled in chunks of 16 (compiled stages, CUDA graphs where they apply) by an engine streaming e4m3
-    products, W8A8 (the default on Hopper; the products of K a multiple of 512 through torch._scaled_mm) against
-    W8A16: the prompt's KV cache within e4m3's precision (as test_fp8's CPU test). Decode steps after it are left
-    out: a token they choose differently writes a whole position apart."""
+    products, W8A8 (the default on Hopper; the tiny models' K of 128 and 256 take scaled_mm_blocks' float32 sums,
+    torch._scaled_mm is the test above's) against W8A16: the prompt's KV cache within e4m3's precision (as
+    test_fp8's CPU test). Decode steps after it are left out: a token they choose differently writes a whole
+    position apart."""
     from distmk.runtime.prefill import prefill_chunk
     prompt = [(7 * i + 3) % 50 for i in range(40)]
     caches = {}
