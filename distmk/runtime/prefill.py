@@ -40,17 +40,33 @@ from distmk.tasks.moe_combine import weighted_sum
 from distmk.tasks.route import choose
 
 
-def linear(x, w):
+def w8a8_input(x, w):
+    """x quantized as product w multiplies it in e4m3 ((values, scales a row and 128 columns), the scales
+    column-major as torch._scaled_mm takes them, written so by a compiled stage rather than copied after); None
+    where w multiplies x as it is: a product in the model's dtype, or one whose K ends inside a block (the tl kernel
+    may hold such a one in e4m3), dequantized."""
+    if isinstance(w, torch.Tensor) or x.shape[-1] % KERNEL_BLOCK:
+        return None
+    values, scales = quantize_groups(x)
+    return values, scales.t().contiguous().t()
+
+
+def linear(x, w, xq=None):
     """x @ w.T for a product in the model's dtype, or for one held in e4m3, (values, block scales): x quantized a
-    row and 128 columns and both multiplied in e4m3 (W8A8; a K of a part of a block, as the tl kernel may hold,
-    dequantized instead)."""
+    row and 128 columns and both multiplied in e4m3 (W8A8). xq: w8a8_input(x, w), where the caller has it."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w)
-    if x.shape[-1] % KERNEL_BLOCK:
+    xq = xq or w8a8_input(x, w)
+    if xq is None:
         return F.linear(x, dequantize_blocks(*w, x.dtype))
-    values, scales = quantize_groups(x)
-    # the scales column-major, as torch._scaled_mm takes them: a compiled stage writes them so, not a copy after
-    return scaled_mm_blocks(values, scales.t().contiguous().t(), *w, x.dtype)
+    return scaled_mm_blocks(*xq, *w, x.dtype)
+
+
+def hidden(x, w_gate, w_up):
+    """An MLP's (an expert's) hidden activations, silu(x @ w_gate.T) * (x @ w_up.T) in x's dtype: x quantized once
+    for both products."""
+    xq = w8a8_input(x, w_gate)
+    return (F.silu(linear(x, w_gate, xq).float()) * linear(x, w_up, xq).float()).to(x.dtype)
 
 
 def expert(w, index: int):
@@ -88,8 +104,7 @@ def residual_norm(x, delta, norm, eps: float, dtype):
 
 def dense_mlp(xn, w_gate, w_up, w_down):
     """A dense layer's MLP output, this rank's partial sum in the model's dtype."""
-    h = (F.silu(linear(xn, w_gate).float()) * linear(xn, w_up).float()).to(xn.dtype)
-    return linear(h, w_down)
+    return linear(hidden(xn, w_gate, w_up), w_down)
 
 
 @functools.cache
@@ -284,7 +299,6 @@ def sparse_mlp(xn: torch.Tensor, lw, spec) -> torch.Tensor:
     outs = torch.zeros(*experts.shape, spec.hidden_size, dtype=torch.float32, device=xn.device)
     for index in experts.unique().tolist():
         rows, choices = (experts == index).nonzero(as_tuple=True)
-        h = (F.silu(linear(xn[rows], expert(lw.expert_gate, index)).float())
-             * linear(xn[rows], expert(lw.expert_up, index)).float()).to(xn.dtype)
+        h = hidden(xn[rows], expert(lw.expert_gate, index), expert(lw.expert_up, index))
         outs[rows, choices] = linear(h, expert(lw.expert_down, index)).float()
     return weighted_sum(weights, outs)
