@@ -24,6 +24,7 @@ import triton.language as tl
 from distmk.models.fp8 import dequantize_blocks
 from distmk.models.shard import RankWeights, ShardPlan, load_shard, plan_shard
 from distmk.models.spec import ModelSpec
+from distmk.runtime.prefill import linear as prefill_linear
 from distmk.tasks.base import rope_angles as distmk_rope_angles
 from distmk.tasks.moe_combine import weighted_sum
 from distmk.tasks.route import choose
@@ -160,10 +161,15 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, dtype) -> tuple
     return cos.to(dtype), sin.to(dtype)
 
 
+FP8_RECIPES = ("w8a16", "w8a8")
+
+
 class E4M3(NamedTuple):
-    """A product's e4m3 values and 128 x 128 block scales (RankWeights.fp8), as the FP8 decoder holds it."""
+    """A product's e4m3 values and 128 x 128 block scales (RankWeights.fp8), as the FP8 decoder holds it; w8a8: its
+    input is quantized too (linear)."""
     values: torch.Tensor
     scales: torch.Tensor
+    w8a8: bool = False
 
 
 def in_dtype(weight, dtype, index=None):
@@ -172,12 +178,17 @@ def in_dtype(weight, dtype, index=None):
     product reads the e4m3 bytes."""
     if not isinstance(weight, E4M3):
         return weight if index is None else weight[index]
-    values, scales = weight if index is None else (weight.values[index], weight.scales[index])
+    values, scales = (weight.values, weight.scales) if index is None else (weight.values[index], weight.scales[index])
     return dequantize_blocks(values, scales, dtype)
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear of a weight in x's dtype or in e4m3 (in_dtype)."""
+    """F.linear of a weight in x's dtype or in e4m3: dequantized (in_dtype), or with E4M3.w8a8 both in e4m3, x
+    quantized a row and 128 columns (torch._scaled_mm's blockwise kernel: the recipe vLLM runs block-FP8 checkpoints
+    with, as distmk's prefill does)."""
+    if isinstance(weight, E4M3) and weight.w8a8:
+        out = prefill_linear(x, (weight.values, weight.scales))
+        return out if bias is None else out + bias
     return F.linear(x, in_dtype(weight, x.dtype), bias)
 
 
@@ -241,35 +252,39 @@ def sparse_mlp(spec: ModelSpec, lw, h: torch.Tensor, rows: torch.Tensor, path: s
     return weighted_sum(weights, outs).to(h.dtype), experts
 
 
-def e4m3_products(spec: ModelSpec, weights: RankWeights, layer: int) -> dict[str, E4M3]:
+def e4m3_products(spec: ModelSpec, weights: RankWeights, layer: int, w8a8: bool = False) -> dict[str, E4M3]:
     """Layer `layer`'s products that `weights` hold in e4m3 (RankWeights.fp8: the experts' stacked over the sparse
-    layers only)."""
+    layers only); w8a8: the layer's own products multiply quantized inputs (the experts stay weight-only: one
+    gathered expert a row)."""
     def index(name):
         """Where the layer's matrices sit in fp8[name] (None: the layer has none)."""
         if not name.startswith("expert"):
             return layer
         return spec.moe_layers.index(layer) if layer in spec.moe_layers else None
 
-    return {name: E4M3(values[i], scales[i]) for name, (values, scales) in weights.fp8.items()
-            if (i := index(name)) is not None}
+    return {name: E4M3(values[i], scales[i], w8a8 and not name.startswith("expert"))
+            for name, (values, scales) in weights.fp8.items() if (i := index(name)) is not None}
 
 
 def build_torch_decoder(spec: ModelSpec, weights: RankWeights, device, dtype, max_batch: int,
                         max_context: int, sparse: str = "auto", record_experts: bool = False,
-                        fp8: bool = False) -> TorchDecoder:
+                        fp8: str | None = None) -> TorchDecoder:
     """The decode step as plain per-op PyTorch kernels over one rank's shard, the way a well-written
     PyTorch server runs it (gpt-fast style): the baseline a CUDA graph or torch.compile can make of it.
     All state lives in static buffers, so `step` can be captured in a CUDA graph. The KV cache is one
     tensor per layer (not one [layers, ...] tensor) so that torch.compile sees no aliased inputs mutated.
     Sparse layers run sparse_mlp (`sparse`: its path); with record_experts the step also stores their
-    choices in the decoder's `experts` (a copy per layer, so the timed steps leave it out). With fp8 the products
-    that the weights hold in e4m3 (RankWeights.fp8) are multiplied from those bytes (linear)."""
+    choices in the decoder's `experts` (a copy per layer, so the timed steps leave it out). With fp8 (a recipe of
+    FP8_RECIPES) the products that the weights hold in e4m3 (RankWeights.fp8) are multiplied from those bytes
+    (linear)."""
     plan, d, eps = weights.plan, spec.head_dim, spec.rms_norm_eps
     if fp8:
+        if fp8 not in FP8_RECIPES:
+            raise ValueError(f"unknown FP8 recipe {fp8!r}: one of {', '.join(FP8_RECIPES)}")
         if not weights.fp8:
             raise ValueError("an FP8 decoder needs weights with e4m3 products (load_shard(keep_fp8=True) of an FP8 "
                              "checkpoint or --quantize fp8)")
-        layers = [replace(lw, **e4m3_products(spec, weights, i)) for i, lw in enumerate(weights.layers)]
+        layers = [replace(lw, **e4m3_products(spec, weights, i, fp8 == "w8a8")) for i, lw in enumerate(weights.layers)]
     else:       # products held in e4m3 alone dequantized: a bf16 copy of them while the decoder lives
         layers = [weights.layer(i) for i in range(spec.num_layers)]
     world, _ = tp_rank()
@@ -376,15 +391,15 @@ COMPILE_MODES = {"max-autotune": {"mode": "max-autotune-no-cudagraphs"},
 
 def cudagraph_step_ms(spec: ModelSpec, source, batch: int, context: int, dtype=torch.bfloat16,
                       compile: bool = False, iters: int = 200, weights: RankWeights | None = None, state=None,
-                      compile_mode: str = "max-autotune", fp8: bool = False) -> float:
+                      compile_mode: str = "max-autotune", fp8: str | None = None) -> float:
     """Median ms of one decode step of the PyTorch decoder replayed as a single CUDA graph: `batch` rows at
     position `context - 1`, so each attends to `context` keys of a KV cache filled by `state` (random values by
     default: random_state; paged_state takes distmk's), each replay timed alone as harness.py times distmk's
     (distmk.timing.cuda_times). The graph removes launch overhead, which is what a megakernel must beat on top
     of it. With compile=True the step is first torch.compile'd (COMPILE_MODES[compile_mode], no CUDA graphs of
     its own), which fuses the small ops. `weights`: this rank's shard on the GPU to run (distmk's engine's, so
-    that no second copy is loaded: mixtral-8x7b is 94 GB in bf16); else it is loaded from `source`. fp8: the
-    products the weights hold in e4m3 are multiplied from them (build_torch_decoder).
+    that no second copy is loaded: mixtral-8x7b is 94 GB in bf16); else it is loaded from `source`. fp8 (a recipe
+    of FP8_RECIPES): the products the weights hold in e4m3 are multiplied from them (build_torch_decoder).
     (H200, llama-3-8b, batch 1, context 1024, torch 2.11: 7.36 ms, compiled 5.13 ms; tp=2: 6.39, 4.55.)"""
     world, rank = tp_rank()
     device = torch.device("cuda", torch.cuda.current_device())

@@ -16,8 +16,10 @@ virtual ranks' step, tp1_step_ms the tp=1 one of the same process, and the roofl
 ones (the same GPU reads every shard). A measurement of what the exchanges cost, not of a multi-GPU speed-up.
 Where distmk streams e4m3 products (--quantize fp8 or an FP8 checkpoint, with --stream-e4m3 1), the same process
 also times its step on the same weights in bf16 (bf16_step_ms) and, with --compile-baseline, the compiled decoder
-multiplying the e4m3 products (cudagraph_compiled_fp8_ms: dequantized within the step, which torch.compile fuses
-into the products); cudagraph_compiled_ms stays the compiled decoder on the bf16 weights.
+multiplying the e4m3 products two ways: cudagraph_compiled_fp8_ms dequantized within the step (weight-only, which
+torch.compile fuses into the products), cudagraph_compiled_w8a8_ms with the products' inputs quantized a row and 128
+columns and multiplied in e4m3 by torch._scaled_mm (a MoE model's experts stay weight-only);
+cudagraph_compiled_ms stays the compiled decoder on the bf16 weights.
 On the CPU (--device cpu, the reference backend, float32, gloo between ranks) the HBM roofline and the
 CUDA-graph baselines do not apply and are recorded as null; distmk and transformers are timed by wall clock.
 
@@ -46,8 +48,8 @@ import torch.distributed as dist
 import transformers
 import triton
 
-from baselines import (COMPILE_MODES, cudagraph_step_ms, decode_step_bytes, distinct_experts, hf_eager_ms_per_token,
-                       measure_hbm_read_bandwidth, paged_state, routed_experts, tp_rank)
+from baselines import (COMPILE_MODES, FP8_RECIPES, cudagraph_step_ms, decode_step_bytes, distinct_experts,
+                       hf_eager_ms_per_token, measure_hbm_read_bandwidth, paged_state, routed_experts, tp_rank)
 from distmk.cli import add_kernel_args, add_quantize_arg, kernel_options_of, select_device
 from distmk.dist import detect_launch, init_process_group
 from distmk.errors import DistmkError
@@ -232,7 +234,8 @@ def run(args, launcher: str, log) -> dict:
     if on_gpu:
         log(f"{step_bytes / 1e9:.2f} GB per step -> roofline {roofline_ms:.3f} ms")
 
-    cudagraph_ms = compiled_ms = compiled_fp8_ms = None
+    cudagraph_ms = compiled_ms = None
+    compiled_fp8_ms = {}
     if on_gpu:
         t1 = time.perf_counter()
         cudagraph_ms = attempt("cudagraph", lambda: cudagraph_step_ms(
@@ -248,13 +251,14 @@ def run(args, launcher: str, log) -> dict:
             log(f"torch.compile'd ({args.compile_mode}) ops in a CUDA graph: {compiled_ms} ms")
             phase_s["compiled"] = round(time.perf_counter() - t1, 1)
             release()
-        if args.compile_baseline and e4m3:     # the same, multiplying the e4m3 products (FP8 weight-only)
+        for recipe in FP8_RECIPES if args.compile_baseline and e4m3 else ():   # the same on the e4m3 products
             t1 = time.perf_counter()
-            compiled_fp8_ms = attempt("compiled_fp8", lambda: cudagraph_step_ms(
+            compiled_fp8_ms[recipe] = attempt(f"compiled_{recipe}", lambda: cudagraph_step_ms(
                 spec, source, args.batch, args.context, compile=True, iters=args.iters, weights=weights, state=state,
-                compile_mode=args.compile_mode, fp8=True))
-            log(f"torch.compile'd ({args.compile_mode}) ops on the e4m3 products in a CUDA graph: {compiled_fp8_ms} ms")
-            phase_s["compiled_fp8"] = round(time.perf_counter() - t1, 1)
+                compile_mode=args.compile_mode, fp8=recipe))
+            log(f"torch.compile'd ({args.compile_mode}) ops on the e4m3 products ({recipe}) in a CUDA graph: "
+                f"{compiled_fp8_ms[recipe]} ms")
+            phase_s[f"compiled_{recipe}"] = round(time.perf_counter() - t1, 1)
             release()
         peaks["baselines"] = peak_gb()
     else:
@@ -294,6 +298,9 @@ def run(args, launcher: str, log) -> dict:
         elif world > 1:
             dist.barrier()
 
+    def speedup(baseline_ms):
+        return baseline_ms / step_ms if step_ms and baseline_ms else None
+
     result.update({
         "step_ms": step_ms,
         "distmk_mode": distmk.get("mode"),
@@ -313,13 +320,15 @@ def run(args, launcher: str, log) -> dict:
         "cudagraph_ms": cudagraph_ms,
         "cudagraph_compiled_ms": compiled_ms,
         "compile_mode": args.compile_mode if compiled_ms is not None else None,
-        "speedup_vs_hf": hf_ms / step_ms if step_ms and hf_ms else None,
-        "speedup_vs_cudagraph": cudagraph_ms / step_ms if step_ms and cudagraph_ms else None,
-        "speedup_vs_compiled": compiled_ms / step_ms if step_ms and compiled_ms else None,     # the yardstick
-        "cudagraph_compiled_fp8_ms": compiled_fp8_ms,
-        "speedup_vs_compiled_fp8": compiled_fp8_ms / step_ms if step_ms and compiled_fp8_ms else None,
+        "speedup_vs_hf": speedup(hf_ms),
+        "speedup_vs_cudagraph": speedup(cudagraph_ms),
+        "speedup_vs_compiled": speedup(compiled_ms),     # the yardstick
+        "cudagraph_compiled_fp8_ms": compiled_fp8_ms.get("w8a16"),
+        "speedup_vs_compiled_fp8": speedup(compiled_fp8_ms.get("w8a16")),
+        "cudagraph_compiled_w8a8_ms": compiled_fp8_ms.get("w8a8"),
+        "speedup_vs_compiled_w8a8": speedup(compiled_fp8_ms.get("w8a8")),
         "bf16_step_ms": bf16["step_ms"] if bf16 else None,
-        "speedup_vs_bf16": bf16["step_ms"] / step_ms if bf16 and bf16["step_ms"] and step_ms else None,
+        "speedup_vs_bf16": speedup(bf16["step_ms"] if bf16 else None),
         "bf16_distmk": bf16,
         "baseline_errors": errors or None,
         "distmk": distmk,

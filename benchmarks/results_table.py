@@ -117,16 +117,17 @@ def kernels_table(*runs: str) -> str:
 
 def fp8_table(folder: str) -> str:
     """A run's FP8-twin decode steps (decode.py --quantize fp8, decode_<model>_b<batch>_fp8.json): the e4m3 step
-    against distmk's bf16 step of the same process, the FP8 roofline, and the compiled FP8 and bf16 graphs where the
-    run timed them."""
+    against distmk's bf16 step of the same process, the FP8 roofline, and the compiled FP8 (weight-only and W8A8) and
+    bf16 graphs where the run timed them."""
     runs = [load(folder, os.path.basename(p)) for p in glob.glob(os.path.join(RESULTS, folder, "decode_*_fp8.json"))]
     order = lambda r: (MODEL_ORDER.index(r["model"]) if r["model"] in MODEL_ORDER else len(MODEL_ORDER), r["batch"])
     rows = [[r["model"], r["batch"], f"**{r['step_ms']:.3f} ms**", f"{r['bf16_step_ms']:.3f} ms",
              f"{r['step_ms'] / r['bf16_step_ms']:.3f}", f"{r['roofline_ms']:.3f} ms", f"{r['efficiency']:.2f}",
-             fmt(r.get("cudagraph_compiled_fp8_ms"), ".3f"), fmt(r.get("cudagraph_compiled_ms"), ".3f")]
+             fmt(r.get("cudagraph_compiled_fp8_ms"), ".3f"), fmt(r.get("cudagraph_compiled_w8a8_ms"), ".3f"),
+             fmt(r.get("cudagraph_compiled_ms"), ".3f")]
             for r in sorted(runs, key=order)]
     return table(["model", "batch", "e4m3 products", "bf16, same process", "x bf16", "FP8 roofline", "efficiency",
-                  "compiled FP8 graph", "compiled bf16 graph"], rows)
+                  "compiled FP8 graph (weight-only)", "compiled FP8 graph (W8A8)", "compiled bf16 graph"], rows)
 
 
 def tp_table(folder: str) -> str:

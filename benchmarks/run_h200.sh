@@ -59,9 +59,9 @@ fi
 if [[ $STAGES == *" fp8 "* ]]; then
   # the ring streaming e4m3 products (kernel option stream_e4m3): its GPU tests, stream.py's probe (bf16, W8A16, W8A8),
   # then decode.py --quantize fp8 for FP8_MODELS (MODEL:BATCH; default: issue 43's, llama-3-8b and qwen3-8b at
-  # batch 1 and 8, qwen3-30b-a3b at 1), each with distmk's bf16 step and the compiled bf16 and FP8 baselines from the
-  # same process; then prefill.py on llama-3-8b's FP8 twin and on its bf16 weights, and fp8_accuracy.py for
-  # FP8_ACCURACY (default llama-3-8b)
+  # batch 1 and 8, qwen3-30b-a3b at 1), each with distmk's bf16 step and the compiled bf16 and FP8 (weight-only,
+  # W8A8) baselines from the same process; then prefill.py on llama-3-8b's FP8 twin and on its bf16 weights, and
+  # fp8_accuracy.py for FP8_ACCURACY (default llama-3-8b)
   stamp "GPU tests (e4m3 products; transformers' own FP8 on the same checkpoint)"
   timeout 300 python3 -m pytest -q -s tests/test_gpu.py -k "e4m3 or (matches_tl and fp8) or transformers_fp8 or scaled_mm_blocks or w8a8_prefill" 2>&1 | grep -v Warn \
       > "$OUT/gpu_tests_fp8.log"
@@ -82,7 +82,8 @@ if [[ $STAGES == *" fp8 "* ]]; then
         --out "$OUT/decode_${model}_b${batch}_fp8.json" 2>&1 | grep -v "$noise" \
         > "$OUT/decode_${model}_b${batch}_fp8.log"
     python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('step_ms', \
-'roofline_ms', 'efficiency', 'bf16_step_ms', 'cudagraph_compiled_ms', 'cudagraph_compiled_fp8_ms')})" \
+'roofline_ms', 'efficiency', 'bf16_step_ms', 'cudagraph_compiled_ms', 'cudagraph_compiled_fp8_ms', \
+'cudagraph_compiled_w8a8_ms')})" \
         "$OUT/decode_${model}_b${batch}_fp8.json" \
         2>/dev/null || tail -n 3 "$OUT/decode_${model}_b${batch}_fp8.log"
   done

@@ -64,22 +64,32 @@ def test_torch_decoder_runs_the_experts_either_way(name, sparse):
 @pytest.mark.parametrize("name, sparse", [("tiny-qwen3", "auto"), ("tiny-qwen3-moe", "gather"),
                                           ("tiny-qwen3-moe", "all")])
 def test_fp8_decoder_multiplies_the_e4m3_products_as_the_weights_they_dequantize_to(name, sparse):
-    """The compiled FP8 baseline's decoder (fp8=True) reads the e4m3 products and their block scales (a MoE model's
-    experts too, by either way to run them), and steps as the decoder on their dequantized weights does; without
-    e4m3 products it refuses."""
+    """The compiled FP8 baselines' decoder reads the e4m3 products and their block scales (a MoE model's experts too,
+    by either way to run them): weight-only (w8a16), it steps as the decoder on their dequantized weights does;
+    w8a8, the products' inputs quantized a row and 128 columns as distmk's W8A8 prefill does, it moves the K and V
+    it writes by activation quantization's error alone. Without e4m3 products, or with an unknown recipe, it refuses."""
     from distmk.models.fp8 import QuantizedAtLoad
     spec = preset(name)
     weights = load_shard(spec, QuantizedAtLoad(RandomWeights(spec), spec), plan_shard(spec, 1, 0), keep_fp8=True)
     assert {"wo", "w_gate", "w_up", "w_down"} <= set(weights.fp8) if name == "tiny-qwen3" else \
         {"wo", "expert_gate", "expert_up", "expert_down"} <= set(weights.fp8)
     tokens, positions = torch.tensor([5, 9]), torch.tensor([0, 0])
-    steps = [build_torch_decoder(spec, weights, "cpu", torch.float32, max_batch=2, max_context=16, sparse=sparse,
-                                 fp8=fp8).step for fp8 in (False, True)]
-    with torch.inference_mode():
-        assert torch.equal(steps[0](tokens, positions), steps[1](tokens, positions))
+
+    def step(fp8):
+        """The step's next tokens and the K and V it wrote."""
+        decoder = build_torch_decoder(spec, weights, "cpu", torch.float32, max_batch=2, max_context=16, sparse=sparse,
+                                      fp8=fp8)
+        with torch.inference_mode():
+            return decoder.step(tokens, positions), torch.stack(decoder.k_cache + decoder.v_cache)
+
+    (dequantized, kv), (w8a16, kv_w8a16), (_, kv_w8a8) = (step(fp8) for fp8 in (None, "w8a16", "w8a8"))
+    assert torch.equal(dequantized, w8a16) and torch.equal(kv, kv_w8a16)
+    assert 0 < ((kv_w8a8 - kv).norm() / kv.norm()).item() < 2 ** -3
+    with pytest.raises(ValueError, match="unknown FP8 recipe 'fp8': one of w8a16, w8a8"):
+        build_torch_decoder(spec, weights, "cpu", torch.float32, max_batch=2, max_context=16, fp8="fp8")
     weights.fp8.clear()
     with pytest.raises(ValueError, match="needs weights with e4m3 products"):
-        build_torch_decoder(spec, weights, "cpu", torch.float32, max_batch=2, max_context=16, fp8=True)
+        build_torch_decoder(spec, weights, "cpu", torch.float32, max_batch=2, max_context=16, fp8="w8a16")
 
 
 def test_torch_decoder_refuses_an_unknown_sparse_path():
