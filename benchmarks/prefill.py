@@ -36,7 +36,7 @@ from distmk.errors import DistmkError
 from distmk.graph import GraphConfig
 from distmk.graph.hardware import bf16_dense_flops
 from distmk.runtime.engine import Engine
-from distmk.runtime.prefill import prefill_chunk
+from distmk.runtime.prefill import PREFILL_FP8, prefill_chunk
 from distmk.timing import cuda_times
 
 BASELINES = ("compiled", "eager", "none")
@@ -71,7 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--quantize", choices=("fp8",),
                    help="the model's FP8 twin as the megakernel streams it (kernel option stream_e4m3 1): its products "
                         "held in e4m3 alone, multiplied as --prefill-fp8 says")
-    p.add_argument("--prefill-fp8", choices=("w8a8", "w8a16"),
+    p.add_argument("--prefill-fp8", choices=PREFILL_FP8,
                    help="with --quantize fp8: each chunk's activations quantized to e4m3 (torch._scaled_mm), or the "
                         "products dequantized a layer at a time (default: w8a8 on Hopper, else w8a16)")
     p.add_argument("--out", help="also write the JSON to this file")

@@ -105,11 +105,15 @@ def quantize_groups(x: torch.Tensor, per: int = KERNEL_BLOCK) -> tuple[torch.Ten
     return values.reshape(*lead, cols), scale.reshape(*lead, cols // per)
 
 
+def dequantize_groups(values: torch.Tensor, scales: torch.Tensor, per: int = KERNEL_BLOCK) -> torch.Tensor:
+    """quantize_groups' (values, scales) as the float32 activations they stand for."""
+    return (values.float().unflatten(-1, (-1, per)) * scales[..., None]).flatten(-2)
+
+
 def quantize_activations(x: torch.Tensor, per: int = KERNEL_BLOCK) -> torch.Tensor:
     """W8A8's input: x [..., K] as the weight ring's e4m3-by-e4m3 loop multiplies it (device/ring.py _w8a8_block,
     stream.py's gluon-w8a8 probe), quantize_groups dequantized (float32)."""
-    values, scale = quantize_groups(x, per)
-    return (values.float().unflatten(-1, (-1, per)) * scale[..., None]).flatten(-2)
+    return dequantize_groups(*quantize_groups(x, per), per)
 
 
 @torch.library.custom_op("distmk::scaled_mm_blocks", mutates_args=())
@@ -128,8 +132,7 @@ def scaled_mm_blocks(x: torch.Tensor, x_scales: torch.Tensor, values: torch.Tens
             x_scales = torch.cat([x_scales, x_scales.new_ones(pad, x_scales.shape[1])])
         return torch._scaled_mm(x, values.t(), scale_a=x_scales.t().contiguous().t(), scale_b=scales.t(),
                                 out_dtype=dtype)[:rows]
-    x = (x.float().unflatten(-1, (-1, KERNEL_BLOCK)) * x_scales[..., None]).flatten(-2)
-    return (x @ dequantize(values, scales, DEFAULT_BLOCK).t()).to(dtype)
+    return (dequantize_groups(x, x_scales) @ dequantize(values, scales, DEFAULT_BLOCK).t()).to(dtype)
 
 
 @scaled_mm_blocks.register_fake

@@ -24,7 +24,7 @@ from distmk.comm.cpu import SingleRank
 from distmk.reference.executor import ReferenceExecutor
 from distmk.runtime.batcher import Batcher, Sequence
 from distmk.runtime.kv_cache import KVCache
-from distmk.runtime.prefill import ChunkGraphs
+from distmk.runtime.prefill import PREFILL_FP8, ChunkGraphs
 from distmk.runtime.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,8 +111,8 @@ class Engine:
         self.compile_prefill = torch.device(device).type == "cuda" if compile_prefill is None else compile_prefill
         # how prefill multiplies the products held in e4m3 (runtime/prefill.py): w8a8 where torch._scaled_mm takes
         # block scales (Hopper), else w8a16
-        if prefill_fp8 not in (None, "w8a8", "w8a16"):
-            raise DistmkError(f"prefill_fp8 must be w8a8 or w8a16, got {prefill_fp8!r}")
+        if prefill_fp8 not in (None, *PREFILL_FP8):
+            raise DistmkError(f"prefill_fp8 must be {' or '.join(PREFILL_FP8)}, got {prefill_fp8!r}")
         hopper = torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
         self.prefill_fp8 = prefill_fp8 or ("w8a8" if hopper else "w8a16")
         config = config or GraphConfig(**device_fields(backend, device,

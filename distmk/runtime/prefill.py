@@ -40,6 +40,9 @@ from distmk.tasks.moe_combine import weighted_sum
 from distmk.tasks.route import choose
 
 
+PREFILL_FP8 = ("w8a8", "w8a16")      # how a chunk multiplies the products held in e4m3 (Engine's prefill_fp8)
+
+
 def w8a8_input(x, w):
     """x quantized as product w multiplies it in e4m3 ((values, scales a row and 128 columns), the scales
     column-major as torch._scaled_mm takes them, written so by a compiled stage rather than copied after); None
