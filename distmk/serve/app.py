@@ -17,7 +17,6 @@ import secrets
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from importlib.metadata import version
 from dataclasses import dataclass, field
 
 import h11
@@ -29,6 +28,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+import distmk
 from distmk.errors import DistmkError
 from distmk.runtime.batcher import Sequence
 from distmk.runtime.sampling import TokenLogprob, resolve_sampling
@@ -285,7 +285,7 @@ def create_app(served: Served) -> FastAPI:
         if not secrets.compare_digest(given.strip().encode(), served.api_key.encode()):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key", headers=BEARER_CHALLENGE)
 
-    app = FastAPI(title="distmk", version=version("distmk"), redoc_url=None, dependencies=[Depends(authorize)])
+    app = FastAPI(title="distmk", version=distmk.__version__, redoc_url=None, dependencies=[Depends(authorize)])
     metrics = served.metrics
 
     def openapi() -> dict:
