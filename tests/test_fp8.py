@@ -11,9 +11,10 @@ from safetensors.torch import save_file
 from conftest import hf_generate, hf_model_from_files
 from distmk.comm.cpu import run_simulated_ranks
 from distmk.errors import DistmkError, ModelError
-from distmk.models.fp8 import E4M3_MAX, activation_scale, dequantize, linear_weights, quantize, quantize_activations
+from distmk.models.fp8 import (E4M3_MAX, activation_scale, bf16_scales, dequantize, linear_weights, quantize,
+                               quantize_activations)
 from distmk.models.presets import preset
-from distmk.models.weights import RandomWeights
+from distmk.models.weights import CheckpointWeights, RandomWeights
 from distmk.runtime.engine import Engine
 
 PROMPT = [3, 17, 92, 5, 44, 120, 7]
@@ -114,6 +115,28 @@ def test_w8a8_activations_take_the_least_power_of_two_scale_that_keeps_them_fini
         s = activation_scale(group.abs().max())
         assert group.abs().max() / s <= E4M3_MAX and (s == 2.0 ** -100 or group.abs().max() / s > E4M3_MAX / 2)
         assert torch.equal(got, (group / s).to(torch.float8_e4m3fn).float() * s)
+
+
+def test_block_scales_are_held_as_bf16_values(tmp_path):
+    """The weight ring multiplies its e4m3 weights by their block scales in bf16 (device/ring.py _dequantized), so
+    every executor holds the scales so: quantize picks the least bf16 value at or above a block's largest magnitude
+    over E4M3_MAX (no value overflows), and a checkpoint's float32 block scales are read rounded to bf16."""
+    w = torch.randn(256, 384) * torch.logspace(-4, 2, 256)[:, None]
+    values, scale = quantize(w)
+    least = w.view(2, 128, 3, 128).abs().amax(dim=(1, 3)) / E4M3_MAX
+    below = (scale.to(torch.bfloat16).view(torch.int16) - 1).view(torch.bfloat16).float()
+    assert torch.equal(scale, bf16_scales(scale)) and (scale >= least).all() and (below < least).all()
+    assert values.float().abs().max() <= E4M3_MAX
+    write_fp8(tmp_path / "fp8", "tiny-llama", "block")
+    from safetensors.torch import load_file
+    tensors = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name + "_scale_inv"] = tensors[name + "_scale_inv"] * (1 + 2.0 ** -12)     # between two bf16 values
+    save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
+    read = CheckpointWeights(str(tmp_path / "fp8"), preset("tiny-llama"), fp8_block=(16, 16)).read(name)
+    held = bf16_scales(tensors[name + "_scale_inv"])
+    assert not torch.equal(held, tensors[name + "_scale_inv"])
+    assert torch.equal(read, dequantize(tensors[name], held, (16, 16)))
 
 
 def test_quantize_fp8_gives_a_preset_its_fp8_twin():

@@ -316,8 +316,20 @@ def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready,
 
 @gluon.jit
 def _dequantized(half, scale, operand: gl.constexpr):
-    """An e4m3 [rows, input slice] view times its rows' block scale, rounded once to bf16, in registers."""
-    return (half.load(operand).to(gl.float32) * scale[:, None]).to(gl.bfloat16)
+    """An e4m3 [rows, input slice] view times its rows' block scale (a bf16 value: models/fp8.py bf16_scales),
+    rounded once to bf16, in registers, by integer operations rather than conversion instructions: each pair of
+    bytes becomes a pair of bf16 holding e4m3's fields (prmt spreads the bytes and replicates their signs, the shift
+    and mask place sign, exponent and mantissa: the value times 2^-120, the two biases' difference, subnormals
+    included), then one bf16 multiply by the scale times 2^120."""
+    raw = half.load(operand).to(gl.int8, bitcast=True)
+    bits = gl.inline_asm_elementwise(E4M3_PAIR_AS_BF16, "=r,h", [raw], dtype=gl.bfloat16, is_pure=True, pack=2)
+    return bits * (scale * 2.0 ** 120).to(gl.bfloat16)[:, None]
+
+
+# two e4m3 bytes (a 16-bit register) -> their bf16 pair times 2^-120: bytes b0, sign(b0), b1, sign(b1), shifted
+# left 4, masked to each half's sign, exponent and mantissa bits
+E4M3_PAIR_AS_BF16 = gl.constexpr(
+    "{ .reg .b32 d; cvt.u32.u16 d, $1; prmt.b32 d, d, 0, 0x9180; shl.b32 d, d, 4; and.b32 $0, d, 0x87f087f0; }")
 
 
 @gluon.jit

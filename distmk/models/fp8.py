@@ -5,12 +5,12 @@
 - Per tensor or per output channel: a float32 `<name>_scale` of one value or one a row (AutoFP8, compressed-tensors).
   A static `input_scale` of the activations is not used: activations stay in the model's dtype (weights only).
 
-A weight's value is its e4m3 value times its block's scale, rounded to the model's dtype: what the reference
-multiplies (the reference is the spec). With kernel option stream_e4m3 the megakernels read the e4m3 values
-themselves where they come in 128 x 128 blocks that a rank's slices hold whole (`read_fp8`): the tl kernel
-and the weight ring dequantize them so as they load them (device/primitives.py dequantized, device/ring.py
-mma_block_fp8), the engine holds them in e4m3 alone (models/shard.py RankWeights.fp8), and prefill on Hopper
-multiplies them by its activations quantized to e4m3 (W8A8, scaled_mm_blocks). The embeddings, the lm_head, the
+A weight's value is its e4m3 value times its block's scale (held as a bf16 value: bf16_scales), rounded to the
+model's dtype: what the reference multiplies (the reference is the spec). With kernel option stream_e4m3 the
+megakernels read the e4m3 values themselves where they come in 128 x 128 blocks that a rank's slices hold whole
+(`read_fp8`): the tl kernel and the weight ring dequantize them so as they load them (device/primitives.py
+dequantized, device/ring.py mma_block_fp8), the engine holds them in e4m3 alone (models/shard.py RankWeights.fp8),
+and prefill on Hopper multiplies them by its activations quantized to e4m3 (W8A8, scaled_mm_blocks). The embeddings, the lm_head, the
 norms and the routers stay in the model's dtype unless the checkpoint stores them in FP8."""
 from __future__ import annotations
 
@@ -73,15 +73,26 @@ def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, dtype: torch.d
     return dequantize(values, scales, DEFAULT_BLOCK).to(dtype)
 
 
+def bf16_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Block scales as every executor holds them: float32 tensors of bf16 values, since the weight ring multiplies
+    its weights by them in bf16 (device/ring.py _dequantized). A checkpoint's scale moves by at most 2^-9 of itself
+    (a block's weights alike), far within e4m3's own step."""
+    return scales.to(torch.bfloat16).float()
+
+
 def quantize(weight: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values, float32 scale of each block) of a weight, each block's largest magnitude at e4m3's largest."""
+    """(e4m3 values, float32 scale of each block) of a weight, each block's largest magnitude at e4m3's largest or
+    just under: the scale the least bf16 value at or above largest / E4M3_MAX (bf16_scales holds it exactly)."""
     rows, cols = weight.shape
     w = weight.float()
     grid = (-(-rows // block[0]), -(-cols // block[1]))
     padded = torch.zeros(grid[0] * block[0], grid[1] * block[1], dtype=torch.float32, device=w.device)
     padded[:rows, :cols] = w
     blocks = padded.view(grid[0], block[0], grid[1], block[1])
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / E4M3_MAX
+    least = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / E4M3_MAX
+    scale = bf16_scales(least)
+    scale = torch.where(scale < least, (scale.to(torch.bfloat16).view(torch.int16) + 1).view(torch.bfloat16).float(),
+                        scale)
     values = (blocks / scale[:, None, :, None]).view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn)
     return values, scale
 

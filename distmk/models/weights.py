@@ -13,7 +13,8 @@ import zlib
 import torch
 
 from distmk.errors import ModelError
-from distmk.models.fp8 import DEFAULT_BLOCK, dequantize, scale_block, scale_name, scale_range, whole_blocks
+from distmk.models.fp8 import (DEFAULT_BLOCK, bf16_scales, dequantize, scale_block, scale_name, scale_range,
+                               whole_blocks)
 from distmk.models.presets import preset
 from distmk.models.spec import ModelSpec, spec_from_hf_config, with_generation_config
 
@@ -86,6 +87,7 @@ class CheckpointWeights:
         values = self._open(self.file_of[scale]).get_tensor(scale).float()
         per = scale_block(tuple(values.shape), shape, self.fp8_block)
         grid = values.reshape(-(-shape[0] // per[0]), -(-shape[1] // per[1]))
+        grid = bf16_scales(grid) if per == self.fp8_block else grid
         first, last = scale_range(name, dim, start, stop, shape[dim], per[dim])
         return (grid[first:last] if dim == 0 else grid[:, first:last]), per
 
