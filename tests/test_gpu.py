@@ -5,7 +5,10 @@ import sys
 
 import pytest
 import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
+from distmk.device.ring import _dequantized, acc_layout, cta_barrier
 from distmk.graph import GraphConfig
 from distmk.runtime.engine import Engine
 from conftest import PROMPT, REPO, SMALL, TINY, TINY_MOE, hf_greedy
@@ -362,7 +365,7 @@ def test_ring_at_virtual_tp_equals_the_float32_reference(name, tp, batch, tp_rea
 
 
 EXPERTS = {"expert_gate", "expert_up", "expert_down"}
-# at tp=2 tiny-qwen3's every K is a multiple of 128 (the others': test_ring_refuses_e4m3_products_beside_a_narrow_k)
+# at tp=2 tiny-qwen3's every K is a multiple of 128 (the others': test_ring_refuses_e4m3_products_it_cannot_stream)
 FP8_RING = [(name, 1, batch) for name in TINY + TINY_MOE for batch in (1, 8)] + [("tiny-qwen3", 2, 8)]
 
 
@@ -375,6 +378,40 @@ def test_ring_streaming_e4m3_weights_equals_the_float32_reference(name, tp, batc
     streamed = ring_against_float32(name, tp, batch, quantize="fp8", stream_e4m3=1)
     assert streamed and set(streamed) <= {"wqkv", "wo", "w_gate", "w_up", "w_down", *EXPERTS}
     assert EXPERTS <= set(streamed) if name in TINY_MOE else True       # the experts' tiles stream e4m3 too
+
+
+@gluon.jit
+def _dequantize_part(values, scales, out):
+    """out = device/ring.py _dequantized of a [64, 128] e4m3 part (values, row-major) with a scale a row, the part
+    staged in shared memory and loaded in the wgmma operand layout as the ring's loop loads it."""
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout(64, 8, 4), k_width=2)
+    blocked: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    part = gl.allocate_shared_memory(gl.float8e4nv, [64, 128],
+                                     gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv))
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, blocked))
+    c = gl.arange(0, 128, layout=gl.SliceLayout(0, blocked))
+    part.store(gl.load(values + r[:, None] * 128 + c[None, :]))
+    cta_barrier()
+    ro = gl.arange(0, 64, layout=gl.SliceLayout(1, operand))
+    co = gl.arange(0, 128, layout=gl.SliceLayout(0, operand))
+    w = _dequantized(part, gl.load(scales + ro), operand)
+    gl.store(out + ro[:, None] * 128 + co[None, :], w)
+
+
+@pytest.mark.skipif(not hopper(), reason="the ring megakernel needs a Hopper GPU")
+def test_the_ring_dequantizes_every_e4m3_code_as_the_reference_does():
+    """device/ring.py _dequantized (e4m3 -> bf16 by integer operations, one bf16 multiply by the scale) on every
+    e4m3 code but NaN, with scales of bf16 values from about 2^-20 to 2^6: bit for bit the reference's weights
+    (models/fp8.py dequantize, rounded once to bf16), subnormals and signed zeros included."""
+    from distmk.models.fp8 import bf16_scales, dequantize
+    codes = torch.arange(64 * 128).remainder(256).to(torch.uint8).reshape(64, 128)
+    codes[codes.remainder(128) == 127] = 0                  # the NaN codes 0x7f and 0xff
+    values = codes.view(torch.float8_e4m3fn).cuda()
+    scales = bf16_scales(2.0 ** torch.linspace(-20, 6, 64) * (1 + torch.rand(64))).cuda()
+    got = torch.empty(64, 128, dtype=torch.bfloat16, device="cuda")
+    _dequantize_part[(1,)](values, scales, got, num_warps=4)
+    expected = dequantize(values, scales[:, None], (1, 128)).to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
 
 
 @pytest.mark.skipif(not hopper(), reason="the ring megakernel needs a Hopper GPU")

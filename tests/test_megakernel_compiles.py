@@ -217,17 +217,21 @@ def test_ring_megakernel_refuses_a_step_it_cannot_run(dtype, batch, reason):
                config=GraphConfig(batch=batch, workers=DEFAULT_WORKERS), kernel_options={"kernel": "ring"})
 
 
-def test_ring_refuses_e4m3_products_beside_a_narrow_k():
+def test_ring_refuses_e4m3_products_it_cannot_stream():
     """e4m3 slots are two input slices of 128 columns: a step with a product whose K is not a multiple of 128
-    (tiny-llama's o_proj at tp=2: 64) cannot stream e4m3 on the ring, and the reason names it."""
+    (tiny-llama's o_proj at tp=2: 64) cannot stream e4m3 on the ring, nor one with a block scale of 2^8 or more
+    (device/ring.py _dequantized), and the reason names it."""
     from distmk.kernels.ring_megakernel import ring_unsupported
     from distmk.models.presets import preset
     from distmk.models.shard import plan_shard
     from distmk.tasks import TASK_KINDS
     spec = preset("tiny-llama")
+    scales = (None, torch.full((2, 2), 1.0))
     why = [ring_unsupported(spec, plan_shard(spec, tp, 0), GraphConfig(batch=8), torch.bfloat16, "pointer", TASK_KINDS,
-                            fp8=fp8) for tp, fp8 in ((2, {"w_gate": None}), (2, {}), (1, {"w_gate": None}))]
-    assert why == ["with e4m3 products every product's K must be a multiple of 128 (wo (64) are not)", None, None]
+                            fp8=fp8) for tp, fp8 in ((2, {"w_gate": scales}), (2, {}), (1, {"w_gate": scales}),
+                                                     (1, {"w_up": (None, torch.full((2, 2), 256.0))}))]
+    assert why == ["with e4m3 products every product's K must be a multiple of 128 (wo (64) are not)", None, None,
+                   "e4m3 products with a block scale of 2^8 or more (w_up) would overflow its bf16 multiply"]
 
 
 def test_e4m3_tiles_of_half_a_slot_stream_two_column_ranges_a_slot():

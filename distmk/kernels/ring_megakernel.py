@@ -258,6 +258,11 @@ def ring_unsupported(spec, plan, config, dtype, transport: str, kinds, fp8=()) -
     narrow = sorted(f"{name} ({k})" for name, k in widths.items() if k % 128) if fp8 else []
     if narrow:
         return f"with e4m3 products every product's K must be a multiple of 128 ({', '.join(narrow)} are not)"
+    # device/ring.py _dequantized multiplies by a block scale times 2^120 in bf16, finite below 2^8
+    large = sorted(name for name, (_, scales) in dict(fp8).items()
+                   if scales.device.type != "meta" and float(scales.max()) >= 2.0 ** 8)
+    if large:
+        return f"e4m3 products with a block scale of 2^8 or more ({', '.join(large)}) would overflow its bf16 multiply"
     return None
 
 

@@ -10,8 +10,9 @@ model's dtype: what the reference multiplies (the reference is the spec). With k
 megakernels read the e4m3 values themselves where they come in 128 x 128 blocks that a rank's slices hold whole
 (`read_fp8`): the tl kernel and the weight ring dequantize them so as they load them (device/primitives.py
 dequantized, device/ring.py mma_block_fp8), the engine holds them in e4m3 alone (models/shard.py RankWeights.fp8),
-and prefill on Hopper multiplies them by its activations quantized to e4m3 (W8A8, scaled_mm_blocks). The embeddings, the lm_head, the
-norms and the routers stay in the model's dtype unless the checkpoint stores them in FP8."""
+and prefill on Hopper multiplies them by its activations quantized to e4m3 (W8A8, scaled_mm_blocks). The
+embeddings, the lm_head, the norms and the routers stay in the model's dtype unless the checkpoint stores them in
+FP8."""
 from __future__ import annotations
 
 import torch
