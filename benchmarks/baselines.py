@@ -284,6 +284,8 @@ def build_torch_decoder(spec: ModelSpec, weights: RankWeights, device, dtype, ma
         if not weights.fp8:
             raise ValueError("an FP8 decoder needs weights with e4m3 products (load_shard(keep_fp8=True) of an FP8 "
                              "checkpoint or --quantize fp8)")
+        if weights.fp8_order is not None:
+            raise ValueError("an FP8 decoder reads e4m3 products in their own column order: RankWeights.order_fp8(None)")
         layers = [replace(lw, **e4m3_products(spec, weights, i, fp8 == "w8a8")) for i, lw in enumerate(weights.layers)]
     else:       # products held in e4m3 alone dequantized: a bf16 copy of them while the decoder lives
         layers = [weights.layer(i) for i in range(spec.num_layers)]

@@ -230,7 +230,8 @@ def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_RO
     (gluon-w8a8); barrier off and on; a few tile shapes each. Each Gluon configuration is checked against torch
     first (the e4m3 ones against the dequantized weights, W8A8's against quantize_activations' input too)."""
     import ring_probe as ring
-    from distmk.models.fp8 import DEFAULT_BLOCK, dequantize, quantize, quantize_activations
+    from distmk.device.ring import part_columns
+    from distmk.models.fp8 import DEFAULT_BLOCK, dequantize, in_block_order, quantize, quantize_activations
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     layers, k = 32, 4096
     results = []
@@ -252,6 +253,9 @@ def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_RO
         for kernel, bn, bk, stages, xd in configs:
             e4m3 = kernel in ("gluon-fp8", "gluon-w8a8")
             weights = w8 if e4m3 else w
+            if kernel == "gluon-fp8":       # W8A16 loads each 128 columns in the ring's order
+                weights = in_block_order(w8.view(torch.uint8), torch.tensor(part_columns(), device=device))
+                weights = weights.view(w8.dtype)
             nbytes = weights.numel() * weights.element_size() + (w_scale.numel() * 4 if e4m3 else 0)
             if kernel == "tl":
                 def launch(layer_count, mode):

@@ -233,6 +233,36 @@ def test_prefill_multiplies_the_products_held_in_e4m3_alone_as_their_dequantized
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe"])
+def test_e4m3_values_held_in_the_rings_column_order_multiply_as_in_their_own(name):
+    """The weight ring holds each 128 columns of the e4m3 values in its operand's order (RankWeights.order_fp8,
+    device/ring.py part_columns): the weights a layer gives, the prefill's KV cache and logits (the input's columns
+    taken in that order) stay those of the values in their own order, and the order undone gives the bytes back."""
+    from distmk.device.ring import part_columns
+    from distmk.runtime.prefill import prefill_chunk
+    for mode in ("w8a16", "w8a8"):
+        engine = Engine(name, backend="triton", quantize="fp8", max_context=32, step_batches=(1,),
+                        kernel_options={"stream_e4m3": 1}, prefill_fp8=mode)
+        weights = engine.weights
+        own = {name: values.clone() for name, (values, _) in weights.fp8.items()}
+        before = [weights.layer(i) for i in range(len(weights.layers))]
+        outputs = []
+        for order in (None, part_columns()):
+            weights.order_fp8(order)
+            blocks = engine.kv.allocate([], len(PROMPT))
+            logits = prefill_chunk(engine, PROMPT, 0, blocks, logits=True)
+            outputs.append((logits, engine.kv.k[:, blocks].clone(), engine.kv.v[:, blocks].clone()))
+            engine.kv.release(blocks)
+        assert not any(torch.equal(values, own[name]) for name, (values, _) in weights.fp8.items())
+        for a, b in zip(before, (weights.layer(i) for i in range(len(weights.layers)))):
+            assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in weights.fp8 if getattr(a, f) is not None)
+        for a, b in zip(*outputs):
+            # w8a8's float32 sums run over the columns in another order
+            assert torch.equal(a, b) if mode == "w8a16" else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        weights.order_fp8(None)
+        assert all(torch.equal(values, own[name]) for name, (values, _) in weights.fp8.items())
+
+
 def layer_tensors(weights) -> list[torch.Tensor]:
     """Every tensor a rank holds for its layers' products: the LayerWeights fields and the e4m3 products."""
     fields = [t for lw in weights.layers for t in vars(lw).values() if isinstance(t, torch.Tensor)]

@@ -382,8 +382,8 @@ def test_ring_streaming_e4m3_weights_equals_the_float32_reference(name, tp, batc
 
 @gluon.jit
 def _dequantize_part(values, scales, out):
-    """out = device/ring.py _dequantized of a [64, 128] e4m3 part (values, row-major) with a scale a row, the part
-    staged in shared memory and loaded in the wgmma operand layout as the ring's loop loads it."""
+    """out = device/ring.py _dequantized of a [64, 128] e4m3 part (values, row-major, each row's columns in the ring's
+    order) with a scale a row, the part staged in shared memory and loaded as the ring's loop loads it."""
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout(64, 8, 4), k_width=2)
     blocked: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     part = gl.allocate_shared_memory(gl.float8e4nv, [64, 128],
@@ -401,15 +401,18 @@ def _dequantize_part(values, scales, out):
 @pytest.mark.skipif(not hopper(), reason="the ring megakernel needs a Hopper GPU")
 def test_the_ring_dequantizes_every_e4m3_code_as_the_reference_does():
     """device/ring.py _dequantized (e4m3 -> bf16 by integer operations, one bf16 multiply by the scale) on every
-    e4m3 code but NaN, with scales of bf16 values from about 2^-20 to 2^6: bit for bit the reference's weights
-    (models/fp8.py dequantize, rounded once to bf16), subnormals and signed zeros included."""
-    from distmk.models.fp8 import bf16_scales, dequantize
-    codes = torch.arange(64 * 128).remainder(256).to(torch.uint8).reshape(64, 128)
+    e4m3 code but NaN, with scales of bf16 values from about 2^-20 to 2^6, its columns stored in the ring's order
+    (part_columns): bit for bit the reference's weights (models/fp8.py dequantize, rounded once to bf16), subnormals
+    and signed zeros included, each in its own column."""
+    from distmk.device.ring import part_columns
+    from distmk.models.fp8 import bf16_scales, dequantize, in_block_order
+    codes = (torch.arange(64 * 128) * 7).remainder(256).to(torch.uint8).reshape(64, 128)     # no column alike
     codes[codes.remainder(128) == 127] = 0                  # the NaN codes 0x7f and 0xff
     values = codes.view(torch.float8_e4m3fn).cuda()
     scales = bf16_scales(2.0 ** torch.linspace(-20, 6, 64) * (1 + torch.rand(64))).cuda()
     got = torch.empty(64, 128, dtype=torch.bfloat16, device="cuda")
-    _dequantize_part[(1,)](values, scales, got, num_warps=4)
+    stored = in_block_order(codes, torch.tensor(part_columns())).view(torch.float8_e4m3fn).cuda()
+    _dequantize_part[(1,)](stored, scales, got, num_warps=4)
     expected = dequantize(values, scales[:, None], (1, 128)).to(torch.bfloat16)
     assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
 

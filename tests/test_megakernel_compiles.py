@@ -44,8 +44,9 @@ def test_tl_megakernel_reading_e4m3_products_fits_in_hopper_shared_memory():
 
 
 def converts_e4m3(ptx: str) -> bool:
-    """Whether a ring kernel's PTX holds device/ring.py's e4m3 -> bf16 conversion (E4M3_PAIR_AS_BF16's byte spread)."""
-    return "prmt.b32 d, d, 0, 0x9180" in ptx
+    """Whether a ring kernel's PTX holds device/ring.py's e4m3 -> bf16 conversion (E4M3_QUAD_AS_BF16's byte spread)
+    of parts loaded 16 bytes at a time (part_layout)."""
+    return "0, 0x9180;" in ptx and "0, 0xB3A2;" in ptx and "ld.shared.v4" in ptx
 
 
 @pytest.mark.parametrize("name, batch, fused_route, quantize", [

@@ -316,20 +316,48 @@ def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready,
 
 @gluon.jit
 def _dequantized(half, scale, operand: gl.constexpr):
-    """An e4m3 [rows, input slice] view times its rows' block scale (a bf16 value: models/fp8.py bf16_scales),
-    rounded once to bf16, in registers, by integer operations rather than conversion instructions: each pair of
-    bytes becomes a pair of bf16 holding e4m3's fields (prmt spreads the bytes and replicates their signs, the shift
-    and mask place sign, exponent and mantissa: the value times 2^-120, the two biases' difference, subnormals
-    included), then one bf16 multiply by the scale times 2^120."""
-    raw = half.load(operand).to(gl.int8, bitcast=True)
-    bits = gl.inline_asm_elementwise(E4M3_PAIR_AS_BF16, "=r,h", [raw], dtype=gl.bfloat16, is_pure=True, pack=2)
+    """An e4m3 [rows, 128] part, its columns in the ring's order (part_columns), times its rows' block scale (a bf16
+    value: models/fp8.py bf16_scales), rounded once to bf16, in the wgmma operand layout. A thread's 32 values of a
+    row are 32 consecutive bytes in that order: two 16-byte shared loads a row (part_layout) rather than sixteen of
+    two bytes. Converted by integer operations rather than conversion instructions: each 4 bytes become two pairs of
+    bf16 holding e4m3's fields (prmt spreads the bytes and replicates their signs, the shift and mask place sign,
+    exponent and mantissa: the value times 2^-120, the two biases' difference, subnormals included), then one bf16
+    multiply by the scale times 2^120. Reshaped from the load's order to the columns' own, which moves no data:
+    the two layouts hold the same registers."""
+    ROWS: gl.constexpr = half.type.shape[0]
+    raw = half.load(part_layout(ROWS, gl.num_warps())).to(gl.int8, bitcast=True)
+    bits = gl.inline_asm_elementwise(E4M3_QUAD_AS_BF16, "=r,=r,r", [raw], dtype=gl.bfloat16, is_pure=True, pack=4)
+    # stored column p = (b6 .. b0) is column (b4 b3 b2 b1 b6 b5 b0) (part_columns)
+    bits = gl.permute(gl.reshape(bits, [ROWS, 2, 2, 2, 2, 2, 2, 2]), [0, 3, 4, 5, 6, 1, 2, 7])
+    bits = gl.convert_layout(gl.reshape(bits, [ROWS, PART]), operand)
     return bits * (scale * 2.0 ** 120).to(gl.bfloat16)[:, None]
 
 
-# two e4m3 bytes (a 16-bit register) -> their bf16 pair times 2^-120: bytes b0, sign(b0), b1, sign(b1), shifted
-# left 4, masked to each half's sign, exponent and mantissa bits
-E4M3_PAIR_AS_BF16 = gl.constexpr(
-    "{ .reg .b32 d; cvt.u32.u16 d, $1; prmt.b32 d, d, 0, 0x9180; shl.b32 d, d, 4; and.b32 $0, d, 0x87f087f0; }")
+# four e4m3 bytes (a 32-bit register) -> two bf16 pairs times 2^-120: bytes b0, sign(b0), b1, sign(b1) (and b2, b3
+# alike), shifted left 4, masked to each half's sign, exponent and mantissa bits
+E4M3_QUAD_AS_BF16 = gl.constexpr(
+    "{ .reg .b32 lo, hi; prmt.b32 lo, $2, 0, 0x9180; prmt.b32 hi, $2, 0, 0xB3A2; shl.b32 lo, lo, 4; "
+    "shl.b32 hi, hi, 4; and.b32 $0, lo, 0x87f087f0; and.b32 $1, hi, 0x87f087f0; }")
+
+
+@gluon.constexpr_function
+def part_layout(rows, num_warps):
+    """The register layout _dequantized loads a part with: the wgmma operand layout of its [rows, 128] bf16 values
+    (acc_layout's, k_width 2) with a thread's columns of a row side by side in the ring's column order. In that
+    operand layout a thread of lane l holds rows l / 4 (+ 8, + 16 w for warp w, + 64 r) and, a row, columns
+    16 j + 8 h + 2 (l % 4) + s for j < 8, h, s < 2: stored at 32 (l % 4) + 4 j + 2 h + s (part_columns)."""
+    assert num_warps == 4 and rows % 64 == 0, "a warpgroup's parts of 64 rows"
+    more_rows = [[r, 0] for r in (64, 128, 256) if r < rows]
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0], [0, 4], [0, 8], [0, 16]] + more_rows,
+                                      lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[rows, 128])
+
+
+def part_columns() -> list[int]:
+    """The order the ring holds each 128 columns of e4m3 weights in (RankWeights.order_fp8): stored column p, of bits
+    b6 .. b0, is column b0 + 2 b5 + 4 b6 + 8 (b1 + 2 b2 + 4 b3 + 8 b4), the order of a thread's operand values
+    (part_layout)."""
+    return [(p & 1) | (p >> 5 & 3) << 1 | (p >> 1 & 15) << 3 for p in range(128)]
 
 
 @gluon.jit

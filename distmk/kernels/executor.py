@@ -219,11 +219,15 @@ class TritonExecutor:
                                          ring_unsupported(spec, plan, config, dtype, self.transport,
                                                           set(kinds.values()), weights.fp8))
         if self.kernel_name == "ring":
+            from distmk.device.ring import part_columns
+            # the ring loads e4m3 weights with each 128 columns in its operand's order, the tl kernel in their own
+            weights.order_fp8(part_columns())
             self.args = ring_arguments(self.args, config.batch, o.ring_block_k, o.ring_slots, o.ring_inputs,
                                        weights.fp8)
             self.launch_options = {}
             self.kernel = load_ring_megakernel(kinds)
         else:       # e4m3 products: dequantized as the tiles load them (device/primitives.py dequantized)
+            weights.order_fp8(None)
             self.args.update({name: values for name, (values, _) in weights.fp8.items()})
             if weights.fp8:     # their loads and conversions, pipelined 4 deep, overflow Hopper's shared memory
                 self.launch_options["num_stages"] = min(self.launch_options["num_stages"], 3)

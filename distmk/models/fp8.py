@@ -68,10 +68,18 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, per: tuple[int, int]) ->
     return data.float() * full
 
 
-def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                      order: torch.Tensor | None = None) -> torch.Tensor:
     """An e4m3 product in 128 x 128 blocks (RankWeights.fp8) in `dtype`, each weight rounded once: what the reference
-    multiplies and the kernels dequantize to."""
-    return dequantize(values, scales, DEFAULT_BLOCK).to(dtype)
+    multiplies and the kernels dequantize to. `order`: the order its values hold each 128 columns in
+    (RankWeights.fp8_order), undone."""
+    weights = dequantize(values, scales, DEFAULT_BLOCK)
+    return (weights if order is None else in_block_order(weights, torch.argsort(order))).to(dtype)
+
+
+def in_block_order(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """t [..., K] with each 128 columns taken in `order`: column p of a block is the block's column order[p]."""
+    return t.unflatten(-1, (-1, KERNEL_BLOCK))[..., order].flatten(-2)
 
 
 def bf16_scales(scales: torch.Tensor) -> torch.Tensor:

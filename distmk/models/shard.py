@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from distmk.errors import ShardingError
-from distmk.models.fp8 import KERNEL_BLOCK, dequantize_blocks
+from distmk.models.fp8 import KERNEL_BLOCK, dequantize_blocks, in_block_order
 from distmk.models.spec import ModelSpec
 
 
@@ -109,12 +109,16 @@ class RankWeights:
     # blocks: what the megakernels stream with kernel option stream_e4m3. These products are held so alone:
     # their LayerWeights fields are None (layer() dequantizes them)
     fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # where set, the fp8 values hold each 128 columns in this order (order_fp8): a block's column p is its column
+    # fp8_columns[p]; fp8_order holds it on their device
+    fp8_columns: tuple[int, ...] | None = None
+    fp8_order: torch.Tensor | None = None
 
     def layer(self, i: int, convert=dequantize_blocks) -> LayerWeights:
         """Layer i's weights with every product in the model's dtype: those held in e4m3 alone dequantized now, by
-        convert(values, scales, dtype), for what multiplies bf16 weights (prefill's GEMMs, the PyTorch baselines, a
-        float32 reference); prefill passes its compiled dequantize_blocks, or, multiplying in e4m3, a convert that
-        keeps (values, scales)."""
+        convert(values, scales, dtype, fp8_order), for what multiplies bf16 weights (prefill's GEMMs, the PyTorch
+        baselines, a float32 reference); prefill passes its compiled dequantize_blocks, or, multiplying in e4m3, a
+        convert that keeps (values, scales[, order])."""
         lw = self.layers[i]
         if not self.fp8:
             return lw
@@ -123,10 +127,26 @@ class RankWeights:
         held = {}
         for name, (values, scales) in self.fp8.items():
             if not name.startswith("expert"):
-                held[name] = convert(values[i], scales[i], dtype)
+                held[name] = convert(values[i], scales[i], dtype, self.fp8_order)
             elif lw.router is not None:
-                held[name] = convert(values[sparse], scales[sparse], dtype)
+                held[name] = convert(values[sparse], scales[sparse], dtype, self.fp8_order)
         return replace(lw, **held) if held else lw
+
+    def order_fp8(self, order: list[int] | None) -> None:
+        """Hold the e4m3 values' columns in `order` within each 128 (None: their own), in place, a matrix at a time
+        (the weight ring's order: device/ring.py part_columns)."""
+        columns = None if order is None else tuple(order)
+        if not self.fp8 or columns == self.fp8_columns:
+            return
+        device = next(iter(self.fp8.values()))[0].device
+        new = None if columns is None else torch.tensor(columns, device=device)
+        own = torch.arange(KERNEL_BLOCK, device=device)
+        # a block's column p comes to hold column new[p], which is now at column argsort(current)[new[p]]
+        take = torch.argsort(own if self.fp8_order is None else self.fp8_order)[own if new is None else new]
+        for values, _ in self.fp8.values():
+            for matrices in values.view(torch.uint8).flatten(0, -3):
+                matrices.copy_(in_block_order(matrices, take))
+        self.fp8_columns, self.fp8_order = columns, new
 
 
 def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, device="cpu",

@@ -145,6 +145,11 @@ class Engine:
                           for b in sorted(set(step_batches) - {self.config.batch})}
         self.executors[self.config.batch] = self.executor
         self.last_executor = self.executor
+        kernels = {getattr(e, "kernel_name", None) for e in self.executors.values()}
+        if self.weights.fp8 and len(kernels) > 1:
+            raise DistmkError(f"this engine's step tables would run {' and '.join(sorted(kernels))} megakernels, "
+                              "which hold e4m3 weights in different column orders: name one with kernel option "
+                              "kernel (or drop step_batches)")
 
     def step(self, tokens, positions, block_tables):
         """Run one step: tokens[i] at positions[i] of the sequence whose blocks are block_tables[i].

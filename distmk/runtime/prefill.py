@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from distmk.comm import sum_in_rank_order
-from distmk.models.fp8 import KERNEL_BLOCK, dequantize_blocks, quantize_groups, scaled_mm_blocks
+from distmk.models.fp8 import KERNEL_BLOCK, dequantize_blocks, in_block_order, quantize_groups, scaled_mm_blocks
 from distmk.tasks.base import rms_norm, rope_angles, rotate
 from distmk.tasks.moe_combine import weighted_sum
 from distmk.tasks.route import choose
@@ -50,19 +50,20 @@ def w8a8_input(x, w):
     may hold such a one in e4m3), dequantized."""
     if isinstance(w, torch.Tensor) or x.shape[-1] % KERNEL_BLOCK:
         return None
-    values, scales = quantize_groups(x)
+    values, scales = quantize_groups(x if len(w) == 2 else in_block_order(x, w[2]))
     return values, scales.t().contiguous().t()
 
 
 def linear(x, w, xq=None):
-    """x @ w.T for a product in the model's dtype, or for one held in e4m3, (values, block scales): x quantized a
-    row and 128 columns and both multiplied in e4m3 (W8A8). xq: w8a8_input(x, w), where the caller has it."""
+    """x @ w.T for a product in the model's dtype, or for one held in e4m3, (values, block scales[, the order its
+    values hold each 128 columns in]): x quantized a row and 128 columns (its columns taken in that order) and both
+    multiplied in e4m3 (W8A8). xq: w8a8_input(x, w), where the caller has it."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w)
     xq = xq or w8a8_input(x, w)
     if xq is None:
-        return F.linear(x, dequantize_blocks(*w, x.dtype))
-    return scaled_mm_blocks(*xq, *w, x.dtype)
+        return F.linear(x, dequantize_blocks(w[0], w[1], x.dtype, *w[2:]))
+    return scaled_mm_blocks(*xq, w[0], w[1], x.dtype)
 
 
 def hidden(x, w_gate, w_up):
@@ -74,12 +75,13 @@ def hidden(x, w_gate, w_up):
 
 def expert(w, index: int):
     """Expert `index`'s product of the experts' stacked one (a tensor, or e4m3 values and block scales)."""
-    return w[index] if isinstance(w, torch.Tensor) else (w[0][index], w[1][index])
+    return w[index] if isinstance(w, torch.Tensor) else (w[0][index], w[1][index], *w[2:])
 
 
-def held_e4m3(values, scales, dtype):
-    """RankWeights.layer's convert for W8A8: a product held in e4m3 stays (values, block scales)."""
-    return values, scales
+def held_e4m3(values, scales, dtype, order=None):
+    """RankWeights.layer's convert for W8A8: a product held in e4m3 stays (values, block scales), with the order its
+    values hold each 128 columns in where they have one (RankWeights.fp8_order)."""
+    return (values, scales) if order is None else (values, scales, order)
 
 
 def attention_inputs(x, delta, norm, wqkv, bqkv, q_norm, k_norm, cos, sin, heads: tuple[int, int, int],
