@@ -138,18 +138,18 @@ class Engine:
         self.executor = BACKENDS[backend](self, self.table, kernel_options or {}, autotune, progress)
         # A step runs the smallest table that holds its rows: a table lowered for fewer rows splits attention
         # over more workers (GraphConfig.resolved) and has no tasks for rows that are not there. The smaller
-        # tables take the cached or default kernel options (tuning each would multiply the start-up time).
+        # tables take the cached or default kernel options (tuning each would multiply the start-up time), and the
+        # full table's kernel where products are held in e4m3: the ring and the tl kernel hold those in different
+        # column orders (RankWeights.order_fp8)
+        smaller = dict(kernel_options or {})
+        if self.weights.fp8:
+            smaller["kernel"] = self.executor.kernel_name
         self.executors = {b: BACKENDS[backend](self, compile_step(self.spec, self.plan,
                                                                    dataclasses.replace(config, batch=b)),
-                                               kernel_options or {}, False, progress)
+                                               smaller, False, progress)
                           for b in sorted(set(step_batches) - {self.config.batch})}
         self.executors[self.config.batch] = self.executor
         self.last_executor = self.executor
-        kernels = {getattr(e, "kernel_name", None) for e in self.executors.values()}
-        if self.weights.fp8 and len(kernels) > 1:
-            raise DistmkError(f"this engine's step tables would run {' and '.join(sorted(kernels))} megakernels, "
-                              "which hold e4m3 weights in different column orders: name one with kernel option "
-                              "kernel (or drop step_batches)")
 
     def step(self, tokens, positions, block_tables):
         """Run one step: tokens[i] at positions[i] of the sequence whose blocks are block_tables[i].
