@@ -244,7 +244,7 @@ def test_e4m3_values_held_in_the_rings_column_order_multiply_as_in_their_own(nam
         engine = Engine(name, backend="triton", quantize="fp8", max_context=32, step_batches=(1,),
                         kernel_options={"stream_e4m3": 1}, prefill_fp8=mode)
         weights = engine.weights
-        own = {name: values.clone() for name, (values, _) in weights.fp8.items()}
+        own = {product: values.clone() for product, (values, _) in weights.fp8.items()}
         before = [weights.layer(i) for i in range(len(weights.layers))]
         outputs = []
         for order in (None, part_columns()):
@@ -253,14 +253,14 @@ def test_e4m3_values_held_in_the_rings_column_order_multiply_as_in_their_own(nam
             logits = prefill_chunk(engine, PROMPT, 0, blocks, logits=True)
             outputs.append((logits, engine.kv.k[:, blocks].clone(), engine.kv.v[:, blocks].clone()))
             engine.kv.release(blocks)
-        assert not any(torch.equal(values, own[name]) for name, (values, _) in weights.fp8.items())
+        assert not any(torch.equal(values, own[product]) for product, (values, _) in weights.fp8.items())
         for a, b in zip(before, (weights.layer(i) for i in range(len(weights.layers)))):
             assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in weights.fp8 if getattr(a, f) is not None)
         for a, b in zip(*outputs):
             # w8a8's float32 sums run over the columns in another order
             assert torch.equal(a, b) if mode == "w8a16" else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
         weights.order_fp8(None)
-        assert all(torch.equal(values, own[name]) for name, (values, _) in weights.fp8.items())
+        assert all(torch.equal(values, own[product]) for product, (values, _) in weights.fp8.items())
 
 
 def layer_tensors(weights) -> list[torch.Tensor]:
