@@ -13,7 +13,8 @@ Measured in one process on one GPU:
    shared-memory ring from the worker's queue while the consumer waits on events and computes; the
    matmuls' epilogues aside), after a one-layer check against torch;
 4. the ring against its plain-`tl` twin over 32 stacked layer matrices, with and without a full-grid
-   barrier between layers: what a phase boundary costs each.
+   barrier between layers: what a phase boundary costs each. On fewer programs than SMs (--probe-programs),
+   HBM no longer bounds them: a loop's own rate an SM, which the step needs above HBM's share of an SM.
 A try takes seconds: this is where the matmul path is iterated on, not in full decode runs.
 """
 from __future__ import annotations
@@ -75,6 +76,9 @@ def parse_args(argv=None):
     p.add_argument("--probe-pad", type=int, choices=(8, 16), default=16,
                    help="the probe's padded batch (the wgmma N): the megakernel's is 8 for batches up to 8 and 16 "
                         "above; the tl twin needs 16 (default 16)")
+    p.add_argument("--probe-programs", type=NON_NEGATIVE, default=0,
+                   help="the probe's programs, one an SM (0: every SM): fewer, and HBM no longer bounds what each "
+                        "moves, so its GB/s a program is its loop's own rate")
     p.add_argument("--json", action="store_true", help="print the JSON on one line (default: indented)")
     p.add_argument("--out", help="also write the JSON to this file")
     return p.parse_args(argv)
@@ -223,20 +227,25 @@ def run_ring_matmuls(engine, tables: dict, ceiling: float, iters: int, layers: i
     return result
 
 
-def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_ROWS, b_pad: int = 16) -> list[dict]:
-    """The weight ring against its tl twin over 32 layers of [SMs * rows, 4096] bf16 (2.2 GB at 64 rows; 32 rows:
-    half a slot's, as o_proj's and down's tiles at tp=1), and the ring over the same weights in e4m3 with 128 x 128
-    block scales (models/fp8.py): bf16 activations (gluon-fp8), or e4m3 ones with a scale a row and 128 columns
-    (gluon-w8a8); barrier off and on; a few tile shapes each. Each Gluon configuration is checked against torch
+def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_ROWS, b_pad: int = 16,
+             programs: int = 0) -> list[dict]:
+    """The weight ring against its tl twin over 32 layers of [programs * rows, 4096] bf16 (a program an SM, every SM
+    unless `programs`: 2.2 GB at 64 rows on 132; 32 rows: half a slot's, as o_proj's and down's tiles at tp=1), and
+    the ring over the same weights in e4m3 with 128 x 128 block scales (models/fp8.py): bf16 activations
+    (gluon-fp8), or e4m3 ones with a scale a row and 128 columns (gluon-w8a8); barrier off and on; a few tile shapes
+    each. Each Gluon configuration is checked against torch
     first (the e4m3 ones against the dequantized weights, W8A8's against quantize_activations' input too)."""
     import ring_probe as ring
     from distmk.device.ring import part_columns
     from distmk.models.fp8 import DEFAULT_BLOCK, dequantize, in_block_order, quantize, quantize_activations
     sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs > sms:
+        raise SystemExit(f"--probe-programs {programs}: this GPU has {sms} SMs")
+    programs = programs or sms
     layers, k = 32, 4096
     results = []
     for rows in row_counts:
-        n = sms * rows
+        n = programs * rows
         w = torch.randn(layers * n, k, device=device, dtype=torch.bfloat16)
         w8, w_scale = quantize(w)
         y = torch.randn(2, b_pad, n, device=device, dtype=torch.bfloat16) * 0.1
@@ -259,14 +268,14 @@ def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_RO
             nbytes = weights.numel() * weights.element_size() + (w_scale.numel() * 4 if e4m3 else 0)
             if kernel == "tl":
                 def launch(layer_count, mode):
-                    ring.tl_stream[(sms,)](weights, y, counters, layer_count, rows, n, k, bn, bk, b_pad, sms, stages,
-                                           mode, num_warps=4)
+                    ring.tl_stream[(programs,)](weights, y, counters, layer_count, rows, n, k, bn, bk, b_pad,
+                                                programs, stages, mode, num_warps=4)
             else:
                 w_desc, x_desc = ring.stream_descriptors(weights, y, bn, bk, b_pad)
 
                 def launch(layer_count, mode):
-                    ring.ring_stream[(sms,)](w_desc, x_desc, y, w_scale, counters, layer_count, rows, n, k, stages,
-                                             xd, sms, mode, kernel == "gluon-w8a8", num_warps=4)
+                    ring.ring_stream[(programs,)](w_desc, x_desc, y, w_scale, counters, layer_count, rows, n, k,
+                                                  stages, xd, programs, mode, kernel == "gluon-w8a8", num_warps=4)
             y.copy_(torch.randn_like(y) * 0.1)
             before = y.clone()
             launch(1, 0)
@@ -281,11 +290,13 @@ def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_RO
                     launch(layers, mode)
                 ms = kernel_ms(step, warmup_ms=5, rep_ms=max(20, iters))
                 row = {"kernel": kernel, "rows": rows, "batch_pad": b_pad, "block_n": bn, "block_k": bk,
-                       "stages": stages, "x_stages": xd, "barrier": bool(mode), "gbps": nbytes / ms / 1e6,
+                       "stages": stages, "x_stages": xd, "barrier": bool(mode), "programs": programs,
+                       "gbps": nbytes / ms / 1e6, "gbps_per_program": nbytes / ms / 1e6 / programs,
                        "us_per_layer": ms * 1e3 / layers, "relative_error": error}
                 results.append(row)
                 log(f"ring {kernel:9s} rows {rows} pad {b_pad} BN {bn} BK {bk} stages {stages} x {xd} barrier {mode}: "
-                    f"{row['gbps']:.0f} GB/s, {row['us_per_layer']:.2f} us/layer (error {error:.1e})")
+                    f"{row['gbps']:.0f} GB/s ({row['gbps_per_program']:.1f} a program of {programs}), "
+                    f"{row['us_per_layer']:.2f} us/layer (error {error:.1e})")
         del w, w8
         torch.cuda.empty_cache()
     return results
@@ -307,7 +318,8 @@ def main(argv=None) -> int:
     result["read_gbps"] = ceiling / 1e9
     log(f"read ceiling {ceiling / 1e9:.0f} GB/s")
     if args.probe_only:
-        result["ring"] = run_ring(device, args.iters, log, args.probe_kernels, args.probe_rows, args.probe_pad)
+        result["ring"] = run_ring(device, args.iters, log, args.probe_kernels, args.probe_rows, args.probe_pad,
+                                  args.probe_programs)
         return emit_result(result, args)
     engine = decode_engine(args.model, args.batch, 512, **json.loads(args.options))
     layers = args.layers or engine.spec.num_layers
@@ -328,7 +340,8 @@ def main(argv=None) -> int:
     del engine
     torch.cuda.empty_cache()
     if not (args.no_ring or args.no_probe):
-        result["ring"] = run_ring(device, args.iters, log, args.probe_kernels, args.probe_rows, args.probe_pad)
+        result["ring"] = run_ring(device, args.iters, log, args.probe_kernels, args.probe_rows, args.probe_pad,
+                                  args.probe_programs)
     return emit_result(result, args)
 
 

@@ -1,18 +1,21 @@
-"""stream.py's probe selection: the kernels and tile rows a GPU call times, refused by name when unknown."""
+"""stream.py's probe selection: the kernels, tile rows and programs a GPU call times, refused by name when unknown."""
 import pytest
 
 import stream
 
 
 def test_probe_selection_parses():
-    args = stream.parse_args(["--probe-only", "--probe-kernels", "gluon,gluon-fp8", "--probe-rows", "32,64"])
-    assert args.probe_kernels == ["gluon", "gluon-fp8"] and args.probe_rows == [32, 64]
+    args = stream.parse_args(["--probe-only", "--probe-kernels", "gluon,gluon-fp8", "--probe-rows", "32,64",
+                              "--probe-programs", "33"])
+    assert args.probe_kernels == ["gluon", "gluon-fp8"] and args.probe_rows == [32, 64] and args.probe_programs == 33
     default = stream.parse_args([])
     assert default.probe_kernels == list(stream.PROBE_KERNELS) and default.probe_rows == [32, 64, 128]
+    assert default.probe_programs == 0         # every SM
 
 
 @pytest.mark.parametrize("flag, value, named", [("--probe-kernels", "gluon,fp4", "fp4"),
-                                                ("--probe-rows", "48", "48"), ("--probe-rows", "sixty", "sixty")])
+                                                ("--probe-rows", "48", "48"), ("--probe-rows", "sixty", "sixty"),
+                                                ("--probe-programs", "-1", "-1")])
 def test_probe_selection_refuses_what_it_cannot_run(flag, value, named, capsys):
     with pytest.raises(SystemExit):
         stream.parse_args([flag, value])
