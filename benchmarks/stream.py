@@ -233,15 +233,12 @@ def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_RO
     unless `programs`: 2.2 GB at 64 rows on 132; 32 rows: half a slot's, as o_proj's and down's tiles at tp=1), and
     the ring over the same weights in e4m3 with 128 x 128 block scales (models/fp8.py): bf16 activations
     (gluon-fp8), or e4m3 ones with a scale a row and 128 columns (gluon-w8a8); barrier off and on; a few tile shapes
-    each. Each Gluon configuration is checked against torch
-    first (the e4m3 ones against the dequantized weights, W8A8's against quantize_activations' input too)."""
+    each. Each Gluon configuration is checked against torch first (the e4m3 ones against the dequantized weights,
+    W8A8's against quantize_activations' input too)."""
     import ring_probe as ring
     from distmk.device.ring import part_columns
     from distmk.models.fp8 import DEFAULT_BLOCK, dequantize, in_block_order, quantize, quantize_activations
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if programs > sms:
-        raise SystemExit(f"--probe-programs {programs}: this GPU has {sms} SMs")
-    programs = programs or sms
+    programs = programs or torch.cuda.get_device_properties(device).multi_processor_count
     layers, k = 32, 4096
     results = []
     for rows in row_counts:
@@ -313,6 +310,10 @@ def main(argv=None) -> int:
         return 2
     from harness import decode_engine
     device = torch.device("cuda", torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if args.probe_programs > sms:
+        log(f"--probe-programs {args.probe_programs}: this GPU has {sms} SMs")
+        return 2
     result = {"model": args.model, "batch": args.batch}
     ceiling = measure_hbm_read_bandwidth(device)
     result["read_gbps"] = ceiling / 1e9
