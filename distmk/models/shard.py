@@ -109,9 +109,8 @@ class RankWeights:
     # blocks: what the megakernels stream with kernel option stream_e4m3. These products are held so alone:
     # their LayerWeights fields are None (layer() dequantizes them)
     fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    # where set, the fp8 values hold each 128 columns in this order (order_fp8): a block's column p is its column
-    # fp8_columns[p]; fp8_order holds it on their device
-    fp8_columns: tuple[int, ...] | None = None
+    # where set, the fp8 values hold each 128 columns in this order, on their device (order_fp8): a block's column p
+    # is its column fp8_order[p]
     fp8_order: torch.Tensor | None = None
 
     def layer(self, i: int, convert=dequantize_blocks) -> LayerWeights:
@@ -135,18 +134,18 @@ class RankWeights:
     def order_fp8(self, order: list[int] | None) -> None:
         """Hold the e4m3 values' columns in `order` within each 128 (None: their own), in place, a matrix at a time
         (the weight ring's order: device/ring.py part_columns)."""
-        columns = None if order is None else tuple(order)
-        if not self.fp8 or columns == self.fp8_columns:
+        current = None if self.fp8_order is None else self.fp8_order.tolist()
+        if not self.fp8 or order == current:
             return
         device = next(iter(self.fp8.values()))[0].device
-        new = None if columns is None else torch.tensor(columns, device=device)
+        new = None if order is None else torch.tensor(order, device=device)
         own = torch.arange(KERNEL_BLOCK, device=device)
         # a block's column p comes to hold column new[p], which is now at column argsort(current)[new[p]]
         take = torch.argsort(own if self.fp8_order is None else self.fp8_order)[own if new is None else new]
         for values, _ in self.fp8.values():
             for matrices in values.view(torch.uint8).flatten(0, -3):
                 matrices.copy_(in_block_order(matrices, take))
-        self.fp8_columns, self.fp8_order = columns, new
+        self.fp8_order = new
 
 
 def load_shard(spec: ModelSpec, source, plan: ShardPlan, dtype=torch.float32, device="cpu",
