@@ -8,7 +8,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from distmk.device.ring import _dequantized, acc_layout, cta_barrier
+from distmk.device.ring import _dequantized, cta_barrier, sync_mma_layout
 from distmk.graph import GraphConfig
 from distmk.runtime.engine import Engine
 from conftest import PROMPT, REPO, SMALL, TINY, TINY_MOE, hf_greedy
@@ -384,7 +384,7 @@ def test_ring_streaming_e4m3_weights_equals_the_float32_reference(name, tp, batc
 def _dequantize_part(values, scales, out):
     """out = device/ring.py _dequantized of a [64, 128] e4m3 part (values, row-major, each row's columns in the ring's
     order) with a scale a row, the part staged in shared memory and loaded as the ring's loop loads it."""
-    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout(64, 8, 4), k_width=2)
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=sync_mma_layout(4), k_width=2)
     blocked: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     part = gl.allocate_shared_memory(gl.float8e4nv, [64, 128],
                                      gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv))

@@ -195,19 +195,20 @@ def test_weight_ring_compiles_for_sm90():
                  DOWN_ID=TYPE_ID["down"])
     probe = ring.compile_ring_stream(rows=64, n=DEFAULT_WORKERS * 64, k=4096, block_n=64, block_k=256, stages=4,
                                      x_stages=3, programs=DEFAULT_WORKERS, mode=1)
-    # e4m3 weights (device/ring.py mma_block_fp8): dequantized to bf16 in registers (W8A16), the wgmma one in flight
-    # while the next half is converted; or multiplied by e4m3 activations (W8A8), quantized with power-of-two scales
-    # (no division) into a double buffer while the part before is in flight
+    # e4m3 weights (device/ring.py mma_block_fp8): dequantized to bf16 in registers and multiplied by mma.sync
+    # (W8A16); or by e4m3 activations (W8A8), quantized with power-of-two scales (no division) into a double buffer
+    # while the part before is in flight
     fp8, w8a8 = (ring.compile_ring_stream(rows=64, n=DEFAULT_WORKERS * 64, k=4096, block_n=64, block_k=256, stages=9,
                                           x_stages=4, programs=DEFAULT_WORKERS, mode=1, fp8=True, a8=a8, b_pad=8)
                  for a8 in (False, True))
-    assert converts_e4m3(fp8.asm["ptx"]) and "wgmma.wait_group.sync.aligned 1" in fp8.asm["ptx"]
+    assert converts_e4m3(fp8.asm["ptx"]) and "mma.sync.aligned.m16n8k16.row.col.f32.bf16" in fp8.asm["ptx"]
     assert "e4m3.e4m3" in w8a8.asm["ptx"] and "wgmma.wait_group.sync.aligned 1" in w8a8.asm["ptx"]
     assert "div." not in w8a8.asm["ptx"]
     for compiled in (probe, fp8, w8a8, ring.compile_ring_matmuls(shape)):
         assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
         ptx = compiled.asm["ptx"]
-        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx
+        assert ("mma.sync" if compiled is fp8 else "wgmma.mma_async") in ptx
+        assert "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx
 
 
 @pytest.mark.parametrize("dtype, batch, reason", [(torch.float32, 1, "bf16 only"), (torch.bfloat16, 32, "up to 16")])

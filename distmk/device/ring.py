@@ -6,9 +6,9 @@ copies each by TMA into a shared-memory ring, guarded by mbarriers (`ready`: the
 consumer is done with the slot). Weights never depend on events, so the producer runs ahead through every
 wait of the consumer, with a few slots in flight at a time while it fills the ring ahead of a task
 (_claim_slot). The consumer (the default partition, one warpgroup) brings its input slices by TMA too, a few
-ahead, and multiplies with wgmma, the weight tile as the A operand (M = tile rows) and the input slice as B
-(N = padded batch). Below them: the event wait and signal, the RMSNorm's scale of the residual stream, index
-helpers.
+ahead, and multiplies with wgmma (e4m3 weights converted in registers: mma.sync), the weight tile as the A
+operand (M = tile rows) and the input slice as B (N = padded batch). Below them: the event wait and signal, the
+RMSNorm's scale of the residual stream, index helpers.
 GPU only (Gluon has no interpreter); CI compiles the kernels that use them for sm_90.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
@@ -305,7 +306,7 @@ def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready,
     for it in range(K // ring.type.shape[2]):
         s = c % NBUF
         mbarrier.wait(ready.index(s), (c // NBUF) & 1)
-        acc = _mma_part(ring.index(s), None, acc, x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
+        acc = _mma_part(ring.index(s), acc, x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
         # the previous wgmma is done: its weight slot goes back to the producer
         mbarrier.arrive(empty.index((c + NBUF - 1) % NBUF), count=1, pred=it > 0)
         c += 1
@@ -317,7 +318,7 @@ def mma_block(x_desc, x_row, K: gl.constexpr, ring, ready, empty, xring, xready,
 @gluon.jit
 def _dequantized(half, scale, operand: gl.constexpr):
     """An e4m3 [rows, 128] part, its columns in the ring's order (part_columns), times its rows' block scale (a bf16
-    value: models/fp8.py bf16_scales), rounded once to bf16, in the wgmma operand layout. A thread's 32 values of a
+    value: models/fp8.py bf16_scales), rounded once to bf16, in the mma operand layout. A thread's 32 values of a
     row are 32 consecutive bytes in that order: two 16-byte shared loads a row (part_layout) rather than sixteen of
     two bytes. Converted by integer operations rather than conversion instructions: each 4 bytes become two pairs of
     bf16 holding e4m3's fields (prmt spreads the bytes and replicates their signs, the shift and mask place sign,
@@ -342,10 +343,11 @@ E4M3_QUAD_AS_BF16 = gl.constexpr(
 
 @gluon.constexpr_function
 def part_layout(rows, num_warps):
-    """The register layout _dequantized loads a part with: the wgmma operand layout of its [rows, 128] bf16 values
-    (acc_layout's, k_width 2) with a thread's columns of a row side by side in the ring's column order. In that
-    operand layout a thread of lane l holds rows l / 4 (+ 8, + 16 w for warp w, + 64 r) and, a row, columns
-    16 j + 8 h + 2 (l % 4) + s for j < 8, h, s < 2: stored at 32 (l % 4) + 4 j + 2 h + s (part_columns)."""
+    """The register layout _dequantized loads a part with: the mma operand layout of its [rows, 128] bf16 values
+    (sync_mma_layout's or acc_layout's, k_width 2: the same registers) with a thread's columns of a row side by side
+    in the ring's column order. In that operand layout a thread of lane l holds rows l / 4 (+ 8, + 16 w for warp w,
+    + 64 r) and, a row, columns 16 j + 8 h + 2 (l % 4) + s for j < 8, h, s < 2: stored at 32 (l % 4) + 4 j + 2 h + s
+    (part_columns)."""
     assert num_warps == 4 and rows % 64 == 0, "a warpgroup's parts of 64 rows"
     more_rows = [[r, 0] for r in (64, 128, 256) if r < rows]
     return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0], [0, 4], [0, 8], [0, 16]] + more_rows,
@@ -408,14 +410,10 @@ def mma_block_fp8(x_desc, x_row, K: gl.constexpr, scale, row0, rows, ring, ready
 
 
 @gluon.jit
-def _mma_part(a, pending, acc, x_desc, x_row, KT: gl.constexpr, xring, xready, cx, q, chained, CHAIN: gl.constexpr,
-              SLICE_START: gl.constexpr = None):
-    """acc += a @ part q of the input, a part being A's columns (a weight slot in shared memory, or a 128-column part
-    of one in registers) and an input slice SUB parts: part q % SUB of slice q // SUB. Its wgmma is left in flight
-    once the one before (of register A operand `pending`, kept alive until then) is done: then, at a slice's first
-    part, the slot of the slice before is refilled. SLICE_START: whether part q begins its slice, where the caller
-    knows it at compile time (None: worked out at run time); the other parts then issue no input wait or refill at
-    all, where a predicated one still costs the barrier its shared memory access brings."""
+def _mma_part(a, acc, x_desc, x_row, KT: gl.constexpr, xring, xready, cx, q, chained, CHAIN: gl.constexpr):
+    """acc += weight slot a @ part q of the input, an input slice SUB slots' columns: part q % SUB of slice q // SUB.
+    Its wgmma is left in flight once the one before is done: then, at a slice's first part, the slot of the slice
+    before is refilled."""
     XD: gl.constexpr = xring.type.shape[0]
     B_PAD: gl.constexpr = xring.type.shape[1]
     A_K: gl.constexpr = a.type.shape[1]
@@ -423,68 +421,98 @@ def _mma_part(a, pending, acc, x_desc, x_row, KT: gl.constexpr, xring, xready, c
     parts = xring.reinterpret(xring.dtype, [XD * SUB, B_PAD, A_K], xring.layout)    # a slice: [SUB, B_PAD, A_K]
     it = q // SUB
     xs = (cx + it) % XD
-    if SLICE_START is None:
-        first = q % SUB == 0
-        mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1, pred=first)
-    elif SLICE_START:
-        mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1)
+    first = q % SUB == 0
+    mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1, pred=first)
     acc = warpgroup_mma(a, parts.index(xs * SUB + q % SUB).permute((1, 0)), acc, use_acc=q > 0, is_async=True)
-    if pending is None:
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-    else:
-        acc, pending = warpgroup_mma_wait(num_outstanding=1, deps=[acc, pending])
-    if SLICE_START is None:
-        _refill_input(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN, first)
-    elif SLICE_START:
-        _refill_input(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+    _refill_input(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN, first)
     return acc
+
+
+@gluon.constexpr_function
+def sync_mma_layout(num_warps):
+    """The accumulator layout of the W8A16 loops' mma.sync (m16n8k16, a warp's 16 weight rows along M, the padded
+    batch along N): each warp multiplies the part it converted on its own, with no warpgroup-wide wgmma holding its
+    registers. Its A operand (k_width 2) holds the same registers as the wgmma's."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+
+
+@gluon.jit
+def _slice_taken(x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, chained, CHAIN: gl.constexpr, empty, c,
+                 QT: gl.constexpr, PARTS: gl.constexpr, REFILL: gl.constexpr = True):
+    """At input slice `it` of a W8A16 loop: once every warp has slice it - 1's input and weight parts in registers
+    (an mma.sync warp runs apart from the others: a barrier), the weight slots whose last part was in it go back to
+    the producer and (REFILL) the input slot is refilled (_refill_input)."""
+    NBUF: gl.constexpr = empty.type.shape[0]
+    SUB: gl.constexpr = xring.type.shape[2] // PART
+    cta_barrier()
+    for p in gl.static_range(SUB):
+        q = (it - 1) * SUB + p
+        last = (q % PARTS == PARTS - 1) | (q + 1 == QT)
+        mbarrier.arrive(empty.index((c + q // PARTS) % NBUF), count=1, pred=(it > 0) & last)
+    if REFILL:
+        _refill_input(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN)
+
+
+@gluon.jit
+def _input_part(xring, xready, cx, it, sub, layout: gl.constexpr):
+    """Part `sub` of input slice `it` (waited for at its first part) in the mma.sync B operand layout."""
+    XD: gl.constexpr = xring.type.shape[0]
+    B_PAD: gl.constexpr = xring.type.shape[1]
+    SUB: gl.constexpr = xring.type.shape[2] // PART
+    parts = xring.reinterpret(xring.dtype, [XD * SUB, B_PAD, PART], xring.layout)
+    xs = (cx + it) % XD
+    if sub == 0:
+        mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1)
+    return parts.index(xs * SUB + sub).permute((1, 0)).load(gl.DotOperandLayout(operand_index=1, parent=layout,
+                                                                                 k_width=2))
 
 
 @gluon.jit
 def _w8a16_block(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, empty, xring, xready, c, cx, chained,
                  CHAIN: gl.constexpr, layout: gl.constexpr):
-    """mma_block_fp8's loop, the weights dequantized to bf16 in registers a 128-column part at a time, its rows'
-    scales loaded a part ahead; the slot goes back to the producer once its last part is in registers. One
-    accumulator, one wgmma in flight while the next part is converted and its input slice waited for, as in
-    mma_block. The loop walks input slices and writes out one conversion for each of a slice's parts, so that
-    which part of the slice a wgmma reads is known at compile time (chosen at run time, it slowed the loop more
-    than the code it saves); the loop is inlined at every matmul call site, and a kernel's code is time of its
-    latency-bound tasks (benchmarks/code_size.py)."""
+    """mma_block_fp8's loop, the weights dequantized to bf16 in registers a 128-column part at a time (its rows'
+    scales loaded a part ahead) and multiplied by mma.sync, a slice's even and odd parts into accumulators of their
+    own. The loop walks input slices and writes out each of a slice's parts, so that which part of the slice it
+    reads is known at compile time (chosen at run time, it slowed the loop more than the code it saves); the loop is
+    inlined at every matmul call site, and a kernel's code is time of its latency-bound tasks
+    (benchmarks/code_size.py)."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
     PARTS: gl.constexpr = ring.type.shape[2] // PART        # a slot's
     SUB: gl.constexpr = xring.type.shape[2] // PART          # an input slice's
     QT: gl.constexpr = KT * SUB                               # the block's
     B_PAD: gl.constexpr = xring.type.shape[1]
-    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
+    mma: gl.constexpr = sync_mma_layout(gl.num_warps())
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     parts = ring.reinterpret(ring.dtype, [NBUF * PARTS, BN, PART], ring.layout)     # a slot: [PARTS, BN, PART]
     scales = gl.convert_layout(scales, gl.SliceLayout(1, operand))
     valid = gl.convert_layout(valid, gl.SliceLayout(1, operand))
     scale = gl.load(scales, mask=valid, other=0.0)
-    acc = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
-    a = gl.zeros([BN, PART], gl.bfloat16, layout=operand)
+    even = gl.zeros([BN, B_PAD], gl.float32, layout=mma)
+    odd = gl.zeros([BN, B_PAD], gl.float32, layout=mma)
     for it in range(KT):
         for sub in gl.static_range(SUB):        # the part of the input slice known at compile time
             q = it * SUB + sub
+            if sub == 0:
+                _slice_taken(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN, empty, c, QT, PARTS)
             slot = c + q // PARTS
             s = slot % NBUF
-            if SUB % PARTS == 0:        # slices of whole slots: which part begins or ends one is known too
+            if SUB % PARTS == 0:        # slices of whole slots: which part begins one is known too
                 if sub % PARTS == 0:
                     mbarrier.wait(ready.index(s), (slot // NBUF) & 1)
             else:
                 mbarrier.wait(ready.index(s), (slot // NBUF) & 1, pred=q % PARTS == 0)
             next_scale = gl.load(scales + q + 1, mask=valid & (q + 1 < QT), other=0.0)
-            pending = a
             a = _dequantized(parts.index(s * PARTS + q % PARTS), scale, operand)
-            if SUB % PARTS == 0:
-                if sub % PARTS == PARTS - 1:
-                    mbarrier.arrive(empty.index(s), count=1)
+            b = _input_part(xring, xready, cx, it, sub, mma)
+            if sub % 2 == 0:
+                even = mma_v2(a, b, even)
             else:
-                mbarrier.arrive(empty.index(s), count=1, pred=(q % PARTS == PARTS - 1) | (q + 1 == QT))
-            acc = _mma_part(a, pending, acc, x_desc, x_row, KT, xring, xready, cx, q, chained, CHAIN, sub == 0)
+                odd = mma_v2(a, b, odd)
             scale = next_scale
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    return acc, c + (QT + PARTS - 1) // PARTS
+    _slice_taken(x_desc, x_row, KT, xring, xready, cx, KT, chained, CHAIN, empty, c, QT, PARTS, False)
+    return gl.convert_layout(even + odd, layout), c + (QT + PARTS - 1) // PARTS
 
 
 @gluon.jit
@@ -492,36 +520,39 @@ def _w8a16_packed(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, e
                   CHAIN: gl.constexpr, layout: gl.constexpr):
     """_w8a16_block over slots whose bottom half holds the block's rows again (load_block): a 128-column part of the
     slot, converted once, is two parts of the input, its top rows' product with the first going into one
-    accumulator and its bottom rows' with the second into another, summed at the end (a layout conversion brings a
-    row's two sums, other warps', to one thread)."""
+    accumulator and its bottom rows' with the second into another (both computed for all rows: a warp's B operand
+    is every warp's), summed at the end (a layout conversion brings a row's two sums, other warps', to one
+    thread)."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
     PARTS: gl.constexpr = ring.type.shape[2] // PART
-    QT: gl.constexpr = KT * (xring.type.shape[2] // PART)
+    SUB: gl.constexpr = xring.type.shape[2] // PART
+    QT: gl.constexpr = KT * SUB
     B_PAD: gl.constexpr = xring.type.shape[1]
-    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
+    mma: gl.constexpr = sync_mma_layout(gl.num_warps())
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     gl.static_assert(QT % (2 * PARTS) == 0, "a block's slots are whole")
     parts = ring.reinterpret(ring.dtype, [NBUF * PARTS, BN, PART], ring.layout)
     scales = gl.convert_layout(scales, gl.SliceLayout(1, operand))
     valid = gl.convert_layout(valid, gl.SliceLayout(1, operand))
     scale = gl.load(scales, mask=valid, other=0.0)
-    top = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
-    bottom = gl.zeros([BN, B_PAD], gl.float32, layout=layout)
-    a = gl.zeros([BN, PART], gl.bfloat16, layout=operand)
-    for hh in range(QT // 2):
+    top = gl.zeros([BN, B_PAD], gl.float32, layout=mma)
+    bottom = gl.zeros([BN, B_PAD], gl.float32, layout=mma)
+    for hh in range(QT // 2):       # a slot part: input parts 2 hh (a slice's first) and 2 hh + 1
+        _slice_taken(x_desc, x_row, KT, xring, xready, cx, 2 * hh // SUB, chained, CHAIN, empty, c, QT, 2 * PARTS)
         slot = c + hh // PARTS
         s = slot % NBUF
         mbarrier.wait(ready.index(s), (slot // NBUF) & 1, pred=hh % PARTS == 0)
         next_scale = gl.load(scales + hh * 2 + 2, mask=valid & (hh * 2 + 2 < QT), other=0.0)
-        pending = a
         a = _dequantized(parts.index(s * PARTS + hh % PARTS), scale, operand)
-        mbarrier.arrive(empty.index(s), count=1, pred=hh % PARTS == PARTS - 1)
-        # input slices of one part or two: an even part begins one, an odd one only if a slice is one part
-        top = _mma_part(a, pending, top, x_desc, x_row, KT, xring, xready, cx, hh * 2, chained, CHAIN, True)
-        bottom = _mma_part(a, a, bottom, x_desc, x_row, KT, xring, xready, cx, hh * 2 + 1, chained, CHAIN,
-                           xring.type.shape[2] == PART)
+        top = mma_v2(a, _input_part(xring, xready, cx, 2 * hh // SUB, 0, mma), top)
+        if SUB == 1:        # part 2 hh + 1 is a slice of its own
+            _slice_taken(x_desc, x_row, KT, xring, xready, cx, 2 * hh + 1, chained, CHAIN, empty, c, QT, 2 * PARTS)
+        bottom = mma_v2(a, _input_part(xring, xready, cx, (2 * hh + 1) // SUB, SUB - 1, mma), bottom)
         scale = next_scale
-    top, bottom = warpgroup_mma_wait(num_outstanding=0, deps=[top, bottom])
+    _slice_taken(x_desc, x_row, KT, xring, xready, cx, KT, chained, CHAIN, empty, c, QT, 2 * PARTS, False)
+    top = gl.convert_layout(top, layout)
+    bottom = gl.convert_layout(bottom, layout)
     # rows r of the sum: top's r and bottom's r + BN / 2, gathered into one thread's registers; rows past BN / 2 (the
     # block's padding: never stored) repeat them
     flat: gl.constexpr = gl.BlockedLayout([1, 1], [32 // B_PAD, B_PAD], [gl.num_warps(), 1], [1, 0])
