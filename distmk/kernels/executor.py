@@ -218,20 +218,22 @@ class TritonExecutor:
         self.kernel_name = choose_kernel(o.kernel, device, self.interpret,
                                          ring_unsupported(spec, plan, config, dtype, self.transport,
                                                           set(kinds.values()), weights.fp8))
+        # the ring loads e4m3 weights with each 128 columns in its operand's order, the tl kernel in their own
+        self.weights, self.fp8_columns = weights, None
         if self.kernel_name == "ring":
             from distmk.device.ring import part_columns
-            # the ring loads e4m3 weights with each 128 columns in its operand's order, the tl kernel in their own
-            weights.order_fp8(part_columns())
+            self.fp8_columns = part_columns()
             self.args = ring_arguments(self.args, config.batch, o.ring_block_k, o.ring_slots, o.ring_inputs,
                                        weights.fp8)
             self.launch_options = {}
             self.kernel = load_ring_megakernel(kinds)
         else:       # e4m3 products: dequantized as the tiles load them (device/primitives.py dequantized)
-            weights.order_fp8(None)
             self.args.update({name: values for name, (values, _) in weights.fp8.items()})
             if weights.fp8:     # their loads and conversions, pipelined 4 deep, overflow Hopper's shared memory
                 self.launch_options["num_stages"] = min(self.launch_options["num_stages"], 3)
             self.kernel = load_megakernel(kinds, prefetched)
+        weights.order_fp8(self.fp8_columns)     # in place: the arguments hold the same tensors
+        self.fp8_order = weights.fp8_order
         if comm.world > 1:
             self._start_together(comm)
         self.use_graph = o.cuda_graph and device.type == "cuda"
@@ -285,6 +287,7 @@ class TritonExecutor:
         step before ran: each row's token the one it chose, at the next position. On a GPU a replay of the
         graph of that kind of step, captured on first use; before the first capture a plain launch compiles the
         kernel and runs the step once, outside the capture."""
+        self._hold_fp8_order()
         if not self.use_graph:
             return self._launch(follow)
         if follow not in self.graphs:
@@ -293,6 +296,14 @@ class TritonExecutor:
                 self.check()
             self.graphs[follow] = self._capture(follow)
         self.graphs[follow].replay()
+
+    def _hold_fp8_order(self) -> None:
+        """Put the e4m3 columns back in this kernel's order where an executor of the other kernel on the same weights
+        (a benchmark's second engine, a tl fallback) has since put them in its own, in place: a step would read
+        them scrambled. An identity check a step; a full reorder only when the kernels alternate."""
+        if self.weights.fp8 and self.weights.fp8_order is not self.fp8_order:
+            self.weights.order_fp8(self.fp8_columns)
+            self.fp8_order = self.weights.fp8_order
 
     _capturing = threading.Lock()
 
