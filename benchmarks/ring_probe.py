@@ -14,8 +14,12 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from distmk.device.ring import (_load64, acc_layout, cta_barrier, load_rows, make_rings, make_xq, matmul_layouts,
-                                mma_block, mma_block_fp8, packs_halves, task_row)
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+from distmk.device.ring import (PART, _dequantized, _load64, acc_layout, cta_barrier, load_rows, make_rings, make_xq,
+                                matmul_layouts, mma_block, mma_block_fp8, packs_halves, sync_mma_layout, task_row,
+                                tma_load)
 from distmk.graph.table import COLUMNS
 from distmk.kernels.ring_megakernel import E4M3_SLOT_K, RING_ROWS
 
@@ -121,6 +125,151 @@ def ring_stream(w_desc, x_desc, y, w_scale, counters, layers, ROWS: gl.constexpr
     ], [1], [24])
 
 
+# ---- W8A16 on two consumer warpgroups (stream.py's gluon-fp8-2wg) ---------------------------------------------------
+# ring_stream's W8A16 loop is one warpgroup that converts, multiplies and copies the input slices, one warp an SM
+# sub-partition: each waits out its own latencies, and every TMA copy it issues costs it a barrier and a memory
+# fence. Here each of two warpgroups converts and multiplies one of a 256-column slice's two parts (its own
+# accumulator, the second's added by the first at the end of a block, through shared memory), and a warp of its own
+# copies the input slices, each once both have read the slice it replaces: what the megakernel's e4m3 matmuls would
+# become.
+
+@gluon.jit
+def _wait_layer(counters, layer, NPROG: gl.constexpr):
+    """MODE 1: until every program has finished layer `layer` - 1 (bounded)."""
+    if layer > 0:
+        seen = _acquire(counters + layer - 1)
+        polls = 0
+        while (seen < NPROG) & (polls < POLL_LIMIT):
+            seen = _acquire(counters + layer - 1)
+            polls += 1
+
+
+@gluon.jit
+def _input_copies(x_desc, xring, xready, xfree, counters, layers, ROWS: gl.constexpr, K: gl.constexpr,
+                  BN: gl.constexpr, NPROG: gl.constexpr, MODE: gl.constexpr):
+    """The input slices the consumers read, in their order (each block of BN rows reads all of them), each into a
+    slot both consumers have released (xfree; slots start free); MODE 1: a layer's once every program finished the
+    layer before."""
+    XD: gl.constexpr = xring.type.shape[0]
+    B_PAD: gl.constexpr = xring.type.shape[1]
+    BK: gl.constexpr = xring.type.shape[2]
+    g = 0
+    for layer in range(layers):
+        if MODE == 1:
+            _wait_layer(counters, layer, NPROG)
+        for j in range(0, ROWS, BN):
+            for it in range(K // BK):
+                xs = g % XD
+                mbarrier.wait(xfree.index(xs), ((g // XD) & 1) ^ 1)
+                mbarrier.expect(xready.index(xs), x_desc.block_type.nbytes)
+                tma_load(x_desc, [(layer % 2) * B_PAD, it * BK], xready.index(xs), xring.index(xs))
+                g += 1
+
+
+@gluon.jit
+def _half_block(K: gl.constexpr, scales, valid, ring, ready, empty, xring, xready, xfree, c, cx, HALF: gl.constexpr,
+                num_warps: gl.constexpr):
+    """Part HALF of every slice of a block: dequantized (device/ring.py _dequantized) and multiplied by mma.sync,
+    its rows' scales loaded a slice ahead; the weight slot and the input slot released after each."""
+    NBUF: gl.constexpr = ring.type.shape[0]
+    BN: gl.constexpr = ring.type.shape[1]
+    XD: gl.constexpr = xring.type.shape[0]
+    B_PAD: gl.constexpr = xring.type.shape[1]
+    SUB: gl.constexpr = xring.type.shape[2] // PART
+    gl.static_assert((SUB == 2) & (ring.type.shape[2] == 2 * PART), "a slot and a slice are two 128-column parts")
+    KT: gl.constexpr = K // xring.type.shape[2]
+    mma: gl.constexpr = sync_mma_layout(num_warps)
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    parts = ring.reinterpret(ring.dtype, [NBUF * SUB, BN, PART], ring.layout)
+    inputs = xring.reinterpret(xring.dtype, [XD * SUB, B_PAD, PART], xring.layout)
+    scale = gl.load(scales + HALF, mask=valid, other=0.0)
+    acc = gl.zeros([BN, B_PAD], gl.float32, layout=mma)
+    for it in range(KT):
+        s = (c + it) % NBUF
+        xs = (cx + it) % XD
+        mbarrier.wait(ready.index(s), ((c + it) // NBUF) & 1)
+        mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1)
+        next_scale = gl.load(scales + (it + 1) * SUB + HALF, mask=valid & (it + 1 < KT), other=0.0)
+        a = _dequantized(parts.index(s * SUB + HALF), scale, operand)
+        b = inputs.index(xs * SUB + HALF).permute((1, 0)).load(gl.DotOperandLayout(operand_index=1, parent=mma,
+                                                                                    k_width=2))
+        acc = mma_v2(a, b, acc)
+        scale = next_scale
+        cta_barrier()       # every warp has its operands in registers
+        mbarrier.arrive(empty.index(s), count=1)
+        mbarrier.arrive(xfree.index(xs), count=1)
+    return acc, c + KT, cx + KT
+
+
+@gluon.jit
+def _half_consumer(y, w_scale, counters, ring, ready, empty, xring, xready, xfree, partial, handed, taken, layers,
+                   ROWS: gl.constexpr, N: gl.constexpr, K: gl.constexpr, MODE: gl.constexpr, HALF: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """Warpgroup HALF's part of every block; HALF 1 hands its sums over in `partial` (handed / taken), HALF 0 adds
+    them to its own and stores the block (MODE 1: and counts the layer done)."""
+    BN: gl.constexpr = ring.type.shape[1]
+    B_PAD: gl.constexpr = xring.type.shape[1]
+    mma: gl.constexpr = sync_mma_layout(num_warps)
+    rows = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)))
+    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    rb = gl.arange(0, B_PAD, layout=gl.SliceLayout(0, mma))
+    row0 = gl.program_id(0) * ROWS
+    c = 0
+    cx = 0
+    blocks = 0
+    for layer in range(layers):
+        out = y + ((layer + 1) % 2) * B_PAD * N
+        for j in range(0, ROWS, BN):
+            scales = w_scale + (layer * (N // 128) + (row0 + j + rows) // 128) * (K // 128)
+            acc, c, cx = _half_block(K, scales, rows < ROWS - j, ring, ready, empty, xring, xready, xfree, c, cx,
+                                     HALF, num_warps)
+            if HALF == 1:
+                mbarrier.wait(taken.index(0), (blocks & 1) ^ 1)
+                partial.store(acc)
+                cta_barrier()
+                mbarrier.arrive(handed.index(0), count=1)
+            else:
+                mbarrier.wait(handed.index(0), blocks & 1)
+                acc += partial.load(mma)
+                cta_barrier()
+                mbarrier.arrive(taken.index(0), count=1)
+                gl.store(out + rb[None, :] * N + (row0 + j + rn)[:, None], (acc * STREAM_SCALE).to(gl.bfloat16),
+                         mask=(rn < ROWS - j)[:, None])
+            blocks += 1
+        if (MODE == 1) & (HALF == 0):
+            cta_barrier()
+            gl.atomic_add(counters + layer, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def ring_stream_2wg(w_desc, x_desc, y, w_scale, counters, layers, ROWS: gl.constexpr, N: gl.constexpr,
+                    K: gl.constexpr, NBUF: gl.constexpr, XD: gl.constexpr, NPROG: gl.constexpr, MODE: gl.constexpr,
+                    A8: gl.constexpr, num_warps: gl.constexpr):
+    """ring_stream over e4m3 weights (W8A16) on two consumer warpgroups and an input warp (A8 unused: ring_stream's
+    signature)."""
+    gl.static_assert((w_desc.dtype.itemsize == 1) & (ROWS % E4M3_SLOT_ROWS == 0), "e4m3 weights, whole blocks")
+    BN: gl.constexpr = E4M3_SLOT_ROWS
+    ring, ready, empty, xring, xready = make_rings(w_desc, x_desc, BN, NBUF, XD, E4M3_SLOT_COLUMNS, CONSUMERS=2)
+    xfree = gl.allocate_shared_memory(gl.int64, [XD, 1], mbarrier.MBarrierLayout())
+    handed = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    taken = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    partial = gl.allocate_shared_memory(gl.float32, [BN, x_desc.block_type.shape[0]],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    for i in gl.static_range(XD):
+        mbarrier.init(xfree.index(i), count=2)
+    mbarrier.init(handed.index(0), count=1)
+    mbarrier.init(taken.index(0), count=1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_half_consumer, (y, w_scale, counters, ring, ready, empty, xring, xready, xfree, partial, handed, taken,
+                          layers, ROWS, N, K, MODE, 0, num_warps)),
+        (_half_consumer, (y, w_scale, counters, ring, ready, empty, xring, xready, xfree, partial, handed, taken,
+                          layers, ROWS, N, K, MODE, 1, 4)),
+        (_stream_producer, (w_desc, ring, ready, empty, layers, ROWS, N, K, False)),
+        (_input_copies, (x_desc, xring, xready, xfree, counters, layers, ROWS, K, BN, NPROG, MODE)),
+    ], [4, 1, 1], [232, 24, 24])
+
+
 @triton.jit
 def _tl_acquire(ptr):
     return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
@@ -177,10 +326,10 @@ def stream_descriptors(w, y, block_n: int, block_k: int, b_pad: int):
 
 def compile_ring_stream(rows: int, n: int, k: int, block_n: int, block_k: int, stages: int, x_stages: int,
                         programs: int, mode: int, b_pad: int = 16, arch: int = 90, fp8: bool = False,
-                        a8: bool = False):
-    """ring_stream compiled for CUDA compute capability `arch` without a GPU (CI's check that the Gluon path
-    still builds on the Triton it installs); `fp8`: e4m3 weights (weight boxes of 16 x 128, input slices of
-    block_k 128 or 256)."""
+                        a8: bool = False, two_warpgroups: bool = False):
+    """ring_stream (two_warpgroups: ring_stream_2wg) compiled for CUDA compute capability `arch` without a GPU
+    (CI's check that the Gluon path still builds on the Triton it installs); `fp8`: e4m3 weights (weight boxes of
+    16 x 128, input slices of block_k 128 or 256)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     w_type, w_box = (gl.float8e4nv, [16, 128]) if fp8 else (gl.bfloat16, [block_n, block_k])
@@ -191,8 +340,9 @@ def compile_ring_stream(rows: int, n: int, k: int, block_n: int, block_k: int, s
                  "counters": "*i32", "layers": "i32"}
     constants = dict(ROWS=rows, N=n, K=k, NBUF=stages, XD=x_stages, NPROG=programs, MODE=mode, A8=a8, num_warps=4)
     signature.update({name: "constexpr" for name in constants})
-    names = list(ring_stream.arg_names)
-    source = GluonASTSource(ring_stream, signature, {(names.index(c),): v for c, v in constants.items()}, {})
+    kernel = ring_stream_2wg if two_warpgroups else ring_stream
+    names = list(kernel.arg_names)
+    source = GluonASTSource(kernel, signature, {(names.index(c),): v for c, v in constants.items()}, {})
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
 
 

@@ -36,7 +36,7 @@ from distmk.flags import COUNT, NON_NEGATIVE
 from distmk.timing import kernel_ms
 
 MATMULS = ("qkv", "o_proj", "gate_up", "down")     # a layer's phases, in step order
-PROBE_KERNELS = ("tl", "gluon", "gluon-fp8", "gluon-w8a8")     # the stacked-layer probe's kernels (run_ring)
+PROBE_KERNELS = ("tl", "gluon", "gluon-fp8", "gluon-fp8-2wg", "gluon-w8a8")     # the stacked-layer probe's (run_ring)
 PROBE_ROWS = (32, 64, 128)                                      # and its rows a worker
 
 
@@ -232,7 +232,8 @@ def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_RO
     """The weight ring against its tl twin over 32 layers of [programs * rows, 4096] bf16 (a program an SM, every SM
     unless `programs`: 2.2 GB at 64 rows on 132; 32 rows: half a slot's, as o_proj's and down's tiles at tp=1), and
     the ring over the same weights in e4m3 with 128 x 128 block scales (models/fp8.py): bf16 activations
-    (gluon-fp8), or e4m3 ones with a scale a row and 128 columns (gluon-w8a8); barrier off and on; a few tile shapes
+    (gluon-fp8; gluon-fp8-2wg: on two consumer warpgroups, ring_probe.py ring_stream_2wg), or e4m3 ones with a scale
+    a row and 128 columns (gluon-w8a8); barrier off and on; a few tile shapes
     each. Each Gluon configuration is checked against torch first (the e4m3 ones against the dequantized weights,
     W8A8's against quantize_activations' input too)."""
     import ring_probe as ring
@@ -255,11 +256,13 @@ def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_RO
         # e4m3 slots are 16 KB; input slices of 256 columns are what the megakernel reads
         configs += [(kernel, 64, bk, stages, xd) for kernel in ("gluon-fp8", "gluon-w8a8")
                     for bk, stages, xd in ((128, 10, 4), (256, 9, 4), (256, 10, 3))]
+        # W8A16 on two consumer warpgroups: whole 64-row blocks, slices of two 128-column parts
+        configs += [("gluon-fp8-2wg", 64, 256, stages, xd) for stages, xd in ((9, 6), (6, 6)) if rows % 64 == 0]
         configs = [config for config in configs if config[0] in kernels]
         for kernel, bn, bk, stages, xd in configs:
-            e4m3 = kernel in ("gluon-fp8", "gluon-w8a8")
+            e4m3 = kernel in ("gluon-fp8", "gluon-fp8-2wg", "gluon-w8a8")
             weights = w8 if e4m3 else w
-            if kernel == "gluon-fp8":       # W8A16 loads each 128 columns in the ring's order
+            if kernel in ("gluon-fp8", "gluon-fp8-2wg"):       # W8A16 loads each 128 columns in the ring's order
                 weights = in_block_order(w8.view(torch.uint8), torch.tensor(part_columns(), device=device))
                 weights = weights.view(w8.dtype)
             nbytes = weights.numel() * weights.element_size() + (w_scale.numel() * 4 if e4m3 else 0)
@@ -270,9 +273,11 @@ def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_RO
             else:
                 w_desc, x_desc = ring.stream_descriptors(weights, y, bn, bk, b_pad)
 
+                kernel_fn = ring.ring_stream_2wg if kernel == "gluon-fp8-2wg" else ring.ring_stream
+
                 def launch(layer_count, mode):
-                    ring.ring_stream[(programs,)](w_desc, x_desc, y, w_scale, counters, layer_count, rows, n, k,
-                                                  stages, xd, programs, mode, kernel == "gluon-w8a8", num_warps=4)
+                    kernel_fn[(programs,)](w_desc, x_desc, y, w_scale, counters, layer_count, rows, n, k, stages, xd,
+                                           programs, mode, kernel == "gluon-w8a8", num_warps=4)
             y.copy_(torch.randn_like(y) * 0.1)
             before = y.clone()
             launch(1, 0)

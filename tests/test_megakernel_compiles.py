@@ -201,13 +201,17 @@ def test_weight_ring_compiles_for_sm90():
     fp8, w8a8 = (ring.compile_ring_stream(rows=64, n=DEFAULT_WORKERS * 64, k=4096, block_n=64, block_k=256, stages=9,
                                           x_stages=4, programs=DEFAULT_WORKERS, mode=1, fp8=True, a8=a8, b_pad=8)
                  for a8 in (False, True))
+    # and on two consumer warpgroups, each a slice's part, with an input warp (stream.py's gluon-fp8-2wg)
+    two = ring.compile_ring_stream(rows=128, n=DEFAULT_WORKERS * 128, k=4096, block_n=64, block_k=256, stages=9,
+                                   x_stages=6, programs=DEFAULT_WORKERS, mode=1, fp8=True, b_pad=8,
+                                   two_warpgroups=True)
     assert converts_e4m3(fp8.asm["ptx"]) and "mma.sync.aligned.m16n8k16.row.col.f32.bf16" in fp8.asm["ptx"]
     assert "e4m3.e4m3" in w8a8.asm["ptx"] and "wgmma.wait_group.sync.aligned 1" in w8a8.asm["ptx"]
     assert "div." not in w8a8.asm["ptx"]
-    for compiled in (probe, fp8, w8a8, ring.compile_ring_matmuls(shape)):
+    for compiled in (probe, fp8, two, w8a8, ring.compile_ring_matmuls(shape)):
         assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
         ptx = compiled.asm["ptx"]
-        assert ("mma.sync" if compiled is fp8 else "wgmma.mma_async") in ptx
+        assert ("mma.sync" if compiled in (fp8, two) else "wgmma.mma_async") in ptx
         assert "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx
 
 

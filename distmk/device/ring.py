@@ -44,11 +44,12 @@ def as_boxes(smem, desc, N: gl.constexpr):
 
 
 @gluon.jit
-def make_rings(w_desc, x_desc, BN: gl.constexpr, NBUF: gl.constexpr, XD: gl.constexpr, SLOT_K: gl.constexpr = 0):
+def make_rings(w_desc, x_desc, BN: gl.constexpr, NBUF: gl.constexpr, XD: gl.constexpr, SLOT_K: gl.constexpr = 0,
+               CONSUMERS: gl.constexpr = 1):
     """The weight ring (NBUF slots of BN rows) and the input ring (XD slices) in shared memory, with their
-    mbarriers: ready/empty per weight slot, ready per input slice. A slot holds as many bytes a row as SLOT_K bf16
-    columns (0: an input slice's): its columns in bf16 weights, twice as many in e4m3 ones (mma_block_fp8); an
-    input slice is one slot or several (mma_block)."""
+    mbarriers: ready/empty per weight slot (empty: once each of CONSUMERS partitions released it), ready per input
+    slice. A slot holds as many bytes a row as SLOT_K bf16 columns (0: an input slice's): its columns in bf16
+    weights, twice as many in e4m3 ones (mma_block_fp8); an input slice is one slot or several (mma_block)."""
     SLOT: gl.constexpr = SLOT_K if SLOT_K > 0 else x_desc.block_type.shape[1]
     BK: gl.constexpr = SLOT * 2 // w_desc.dtype.itemsize    # a weight box is narrower
     ring = gl.allocate_shared_memory(w_desc.dtype, [NBUF, BN, BK], w_desc.layout)
@@ -58,7 +59,7 @@ def make_rings(w_desc, x_desc, BN: gl.constexpr, NBUF: gl.constexpr, XD: gl.cons
     xready = gl.allocate_shared_memory(gl.int64, [XD, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NBUF):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
     for i in gl.static_range(XD):
         mbarrier.init(xready.index(i), count=1)
     fence_async_shared()
