@@ -37,7 +37,9 @@ from distmk.timing import kernel_ms
 
 MATMULS = ("qkv", "o_proj", "gate_up", "down")     # a layer's phases, in step order
 PROBE_KERNELS = ("tl", "gluon", "gluon-fp8", "gluon-fp8-2wg", "gluon-w8a8")     # the stacked-layer probe's (run_ring)
+E4M3_KERNELS = ("gluon-fp8", "gluon-fp8-2wg", "gluon-w8a8")                      # of them, those of e4m3 weights
 PROBE_ROWS = (32, 64, 128)                                      # and its rows a worker
+PROBE_K = 4096          # the probe's layers' columns: each reads the one before's outputs, so it has at least as many
 
 
 def kernel_list(text: str) -> list[str]:
@@ -227,6 +229,20 @@ def run_ring_matmuls(engine, tables: dict, ceiling: float, iters: int, layers: i
     return result
 
 
+def probe_shape_problem(programs: int, row_counts, kernels) -> str | None:
+    """What makes the stacked-layer probe's layers of programs x rows outputs impossible, if anything: each layer
+    reads the outputs of the one before as its PROBE_K inputs, and e4m3 weights come in blocks of 128 rows."""
+    for rows in row_counts:
+        n = programs * rows
+        if n < PROBE_K:
+            return (f"--probe-rows {rows} on {programs} programs: {n} outputs a layer, fewer than the {PROBE_K} "
+                    f"inputs the next layer reads (at least {-(-PROBE_K // rows)} programs)")
+        if n % 128 and set(kernels) & set(E4M3_KERNELS):
+            return (f"--probe-rows {rows} on {programs} programs: {n} rows a layer, not whole 128-row blocks of "
+                    f"e4m3 scales")
+    return None
+
+
 def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_ROWS, b_pad: int = 16,
              programs: int = 0) -> list[dict]:
     """The weight ring against its tl twin over 32 layers of [programs * rows, 4096] bf16 (a program an SM, every SM
@@ -240,7 +256,7 @@ def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_RO
     from distmk.device.ring import part_columns
     from distmk.models.fp8 import DEFAULT_BLOCK, dequantize, in_block_order, quantize, quantize_activations
     programs = programs or torch.cuda.get_device_properties(device).multi_processor_count
-    layers, k = 32, 4096
+    layers, k = 32, PROBE_K
     results = []
     for rows in row_counts:
         n = programs * rows
@@ -260,7 +276,7 @@ def run_ring(device, iters: int, log, kernels=PROBE_KERNELS, row_counts=PROBE_RO
         configs += [("gluon-fp8-2wg", 64, 256, stages, xd) for stages, xd in ((9, 6), (6, 6)) if rows % 64 == 0]
         configs = [config for config in configs if config[0] in kernels]
         for kernel, bn, bk, stages, xd in configs:
-            e4m3 = kernel in ("gluon-fp8", "gluon-fp8-2wg", "gluon-w8a8")
+            e4m3 = kernel in E4M3_KERNELS
             weights = w8 if e4m3 else w
             if kernel in ("gluon-fp8", "gluon-fp8-2wg"):       # W8A16 loads each 128 columns in the ring's order
                 weights = in_block_order(w8.view(torch.uint8), torch.tensor(part_columns(), device=device))
@@ -319,6 +335,11 @@ def main(argv=None) -> int:
     if args.probe_programs > sms:
         log(f"--probe-programs {args.probe_programs}: this GPU has {sms} SMs")
         return 2
+    if args.probe_only or not (args.no_ring or args.no_probe):
+        problem = probe_shape_problem(args.probe_programs or sms, args.probe_rows, args.probe_kernels)
+        if problem:
+            log(problem)
+            return 2
     result = {"model": args.model, "batch": args.batch}
     ceiling = measure_hbm_read_bandwidth(device)
     result["read_gbps"] = ceiling / 1e9

@@ -20,3 +20,14 @@ def test_probe_selection_refuses_what_it_cannot_run(flag, value, named, capsys):
     with pytest.raises(SystemExit):
         stream.parse_args([flag, value])
     assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("programs, rows, kernels, named", [(32, 32, ["gluon"], "at least 128 programs"),
+                                                             (65, 64, ["gluon-fp8"], "128-row blocks"),
+                                                             (65, 64, ["gluon"], None),
+                                                             (33, 128, ["gluon-fp8", "gluon-fp8-2wg"], None)])
+def test_probe_shapes_it_cannot_stack_are_named(programs, rows, kernels, named):
+    """Each probe layer reads the one before's outputs as its inputs, and e4m3 scales come a 128-row block: a grid
+    too small for that is refused before any GPU work, by name."""
+    problem = stream.probe_shape_problem(programs, [rows], kernels)
+    assert (problem is None) if named is None else (named in problem and f"--probe-rows {rows}" in problem)
