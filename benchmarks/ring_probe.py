@@ -38,6 +38,17 @@ def _acquire(ptr):
 
 
 @gluon.jit
+def _wait_layer(counters, layer, NPROG: gl.constexpr):
+    """MODE 1: until every program has finished layer `layer` - 1 (bounded)."""
+    if layer > 0:
+        seen = _acquire(counters + layer - 1)
+        polls = 0
+        while (seen < NPROG) & (polls < POLL_LIMIT):
+            seen = _acquire(counters + layer - 1)
+            polls += 1
+
+
+@gluon.jit
 def _consume(x_desc, x_row, out, OUT_STRIDE: gl.constexpr, col0, rows, n, K: gl.constexpr, SCALE: gl.constexpr,
              w_scale, ring, ready, empty, xring, xready, c, cx, num_warps: gl.constexpr, xq=None, xq_scale=None,
              PACK: gl.constexpr = False):
@@ -85,13 +96,8 @@ def _stream_consumer(x_desc, y, w_scale, counters, ring, ready, empty, xring, xr
     cx = 0          # input slices used
     for layer in range(layers):
         if MODE == 1:
-            if layer > 0:
-                seen = _acquire(counters + layer - 1)
-                polls = 0
-                while (seen < NPROG) & (polls < POLL_LIMIT):
-                    seen = _acquire(counters + layer - 1)
-                    polls += 1
-                cta_barrier()
+            _wait_layer(counters, layer, NPROG)
+            cta_barrier()
         out = y + ((layer + 1) % 2) * B_PAD * N
         scales = w_scale + layer * (N // 128) * (K // 128)
         if A8:
@@ -132,17 +138,6 @@ def ring_stream(w_desc, x_desc, y, w_scale, counters, layers, ROWS: gl.constexpr
 # accumulator, the second's added by the first at the end of a block, through shared memory), and a warp of its own
 # copies the input slices, each once both have read the slice it replaces: what the megakernel's e4m3 matmuls would
 # become.
-
-@gluon.jit
-def _wait_layer(counters, layer, NPROG: gl.constexpr):
-    """MODE 1: until every program has finished layer `layer` - 1 (bounded)."""
-    if layer > 0:
-        seen = _acquire(counters + layer - 1)
-        polls = 0
-        while (seen < NPROG) & (polls < POLL_LIMIT):
-            seen = _acquire(counters + layer - 1)
-            polls += 1
-
 
 @gluon.jit
 def _input_copies(x_desc, xring, xready, xfree, counters, layers, ROWS: gl.constexpr, K: gl.constexpr,
