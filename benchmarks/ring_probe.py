@@ -96,8 +96,9 @@ def _stream_consumer(x_desc, y, w_scale, counters, ring, ready, empty, xring, xr
     cx = 0          # input slices used
     for layer in range(layers):
         if MODE == 1:
-            _wait_layer(counters, layer, NPROG)
-            cta_barrier()
+            if layer > 0:
+                _wait_layer(counters, layer, NPROG)
+                cta_barrier()
         out = y + ((layer + 1) % 2) * B_PAD * N
         scales = w_scale + layer * (N // 128) * (K // 128)
         if A8:
