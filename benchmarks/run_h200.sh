@@ -66,12 +66,16 @@ if [[ $STAGES == *" fp8 "* ]]; then
   timeout 300 python3 -m pytest -q -s tests/test_gpu.py -k "e4m3 or (matches_tl and fp8) or transformers_fp8 or scaled_mm_blocks or w8a8_prefill" 2>&1 | grep -v Warn \
       > "$OUT/gpu_tests_fp8.log"
   tail -n 4 "$OUT/gpu_tests_fp8.log"
-  # the probe at the megakernel's padded batch up to 8: bf16, W8A16 and W8A8 over the same bytes (an H100 had W8A8
-  # the slower: results/h100-2026-12-06-bf2ceb1)
+  # the probe at the megakernel's padded batch up to 8: bf16, W8A16 (and on two consumer warpgroups) and W8A8 over
+  # the same bytes (an H100 had W8A8 the slower: results/h100-2026-12-06-bf2ceb1), on every SM, then W8A16's loops on
+  # 33 programs, where HBM does not bound them (results/h100-2026-12-07-5750d7f)
   stamp "stream.py --probe-only"
-  timeout 150 python3 benchmarks/stream.py --probe-only --probe-kernels gluon,gluon-fp8,gluon-w8a8 --probe-rows 64,128 \
-      --probe-pad 8 --iters 20 --json --out "$OUT/stream_probe.json" 2>&1 \
+  timeout 150 python3 benchmarks/stream.py --probe-only --probe-kernels gluon,gluon-fp8,gluon-fp8-2wg,gluon-w8a8 \
+      --probe-rows 64,128 --probe-pad 8 --iters 20 --json --out "$OUT/stream_probe.json" 2>&1 \
       | grep "\[stream\]" | grep "barrier 0" | grep "BK 256 stages \(9\|4 x 4\)"
+  timeout 100 python3 benchmarks/stream.py --probe-only --probe-kernels gluon-fp8,gluon-fp8-2wg --probe-rows 128 \
+      --probe-pad 8 --probe-programs 33 --iters 20 --json --out "$OUT/stream_probe_per_sm.json" 2>&1 \
+      | grep "\[stream\]" | grep "barrier 0" | grep "BK 256 stages 9"
   for one in ${FP8_MODELS:-llama-3-8b:1 llama-3-8b:8 qwen3-8b:1 qwen3-8b:8 qwen3-30b-a3b:1}; do
     IFS=: read -r model batch <<< "$one"
     stamp "decode $one, e4m3 products"
