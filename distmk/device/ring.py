@@ -456,6 +456,21 @@ def _slice_taken(x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, chained
 
 
 @gluon.jit
+def _group_taken(x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, G: gl.constexpr, chained,
+                 CHAIN: gl.constexpr, empty, slot0, SLOTS: gl.constexpr, release):
+    """At input slice `it`, the first of a group of G (a W8A16 loop of slices of whole slots): once every warp has the
+    group before in registers (one barrier), its SLOTS weight slots from slot0 go back to the producer (where
+    `release`) and its G input slots are refilled (_refill_input of slices it - G + 1 .. it, of the block's)."""
+    NBUF: gl.constexpr = empty.type.shape[0]
+    cta_barrier()
+    for k in gl.static_range(SLOTS):
+        mbarrier.arrive(empty.index((slot0 + k) % NBUF), count=1, pred=release)
+    for r in gl.static_range(G):
+        ahead = it - G + 1 + r
+        _refill_input(x_desc, x_row, KT, xring, xready, cx, ahead, chained, CHAIN, (ahead >= 0) & (ahead < KT))
+
+
+@gluon.jit
 def _input_part(xring, xready, cx, it, sub, layout: gl.constexpr):
     """Part `sub` of input slice `it` (waited for at its first part) in the mma.sync B operand layout."""
     XD: gl.constexpr = xring.type.shape[0]
@@ -475,8 +490,10 @@ def _w8a16_block(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, em
     """mma_block_fp8's loop, the weights dequantized to bf16 in registers a 128-column part at a time (its rows'
     scales loaded a part ahead) and multiplied by mma.sync, a slice's even and odd parts into accumulators of their
     own. The loop walks input slices and writes out each of a slice's parts, so that which part of the slice it
-    reads is known at compile time (chosen at run time, it slowed the loop more than the code it saves); the loop is
-    inlined at every matmul call site, and a kernel's code is time of its latency-bound tasks
+    reads is known at compile time (chosen at run time, it slowed the loop more than the code it saves). Slices of
+    whole slots go in groups of two slots: one barrier, release and refill a group (_group_taken) rather than a
+    slice, each of them costing the warp a CTA barrier; longer groups made the loop faster alone and the step slower,
+    as the loop is inlined at every matmul call site and a kernel's code is time of its latency-bound tasks
     (benchmarks/code_size.py)."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
@@ -492,27 +509,49 @@ def _w8a16_block(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, em
     scale = gl.load(scales, mask=valid, other=0.0)
     even = gl.zeros([BN, B_PAD], gl.float32, layout=mma)
     odd = gl.zeros([BN, B_PAD], gl.float32, layout=mma)
-    for it in range(KT):
-        for sub in gl.static_range(SUB):        # the part of the input slice known at compile time
-            q = it * SUB + sub
-            if sub == 0:
-                _slice_taken(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN, empty, c, QT, PARTS)
-            slot = c + q // PARTS
-            s = slot % NBUF
-            if SUB % PARTS == 0:        # slices of whole slots: which part begins one is known too
-                if sub % PARTS == 0:
-                    mbarrier.wait(ready.index(s), (slot // NBUF) & 1)
-            else:
+    # groups of two slots (of one where the block has an odd number)
+    G: gl.constexpr = 2 if (SUB % PARTS == 0) & (KT % 2 == 0) else 1
+    if SUB % PARTS == 0:
+        SLOTS: gl.constexpr = G * SUB // PARTS
+        for g in range(KT // G):
+            _group_taken(x_desc, x_row, KT, xring, xready, cx, g * G, G, chained, CHAIN, empty, c + (g - 1) * SLOTS,
+                         SLOTS, g > 0)
+            for r in gl.static_range(G):
+                it = g * G + r
+                for sub in gl.static_range(SUB):
+                    q = it * SUB + sub
+                    slot = c + q // PARTS
+                    s = slot % NBUF
+                    if sub % PARTS == 0:
+                        mbarrier.wait(ready.index(s), (slot // NBUF) & 1)
+                    next_scale = gl.load(scales + q + 1, mask=valid & (q + 1 < QT), other=0.0)
+                    a = _dequantized(parts.index(s * PARTS + q % PARTS), scale, operand)
+                    b = _input_part(xring, xready, cx, it, sub, mma)
+                    if sub % 2 == 0:
+                        even = mma_v2(a, b, even)
+                    else:
+                        odd = mma_v2(a, b, odd)
+                    scale = next_scale
+        _group_taken(x_desc, x_row, KT, xring, xready, cx, KT, G, chained, CHAIN, empty, c + (KT // G - 1) * SLOTS,
+                     SLOTS, True)
+    else:
+        for it in range(KT):
+            for sub in gl.static_range(SUB):        # the part of the input slice known at compile time
+                q = it * SUB + sub
+                if sub == 0:
+                    _slice_taken(x_desc, x_row, KT, xring, xready, cx, it, chained, CHAIN, empty, c, QT, PARTS)
+                slot = c + q // PARTS
+                s = slot % NBUF
                 mbarrier.wait(ready.index(s), (slot // NBUF) & 1, pred=q % PARTS == 0)
-            next_scale = gl.load(scales + q + 1, mask=valid & (q + 1 < QT), other=0.0)
-            a = _dequantized(parts.index(s * PARTS + q % PARTS), scale, operand)
-            b = _input_part(xring, xready, cx, it, sub, mma)
-            if sub % 2 == 0:
-                even = mma_v2(a, b, even)
-            else:
-                odd = mma_v2(a, b, odd)
-            scale = next_scale
-    _slice_taken(x_desc, x_row, KT, xring, xready, cx, KT, chained, CHAIN, empty, c, QT, PARTS, False)
+                next_scale = gl.load(scales + q + 1, mask=valid & (q + 1 < QT), other=0.0)
+                a = _dequantized(parts.index(s * PARTS + q % PARTS), scale, operand)
+                b = _input_part(xring, xready, cx, it, sub, mma)
+                if sub % 2 == 0:
+                    even = mma_v2(a, b, even)
+                else:
+                    odd = mma_v2(a, b, odd)
+                scale = next_scale
+        _slice_taken(x_desc, x_row, KT, xring, xready, cx, KT, chained, CHAIN, empty, c, QT, PARTS, False)
     return gl.convert_layout(even + odd, layout), c + (QT + PARTS - 1) // PARTS
 
 
@@ -523,7 +562,8 @@ def _w8a16_packed(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, e
     slot, converted once, is two parts of the input, its top rows' product with the first going into one
     accumulator and its bottom rows' with the second into another (both computed for all rows: a warp's B operand
     is every warp's), summed at the end (a layout conversion brings a row's two sums, other warps', to one
-    thread)."""
+    thread). A slot takes two input slices' worth of parts or more: its barrier, release and refills are one
+    group (_group_taken)."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
     PARTS: gl.constexpr = ring.type.shape[2] // PART
@@ -539,19 +579,20 @@ def _w8a16_packed(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, e
     scale = gl.load(scales, mask=valid, other=0.0)
     top = gl.zeros([BN, B_PAD], gl.float32, layout=mma)
     bottom = gl.zeros([BN, B_PAD], gl.float32, layout=mma)
-    for hh in range(QT // 2):       # a slot part: input parts 2 hh (a slice's first) and 2 hh + 1
-        _slice_taken(x_desc, x_row, KT, xring, xready, cx, 2 * hh // SUB, chained, CHAIN, empty, c, QT, 2 * PARTS)
-        slot = c + hh // PARTS
+    G: gl.constexpr = 2 * PARTS // SUB      # a slot's input slices
+    for j in range(QT // (2 * PARTS)):
+        _group_taken(x_desc, x_row, KT, xring, xready, cx, j * G, G, chained, CHAIN, empty, c + j - 1, 1, j > 0)
+        slot = c + j
         s = slot % NBUF
-        mbarrier.wait(ready.index(s), (slot // NBUF) & 1, pred=hh % PARTS == 0)
-        next_scale = gl.load(scales + hh * 2 + 2, mask=valid & (hh * 2 + 2 < QT), other=0.0)
-        a = _dequantized(parts.index(s * PARTS + hh % PARTS), scale, operand)
-        top = mma_v2(a, _input_part(xring, xready, cx, 2 * hh // SUB, 0, mma), top)
-        if SUB == 1:        # part 2 hh + 1 is a slice of its own
-            _slice_taken(x_desc, x_row, KT, xring, xready, cx, 2 * hh + 1, chained, CHAIN, empty, c, QT, 2 * PARTS)
-        bottom = mma_v2(a, _input_part(xring, xready, cx, (2 * hh + 1) // SUB, SUB - 1, mma), bottom)
-        scale = next_scale
-    _slice_taken(x_desc, x_row, KT, xring, xready, cx, KT, chained, CHAIN, empty, c, QT, 2 * PARTS, False)
+        mbarrier.wait(ready.index(s), (slot // NBUF) & 1)
+        for p in gl.static_range(PARTS):    # a slot part: input parts 2 hh (a slice's first) and 2 hh + 1
+            hh = j * PARTS + p
+            next_scale = gl.load(scales + hh * 2 + 2, mask=valid & (hh * 2 + 2 < QT), other=0.0)
+            a = _dequantized(parts.index(s * PARTS + p), scale, operand)
+            top = mma_v2(a, _input_part(xring, xready, cx, 2 * hh // SUB, 0, mma), top)
+            bottom = mma_v2(a, _input_part(xring, xready, cx, (2 * hh + 1) // SUB, SUB - 1, mma), bottom)
+            scale = next_scale
+    _group_taken(x_desc, x_row, KT, xring, xready, cx, KT, G, chained, CHAIN, empty, c + QT // (2 * PARTS) - 1, 1, True)
     top = gl.convert_layout(top, layout)
     bottom = gl.convert_layout(bottom, layout)
     # rows r of the sum: top's r and bottom's r + BN / 2, gathered into one thread's registers; rows past BN / 2 (the
