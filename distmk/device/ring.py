@@ -485,6 +485,23 @@ def _input_part(xring, xready, cx, it, sub, layout: gl.constexpr):
 
 
 @gluon.jit
+def _w8a16_part(weights, q, it, sub: gl.constexpr, scale, scales, valid, QT: gl.constexpr, xring, xready, cx, even,
+                odd):
+    """Part q of a block (its weights, of part `sub` of input slice `it`) dequantized with its rows' `scale` and
+    multiplied into the even or the odd accumulator (by sub); returns them and part q + 1's scales, loaded first so
+    that their round trip overlaps the conversion."""
+    mma: gl.constexpr = sync_mma_layout(gl.num_warps())
+    next_scale = gl.load(scales + q + 1, mask=valid & (q + 1 < QT), other=0.0)
+    a = _dequantized(weights, scale, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2))
+    b = _input_part(xring, xready, cx, it, sub, mma)
+    if sub % 2 == 0:
+        even = mma_v2(a, b, even)
+    else:
+        odd = mma_v2(a, b, odd)
+    return even, odd, next_scale
+
+
+@gluon.jit
 def _w8a16_block(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, empty, xring, xready, c, cx, chained,
                  CHAIN: gl.constexpr, layout: gl.constexpr):
     """mma_block_fp8's loop, the weights dequantized to bf16 in registers a 128-column part at a time (its rows'
@@ -524,14 +541,8 @@ def _w8a16_block(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, em
                     s = slot % NBUF
                     if sub % PARTS == 0:
                         mbarrier.wait(ready.index(s), (slot // NBUF) & 1)
-                    next_scale = gl.load(scales + q + 1, mask=valid & (q + 1 < QT), other=0.0)
-                    a = _dequantized(parts.index(s * PARTS + q % PARTS), scale, operand)
-                    b = _input_part(xring, xready, cx, it, sub, mma)
-                    if sub % 2 == 0:
-                        even = mma_v2(a, b, even)
-                    else:
-                        odd = mma_v2(a, b, odd)
-                    scale = next_scale
+                    even, odd, scale = _w8a16_part(parts.index(s * PARTS + q % PARTS), q, it, sub, scale, scales,
+                                                   valid, QT, xring, xready, cx, even, odd)
         _group_taken(x_desc, x_row, KT, xring, xready, cx, KT, G, chained, CHAIN, empty, c + (KT // G - 1) * SLOTS,
                      SLOTS, True)
     else:
@@ -543,14 +554,8 @@ def _w8a16_block(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, em
                 slot = c + q // PARTS
                 s = slot % NBUF
                 mbarrier.wait(ready.index(s), (slot // NBUF) & 1, pred=q % PARTS == 0)
-                next_scale = gl.load(scales + q + 1, mask=valid & (q + 1 < QT), other=0.0)
-                a = _dequantized(parts.index(s * PARTS + q % PARTS), scale, operand)
-                b = _input_part(xring, xready, cx, it, sub, mma)
-                if sub % 2 == 0:
-                    even = mma_v2(a, b, even)
-                else:
-                    odd = mma_v2(a, b, odd)
-                scale = next_scale
+                even, odd, scale = _w8a16_part(parts.index(s * PARTS + q % PARTS), q, it, sub, scale, scales, valid,
+                                               QT, xring, xready, cx, even, odd)
         _slice_taken(x_desc, x_row, KT, xring, xready, cx, KT, chained, CHAIN, empty, c, QT, PARTS, False)
     return gl.convert_layout(even + odd, layout), c + (QT + PARTS - 1) // PARTS
 
