@@ -270,6 +270,12 @@ def test_ring_megakernel_refuses_rings_that_would_hang_or_overflow():
             Engine("llama-3-8b", backend="triton", device="meta", dtype=torch.bfloat16, max_context=64,
                    config=GraphConfig(batch=1, workers=DEFAULT_WORKERS), kernel_options={"kernel": "ring", **options})
 
+    # a packed e4m3 slot (o_proj, down at tp=1) reads four input slices of 128 columns at once (device/ring.py)
+    with pytest.raises(DistmkError, match="ring_inputs=3: e4m3 products with input slices of 128 columns"):
+        Engine("llama-3-8b", backend="triton", device="meta", dtype=torch.bfloat16, max_context=64,
+               config=GraphConfig(batch=1, workers=DEFAULT_WORKERS), quantize="fp8",
+               kernel_options={"kernel": "ring", "stream_e4m3": 1, "ring_block_k": 128, "ring_inputs": 3})
+
 
 @pytest.mark.parametrize("options, message", [({"num_wraps": 4}, r"unknown kernel options \['num_wraps'\]"),
                                               ({"num_warps": 3}, "num_warps must be a power of two, got 3"),

@@ -462,6 +462,7 @@ def _group_taken(x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, G: gl.c
     group before in registers (one barrier), its SLOTS weight slots from slot0 go back to the producer (where
     `release`) and its G input slots are refilled (_refill_input of slices it - G + 1 .. it, of the block's)."""
     NBUF: gl.constexpr = empty.type.shape[0]
+    gl.static_assert(G <= xring.type.shape[0], "a group's input slices are in the input ring at once")
     cta_barrier()
     for k in gl.static_range(SLOTS):
         mbarrier.arrive(empty.index((slot0 + k) % NBUF), count=1, pred=release)

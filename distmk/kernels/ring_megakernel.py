@@ -297,6 +297,9 @@ def ring_arguments(args: dict, batch: int, block_k: int = 0, slots: int = 0, inp
         raise DistmkError(f"ring_slots={slots} (of {slot_k} columns) and ring_inputs={input_slots} (of {block_k}) "
                           f"must be at least 2 each and take at most {RING_BYTES_LIMIT // 1024} KB (they take "
                           f"{ring_bytes // 1024} KB)")
+    # device/ring.py _group_taken refills a group's input slices at once: a packed e4m3 slot reads four of 128 columns
+    if fp8 and block_k == 128 and input_slots < 4:
+        raise DistmkError(f"ring_inputs={input_slots}: e4m3 products with input slices of 128 columns take at least 4")
     w_layout, x_layout = matmul_layouts(block_k, b_pad)
     fp8_layout = gl.NVMMASharedLayout.get_default_for([16, 128], gl.float8e4nv)
 
