@@ -617,8 +617,9 @@ class Reply:
         return {"prompt_logprobs": self.vllm_prompt_logprobs(index, generation)} \
             if self.req.prompt_logprobs is not None else {}
 
-    def usage(self, generations: list[Generation]) -> dict:
-        n = 0 if self.hidden else sum(len(generation.tokens) for generation in generations)
+    def usage(self, generations: list[Generation], sent: int | None = None) -> dict:
+        """The request's usage; `sent`: the completion tokens streamed so far (a choice's pump may have taken more)."""
+        n = 0 if self.hidden else sum(len(generation.tokens) for generation in generations) if sent is None else sent
         prompt, choices = sum(map(len, self.prompts)), self.req.n
         # a prompt's tokens found in the prefix cache as it came (the fewest its choices found: the first choice
         # reads what no earlier request left, the others then start after it: runtime/batcher.py)
@@ -688,6 +689,7 @@ class Reply:
         stream with the error."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         first, offsets = [True] * len(generations), [0] * len(generations)
+        sent = 0        # tokens streamed, for continuous_usage_stats
         readers = [self.tools.reader() if self.tools else None for _ in generations]
         continuous_usage = self.req.stream_options is not None and self.req.stream_options.continuous_usage_stats
         merged: asyncio.Queue = asyncio.Queue()
@@ -749,8 +751,9 @@ class Reply:
                         choice["prompt_token_ids"] = self.prompt(index)
                 first[index] = False
                 chunk = {**self.head, "object": obj, "choices": [{**choice, **extras}]}
+                sent += 1
                 if continuous_usage:
-                    chunk["usage"] = self.usage(generations)
+                    chunk["usage"] = self.usage(generations, sent)
                 yield _event(chunk)
         finally:
             for task in pumps:
