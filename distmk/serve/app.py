@@ -619,7 +619,9 @@ class Reply:
 
     def usage(self, generations: list[Generation], sent: int | None = None) -> dict:
         """The request's usage; `sent`: the completion tokens streamed so far (a choice's pump may have taken more)."""
-        n = 0 if self.hidden else sum(len(generation.tokens) for generation in generations) if sent is None else sent
+        if sent is None:
+            sent = sum(len(generation.tokens) for generation in generations)
+        n = 0 if self.hidden else sent
         prompt, choices = sum(map(len, self.prompts)), self.req.n
         # a prompt's tokens found in the prefix cache as it came (the fewest its choices found: the first choice
         # reads what no earlier request left, the others then start after it: runtime/batcher.py)
