@@ -3,6 +3,9 @@
     python benchmarks/variants.py --model llama-3-8b --batch 1 \\
         --variants '[{"kernel": "ring"}, {"kernel": "ring", "ring_slots": 4}, {"kernel": "ring", "trace": true}]'
 
+With --quantize fp8 the engine's weights are the model's FP8 twin; a ring variant streams them in e4m3 with
+"stream_e4m3": 1.
+
 A variant is KernelOptions fields (kernels/options.py), plus "graph": GraphConfig fields (a table of its own over
 the same weights and KV cache) and "trace": true (one traced step: the per-type breakdown and the phase timeline,
 kernels/trace.py). Each untraced variant prints two medians of --iters graph replays (their spread is the noise
@@ -23,6 +26,7 @@ import time
 import torch
 
 from harness import decode_step
+from distmk.cli import add_quantize_arg
 from distmk.flags import COUNT
 
 
@@ -36,6 +40,7 @@ def parse_args(argv=None):
                    help="the kernel of the engine's own step, the logits' reference")
     p.add_argument("--iters", type=COUNT, default=50, help="graph replays per median")
     p.add_argument("--trace-dir", help="also save each traced step's tasks and timings (torch.save) here")
+    add_quantize_arg(p)
     return p.parse_args(argv)
 
 
@@ -49,7 +54,7 @@ def main(argv=None) -> int:
     from distmk.kernels.autotune import launch_times
     from distmk.kernels.executor import TritonExecutor
     variants = json.loads(args.variants)
-    engine, _ = decode_step(args.model, args.batch, args.context, kernel=args.engine_kernel)
+    engine, _ = decode_step(args.model, args.batch, args.context, kernel=args.engine_kernel, quantize=args.quantize)
     reference = engine.executor.buf["logits"][:args.batch].clone()
     for index, variant in enumerate(variants):
         options, t0 = dict(variant), time.perf_counter()
