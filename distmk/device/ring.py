@@ -473,7 +473,7 @@ def _group_taken(x_desc, x_row, KT: gl.constexpr, xring, xready, cx, it, G: gl.c
 
 @gluon.jit
 def _input_part(xring, xready, cx, it, sub, layout: gl.constexpr):
-    """Part `sub` of input slice `it` (waited for at its first part) in the mma.sync B operand layout."""
+    """Part `sub` of input slice `it` (waited for at its first part), [128, padded batch] in `layout`."""
     XD: gl.constexpr = xring.type.shape[0]
     B_PAD: gl.constexpr = xring.type.shape[1]
     SUB: gl.constexpr = xring.type.shape[2] // PART
@@ -481,8 +481,7 @@ def _input_part(xring, xready, cx, it, sub, layout: gl.constexpr):
     xs = (cx + it) % XD
     if sub == 0:
         mbarrier.wait(xready.index(xs), ((cx + it) // XD) & 1)
-    return parts.index(xs * SUB + sub).permute((1, 0)).load(gl.DotOperandLayout(operand_index=1, parent=layout,
-                                                                                 k_width=2))
+    return parts.index(xs * SUB + sub).permute((1, 0)).load(layout)
 
 
 @gluon.jit
@@ -494,7 +493,7 @@ def _w8a16_part(weights, q, it, sub: gl.constexpr, scale, scales, valid, QT: gl.
     mma: gl.constexpr = sync_mma_layout(gl.num_warps())
     next_scale = gl.load(scales + q + 1, mask=valid & (q + 1 < QT), other=0.0)
     a = _dequantized(weights, scale, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2))
-    b = _input_part(xring, xready, cx, it, sub, mma)
+    b = _input_part(xring, xready, cx, it, sub, gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2))
     if sub % 2 == 0:
         even = mma_v2(a, b, even)
     else:
@@ -561,30 +560,67 @@ def _w8a16_block(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, em
     return gl.convert_layout(even + odd, layout), c + (QT + PARTS - 1) // PARTS
 
 
+@gluon.constexpr_function
+def paired_mma_layout(num_warps):
+    """The accumulator layout of _w8a16_packed's batched mma.sync ([2, rows, padded batch]): half of the warps
+    multiply a slot part's top rows by one input part, the other half its bottom rows by the next. Its A operand
+    holds the registers of sync_mma_layout's over the slot part's [2 x rows, 128]."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, num_warps // 2, 1], instr_shape=[1, 16, 8])
+
+
+@gluon.constexpr_function
+def _part_pairs(layout, rows):
+    """The input ring's [slices, 2, rows, 128] view (an input slice of two 128-column parts): each part held as the
+    ring's NVMMA layout (128-byte swizzle, bf16) holds [rows, 128] there, 64-column halves one after the other, the
+    second part after the first. An NVMMA layout of rank 3 would interleave the parts' halves."""
+    assert (layout.swizzle_byte_width == 128) & (layout.element_bitwidth == 16) & (not layout.transposed)
+    bases = [[0, 0, 1 << i] for i in range(6)] + [[0, 1 << i, 8 << i] for i in range(3)]
+    bases += [[0, r, 0] for r in (8, 16, 32, 64) if r < rows] + [[0, 0, 64], [1, 0, 0]]
+    return gl.SharedLinearLayout(offset_bases=bases, alignment=1024)
+
+
+@gluon.jit
+def _input_pair(xring, xready, cx, hh, layout: gl.constexpr):
+    """Input parts 2 hh and 2 hh + 1 (slice hh's two, or slices 2 hh and 2 hh + 1 where a slice is one part), waited
+    for, as the [2, 128, padded batch] B operand of `layout` (paired_mma_layout): a warp loads its half's part."""
+    XD: gl.constexpr = xring.type.shape[0]
+    B_PAD: gl.constexpr = xring.type.shape[1]
+    SUB: gl.constexpr = xring.type.shape[2] // PART
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=layout, k_width=2)
+    if SUB == 2:
+        xs = (cx + hh) % XD
+        mbarrier.wait(xready.index(xs), ((cx + hh) // XD) & 1)
+        pair = xring.reinterpret(xring.dtype, [XD, 2, B_PAD, PART], _part_pairs(xring.layout, B_PAD)).index(xs)
+        return pair.permute((0, 2, 1)).load(operand)
+    else:
+        half = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, operand)))[:, None, None]
+        one = _input_part(xring, xready, cx, 2 * hh, 0, gl.SliceLayout(0, operand))
+        other = _input_part(xring, xready, cx, 2 * hh + 1, 0, gl.SliceLayout(0, operand))
+        return gl.where(half == 0, gl.expand_dims(one, 0), gl.expand_dims(other, 0))
+
+
 @gluon.jit
 def _w8a16_packed(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, empty, xring, xready, c, cx, chained,
                   CHAIN: gl.constexpr, layout: gl.constexpr):
     """_w8a16_block over slots whose bottom half holds the block's rows again (load_block): a 128-column part of the
-    slot, converted once, is two parts of the input, its top rows' product with the first going into one
-    accumulator and its bottom rows' with the second into another (both computed for all rows: a warp's B operand
-    is every warp's), summed at the end (a layout conversion brings a row's two sums, other warps', to one
-    thread). A slot takes two input slices' worth of parts or more: its barrier, release and refills are one
-    group (_group_taken)."""
+    slot, converted once, is two parts of the input, its top rows' product with the first and its bottom rows' with
+    the second one batched mma.sync (paired_mma_layout: each warp multiplies its own rows by its own half's part),
+    the halves summed at the end. A slot takes two input slices' worth of parts or more: its barrier, release and
+    refills are one group (_group_taken)."""
     NBUF: gl.constexpr = ring.type.shape[0]
     BN: gl.constexpr = ring.type.shape[1]
     PARTS: gl.constexpr = ring.type.shape[2] // PART
     SUB: gl.constexpr = xring.type.shape[2] // PART
     QT: gl.constexpr = KT * SUB
     B_PAD: gl.constexpr = xring.type.shape[1]
-    mma: gl.constexpr = sync_mma_layout(gl.num_warps())
-    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=sync_mma_layout(gl.num_warps()), k_width=2)
+    paired: gl.constexpr = paired_mma_layout(gl.num_warps())
     gl.static_assert(QT % (2 * PARTS) == 0, "a block's slots are whole")
     parts = ring.reinterpret(ring.dtype, [NBUF * PARTS, BN, PART], ring.layout)
     scales = gl.convert_layout(scales, gl.SliceLayout(1, operand))
     valid = gl.convert_layout(valid, gl.SliceLayout(1, operand))
     scale = gl.load(scales, mask=valid, other=0.0)
-    top = gl.zeros([BN, B_PAD], gl.float32, layout=mma)
-    bottom = gl.zeros([BN, B_PAD], gl.float32, layout=mma)
+    acc = gl.zeros([2, BN // 2, B_PAD], gl.float32, layout=paired)
     G: gl.constexpr = 2 * PARTS // SUB      # a slot's input slices
     for j in range(QT // (2 * PARTS)):
         _group_taken(x_desc, x_row, KT, xring, xready, cx, j * G, G, chained, CHAIN, empty, c + j - 1, 1, j > 0)
@@ -595,21 +631,13 @@ def _w8a16_packed(x_desc, x_row, KT: gl.constexpr, scales, valid, ring, ready, e
             hh = j * PARTS + p
             next_scale = gl.load(scales + hh * 2 + 2, mask=valid & (hh * 2 + 2 < QT), other=0.0)
             a = _dequantized(parts.index(s * PARTS + p), scale, operand)
-            top = mma_v2(a, _input_part(xring, xready, cx, 2 * hh // SUB, 0, mma), top)
-            bottom = mma_v2(a, _input_part(xring, xready, cx, (2 * hh + 1) // SUB, SUB - 1, mma), bottom)
+            a = gl.convert_layout(gl.reshape(a, [2, BN // 2, PART]),
+                                  gl.DotOperandLayout(operand_index=0, parent=paired, k_width=2))
+            acc = mma_v2(a, _input_pair(xring, xready, cx, hh, paired), acc)
             scale = next_scale
     _group_taken(x_desc, x_row, KT, xring, xready, cx, KT, G, chained, CHAIN, empty, c + QT // (2 * PARTS) - 1, 1, True)
-    top = gl.convert_layout(top, layout)
-    bottom = gl.convert_layout(bottom, layout)
-    # rows r of the sum: top's r and bottom's r + BN / 2, gathered into one thread's registers; rows past BN / 2 (the
-    # block's padding: never stored) repeat them
-    flat: gl.constexpr = gl.BlockedLayout([1, 1], [32 // B_PAD, B_PAD], [gl.num_warps(), 1], [1, 0])
-    paired: gl.constexpr = gl.BlockedLayout([2, 1, 1], [1, 32 // B_PAD, B_PAD], [1, gl.num_warps(), 1], [2, 1, 0])
-    top = gl.convert_layout(gl.reshape(gl.convert_layout(top, flat), [2, BN // 2, B_PAD]), paired)
-    bottom = gl.convert_layout(gl.reshape(gl.convert_layout(bottom, flat), [2, BN // 2, B_PAD]), paired)
-    half = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, paired)))[:, None, None]
-    total = gl.sum(gl.where(half == 0, top, bottom), axis=0)
-    total = gl.expand_dims(total, 0) + gl.zeros([2, BN // 2, B_PAD], gl.float32, layout=paired)
+    # rows r of the sum, in the block's layout: rows past BN / 2 (the block's padding: never stored) repeat them
+    total = gl.expand_dims(gl.sum(acc, axis=0), 0) + gl.zeros([2, BN // 2, B_PAD], gl.float32, layout=paired)
     return gl.convert_layout(gl.reshape(total, [BN, B_PAD]), layout), c + QT // (2 * PARTS)
 
 
