@@ -263,6 +263,37 @@ def test_e4m3_tiles_of_half_a_slot_stream_two_column_ranges_a_slot():
     assert not packs_halves(gl.float8e4nv, 16, preset("qwen3-30b-a3b").moe_intermediate_size, ring)
 
 
+@pytest.mark.parametrize("b_pad", [8, 16])
+def test_packed_loop_reads_each_input_part_where_the_ring_holds_it(b_pad):
+    """device/ring.py _part_pairs, the [2, rows, 128] view through which the packed W8A16 loop loads a slice's two
+    input parts: each part's bytes where the input ring's own layout holds [rows, 128], the second part after the
+    first (an NVMMA layout of rank 3 puts a part's second 64 columns after the other part's first: the loop read the
+    wrong columns with it on an H100). Checked by the Triton here, on the layouts' linear forms."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from distmk.device.ring import _part_pairs, matmul_layouts
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
+        pytest.skip("Triton before 3.7 cannot give a shared layout's linear form")
+
+    @gluon.constexpr_function
+    def stacked(part):
+        return gl.SharedLinearLayout(offset_bases=[[0] + b for b in part.offset_bases] + [[1, 0, 0]],
+                                     alignment=part.alignment)
+
+    @gluon.jit
+    def check(x, RING: gl.constexpr, PAIRS: gl.constexpr, ROWS: gl.constexpr):
+        part: gl.constexpr = gl.to_linear_layout(RING, [ROWS, 128])
+        gl.static_assert(gl.to_linear_layout(PAIRS, [2, ROWS, 128]) == stacked(part))
+
+    _, ring = matmul_layouts(256, b_pad)
+    source = GluonASTSource(check, {"x": "*bf16", "RING": "constexpr", "PAIRS": "constexpr", "ROWS": "constexpr"},
+                            {(1,): ring, (2,): _part_pairs(ring, b_pad), (3,): b_pad}, {})
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
 def test_ring_megakernel_refuses_rings_that_would_hang_or_overflow():
     from distmk.errors import DistmkError
     for options in ({"ring_slots": 1}, {"ring_inputs": 1}, {"ring_slots": 7, "ring_inputs": 4}):
