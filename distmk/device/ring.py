@@ -573,7 +573,8 @@ def _part_pairs(layout, rows):
     """The input ring's [slices, 2, rows, 128] view (an input slice of two 128-column parts): each part held as the
     ring's NVMMA layout (128-byte swizzle, bf16) holds [rows, 128] there, 64-column halves one after the other, the
     second part after the first. An NVMMA layout of rank 3 would interleave the parts' halves."""
-    assert (layout.swizzle_byte_width == 128) & (layout.element_bitwidth == 16) & (not layout.transposed)
+    assert (layout.swizzle_byte_width == 128) & (layout.element_bitwidth == 16) & (not layout.transposed), \
+        f"input slices in a 128-byte-swizzled bf16 layout (matmul_layouts), not {layout}"
     bases = [[0, 0, 1 << i] for i in range(6)] + [[0, 1 << i, 8 << i] for i in range(3)]
     bases += [[0, r, 0] for r in (8, 16, 32, 64) if r < rows] + [[0, 0, 64], [1, 0, 0]]
     return gl.SharedLinearLayout(offset_bases=bases, alignment=1024)
@@ -581,8 +582,9 @@ def _part_pairs(layout, rows):
 
 @gluon.jit
 def _input_pair(xring, xready, cx, hh, layout: gl.constexpr):
-    """Input parts 2 hh and 2 hh + 1 (slice hh's two, or slices 2 hh and 2 hh + 1 where a slice is one part), waited
-    for, as the [2, 128, padded batch] B operand of `layout` (paired_mma_layout): a warp loads its half's part."""
+    """Input parts 2 hh and 2 hh + 1, waited for, as the [2, 128, padded batch] B operand of `layout`
+    (paired_mma_layout): slice hh's two, a warp loading its half's part; or, where a slice is one part, slices 2 hh
+    and 2 hh + 1 (which may wrap around the ring), every warp loading both and keeping its own."""
     XD: gl.constexpr = xring.type.shape[0]
     B_PAD: gl.constexpr = xring.type.shape[1]
     SUB: gl.constexpr = xring.type.shape[2] // PART
