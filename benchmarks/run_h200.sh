@@ -61,52 +61,65 @@ if [[ $STAGES == *" fp8 "* ]]; then
   # then decode.py --quantize fp8 for FP8_MODELS (MODEL:BATCH; default: issue 43's, llama-3-8b and qwen3-8b at
   # batch 1 and 8, qwen3-30b-a3b at 1), each with distmk's bf16 step and the compiled bf16 and FP8 (weight-only,
   # W8A8) baselines from the same process; then prefill.py on llama-3-8b's FP8 twin and on its bf16 weights, and
-  # fp8_accuracy.py for FP8_ACCURACY (default llama-3-8b)
-  stamp "GPU tests (e4m3 products; transformers' own FP8 on the same checkpoint)"
-  timeout 300 python3 -m pytest -q -s tests/test_gpu.py -k "e4m3 or (matches_tl and fp8) or transformers_fp8 or scaled_mm_blocks or w8a8_prefill" 2>&1 | grep -v Warn \
-      > "$OUT/gpu_tests_fp8.log"
-  tail -n 4 "$OUT/gpu_tests_fp8.log"
-  # the probe at the megakernel's padded batch up to 8: bf16, W8A16 (and on two consumer warpgroups) and W8A8 over
-  # the same bytes (an H100 had W8A8 the slower: results/h100-2026-12-06-bf2ceb1), on every SM, then W8A16's loops on
-  # 33 programs, where HBM does not bound them (results/h100-2026-12-07-5750d7f)
-  stamp "stream.py --probe-only"
-  timeout 150 python3 benchmarks/stream.py --probe-only --probe-kernels gluon,gluon-fp8,gluon-fp8-2wg,gluon-w8a8 \
-      --probe-rows 64,128 --probe-pad 8 --iters 20 --json --out "$OUT/stream_probe.json" 2>&1 \
-      | grep "\[stream\]" | grep "barrier 0" | grep "BK 256 stages \(9\|4 x 4\)"
-  timeout 100 python3 benchmarks/stream.py --probe-only --probe-kernels gluon-fp8,gluon-fp8-2wg --probe-rows 128 \
-      --probe-pad 8 --probe-programs 33 --iters 20 --json --out "$OUT/stream_probe_per_sm.json" 2>&1 \
-      | grep "\[stream\]" | grep "barrier 0" | grep "BK 256 stages 9"
-  for one in ${FP8_MODELS:-llama-3-8b:1 llama-3-8b:8 qwen3-8b:1 qwen3-8b:8 qwen3-30b-a3b:1}; do
-    IFS=: read -r model batch <<< "$one"
-    stamp "decode $one, e4m3 products"
-    left=$((DEADLINE - SECONDS))
-    [ $left -lt 100 ] && { stamp "decode $one skipped: ${left} s left"; continue; }
-    timeout $((left < 400 ? left : 400)) python3 benchmarks/decode.py --model "$model" --batch "$batch" --context 512 \
-        --iters 100 --skip-hf $compiled --quantize fp8 --stream-e4m3 1 --json \
-        --out "$OUT/decode_${model}_b${batch}_fp8.json" 2>&1 | grep -v "$noise" \
-        > "$OUT/decode_${model}_b${batch}_fp8.log"
-    python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('step_ms', \
-'roofline_ms', 'efficiency', 'bf16_step_ms', 'cudagraph_compiled_ms', 'cudagraph_compiled_fp8_ms', \
-'cudagraph_compiled_w8a8_ms')})" \
-        "$OUT/decode_${model}_b${batch}_fp8.json" \
-        2>/dev/null || tail -n 3 "$OUT/decode_${model}_b${batch}_fp8.log"
-  done
-  for quantize in fp8 ""; do      # a 512-token chunk: the FP8 twin dequantizes its weights a layer at a time
-    left=$((DEADLINE - SECONDS))
-    [ $left -lt 60 ] && { stamp "prefill.py ${quantize:-bf16} skipped: ${left} s left"; continue; }
-    stamp "prefill.py llama-3-8b ${quantize:-bf16}"
-    timeout $((left < 120 ? left : 120)) python3 benchmarks/prefill.py --model llama-3-8b ${quantize:+--quantize $quantize} \
-        --chunks 512 --baseline none --iters 10 --json --out "$OUT/prefill_llama-3-8b_${quantize:-bf16}.json" \
-        2> "$OUT/prefill_llama-3-8b_${quantize:-bf16}.log" > /dev/null
-    grep "tokens " "$OUT/prefill_llama-3-8b_${quantize:-bf16}.log" | cut -c1-120
-  done
-  for model in ${FP8_ACCURACY:-llama-3-8b}; do     # the FP8 twin's logits against the bf16 model's
-    left=$((DEADLINE - SECONDS))
-    [ $left -lt 60 ] && { stamp "fp8_accuracy.py $model skipped: ${left} s left"; continue; }
-    stamp "fp8_accuracy.py $model"
-    timeout $((left < 200 ? left : 200)) python3 benchmarks/fp8_accuracy.py --model "$model" --positions 512 \
-        --out "$OUT/fp8_accuracy_$model.json" 2> "$OUT/fp8_accuracy_$model.log" | grep "top1\|rel_err_median\|kl_mean"
-  done
+  # fp8_accuracy.py for FP8_ACCURACY (default llama-3-8b). FP8_STEPS picks among "tests probe decode prefill
+  # accuracy" (default all): a device call's 600 s hold the tests, the probes and one or two decode runs, so the
+  # other decode runs take calls of their own (FP8_STEPS=decode FP8_MODELS=...)
+  FP8_STEPS=" ${FP8_STEPS:-tests probe decode prefill accuracy} "
+  if [[ $FP8_STEPS == *" tests "* ]]; then
+    stamp "GPU tests (e4m3 products; transformers' own FP8 on the same checkpoint)"
+    timeout 300 python3 -m pytest -q -s tests/test_gpu.py -k "e4m3 or (matches_tl and fp8) or transformers_fp8 or scaled_mm_blocks or w8a8_prefill" 2>&1 | grep -v Warn \
+        > "$OUT/gpu_tests_fp8.log"
+    tail -n 4 "$OUT/gpu_tests_fp8.log"
+  fi
+  if [[ $FP8_STEPS == *" probe "* ]]; then
+    # the probe at the megakernel's padded batch up to 8: bf16, W8A16 (and on two consumer warpgroups) and W8A8 over
+    # the same bytes (an H100 had W8A8 the slower: results/h100-2026-12-06-bf2ceb1), on every SM, then W8A16's loops on
+    # 33 programs, where HBM does not bound them (results/h100-2026-12-07-5750d7f)
+    stamp "stream.py --probe-only"
+    timeout 150 python3 benchmarks/stream.py --probe-only --probe-kernels gluon,gluon-fp8,gluon-fp8-2wg,gluon-w8a8 \
+        --probe-rows 64,128 --probe-pad 8 --iters 20 --json --out "$OUT/stream_probe.json" 2>&1 \
+        | grep "\[stream\]" | grep "barrier 0" | grep "BK 256 stages \(9\|4 x 4\)"
+    timeout 100 python3 benchmarks/stream.py --probe-only --probe-kernels gluon-fp8,gluon-fp8-2wg --probe-rows 128 \
+        --probe-pad 8 --probe-programs 33 --iters 20 --json --out "$OUT/stream_probe_per_sm.json" 2>&1 \
+        | grep "\[stream\]" | grep "barrier 0" | grep "BK 256 stages 9"
+  fi
+  if [[ $FP8_STEPS == *" decode "* ]]; then
+    for one in ${FP8_MODELS:-llama-3-8b:1 llama-3-8b:8 qwen3-8b:1 qwen3-8b:8 qwen3-30b-a3b:1}; do
+      IFS=: read -r model batch <<< "$one"
+      stamp "decode $one, e4m3 products"
+      left=$((DEADLINE - SECONDS))
+      [ $left -lt 100 ] && { stamp "decode $one skipped: ${left} s left"; continue; }
+      timeout $((left < 400 ? left : 400)) python3 benchmarks/decode.py --model "$model" --batch "$batch" --context 512 \
+          --iters 100 --skip-hf $compiled --quantize fp8 --stream-e4m3 1 --json \
+          --out "$OUT/decode_${model}_b${batch}_fp8.json" 2>&1 | grep -v "$noise" \
+          > "$OUT/decode_${model}_b${batch}_fp8.log"
+      python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('step_ms', \
+  'roofline_ms', 'efficiency', 'bf16_step_ms', 'cudagraph_compiled_ms', 'cudagraph_compiled_fp8_ms', \
+  'cudagraph_compiled_w8a8_ms')})" \
+          "$OUT/decode_${model}_b${batch}_fp8.json" \
+          2>/dev/null || tail -n 3 "$OUT/decode_${model}_b${batch}_fp8.log"
+    done
+  fi
+  if [[ $FP8_STEPS == *" prefill "* ]]; then
+    for quantize in fp8 ""; do      # a 512-token chunk: the FP8 twin dequantizes its weights a layer at a time
+      left=$((DEADLINE - SECONDS))
+      [ $left -lt 60 ] && { stamp "prefill.py ${quantize:-bf16} skipped: ${left} s left"; continue; }
+      stamp "prefill.py llama-3-8b ${quantize:-bf16}"
+      timeout $((left < 120 ? left : 120)) python3 benchmarks/prefill.py --model llama-3-8b ${quantize:+--quantize $quantize} \
+          --chunks 512 --baseline none --iters 10 --json --out "$OUT/prefill_llama-3-8b_${quantize:-bf16}.json" \
+          2> "$OUT/prefill_llama-3-8b_${quantize:-bf16}.log" > /dev/null
+      grep "tokens " "$OUT/prefill_llama-3-8b_${quantize:-bf16}.log" | cut -c1-120
+    done
+  fi
+  if [[ $FP8_STEPS == *" accuracy "* ]]; then
+    for model in ${FP8_ACCURACY:-llama-3-8b}; do     # the FP8 twin's logits against the bf16 model's
+      left=$((DEADLINE - SECONDS))
+      [ $left -lt 60 ] && { stamp "fp8_accuracy.py $model skipped: ${left} s left"; continue; }
+      stamp "fp8_accuracy.py $model"
+      timeout $((left < 200 ? left : 200)) python3 benchmarks/fp8_accuracy.py --model "$model" --positions 512 \
+          --out "$OUT/fp8_accuracy_$model.json" 2> "$OUT/fp8_accuracy_$model.log" | grep "top1\|rel_err_median\|kl_mean"
+    done
+  fi
 fi
 
 if [[ $STAGES == *" startup "* ]]; then
