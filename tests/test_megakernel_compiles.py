@@ -270,11 +270,10 @@ def test_packed_loop_reads_each_input_part_where_the_ring_holds_it(b_pad):
     first (an NVMMA layout of rank 3 puts a part's second 64 columns after the other part's first: the loop read the
     wrong columns with it on an H100). Checked by the Triton here, on the layouts' linear forms."""
     import triton
-    from triton.backends.compiler import GPUTarget
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
     from distmk.device.ring import _part_pairs, matmul_layouts
+    from distmk.kernels.megakernel import compile_ahead
     if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
         pytest.skip("Triton before 3.7 cannot give a shared layout's linear form")
 
@@ -289,9 +288,8 @@ def test_packed_loop_reads_each_input_part_where_the_ring_holds_it(b_pad):
         gl.static_assert(gl.to_linear_layout(PAIRS, [2, ROWS, 128]) == stacked(part))
 
     _, ring = matmul_layouts(256, b_pad)
-    source = GluonASTSource(check, {"x": "*bf16", "RING": "constexpr", "PAIRS": "constexpr", "ROWS": "constexpr"},
-                            {(1,): ring, (2,): _part_pairs(ring, b_pad), (3,): b_pad}, {})
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    compile_ahead(check, {"x": torch.empty(1, dtype=torch.bfloat16, device="meta"), "RING": ring,
+                          "PAIRS": _part_pairs(ring, b_pad), "ROWS": b_pad, "num_warps": 4}, {})
 
 
 def test_ring_megakernel_refuses_rings_that_would_hang_or_overflow():

@@ -573,7 +573,7 @@ def _part_pairs(layout, rows):
     """The input ring's [slices, 2, rows, 128] view (an input slice of two 128-column parts): each part held as the
     ring's NVMMA layout (128-byte swizzle, bf16) holds [rows, 128] there, 64-column halves one after the other, the
     second part after the first. An NVMMA layout of rank 3 would interleave the parts' halves."""
-    assert (layout.swizzle_byte_width == 128) & (layout.element_bitwidth == 16) & (not layout.transposed), \
+    assert layout.swizzle_byte_width == 128 and layout.element_bitwidth == 16 and not layout.transposed, \
         f"input slices in a 128-byte-swizzled bf16 layout (matmul_layouts), not {layout}"
     bases = [[0, 0, 1 << i] for i in range(6)] + [[0, 1 << i, 8 << i] for i in range(3)]
     bases += [[0, r, 0] for r in (8, 16, 32, 64) if r < rows] + [[0, 0, 64], [1, 0, 0]]
