@@ -3,8 +3,8 @@
     python benchmarks/variants.py --model llama-3-8b --batch 1 \\
         --variants '[{"kernel": "ring"}, {"kernel": "ring", "ring_slots": 4}, {"kernel": "ring", "trace": true}]'
 
-With --quantize fp8 the engine's weights are the model's FP8 twin; a ring variant streams them in e4m3 with
-"stream_e4m3": 1.
+With --quantize fp8 the engine's weights are the model's FP8 twin, its products held in e4m3 (the engine's own step
+streams them so: stream_e4m3); a variant streams them in e4m3 with "stream_e4m3": 1.
 
 A variant is KernelOptions fields (kernels/options.py), plus "graph": GraphConfig fields (a table of its own over
 the same weights and KV cache) and "trace": true (one traced step: the per-type breakdown and the phase timeline,
@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     from distmk.kernels.autotune import launch_times
     from distmk.kernels.executor import TritonExecutor
     variants = json.loads(args.variants)
-    engine, _ = decode_step(args.model, args.batch, args.context, kernel=args.engine_kernel, quantize=args.quantize)
+    engine, _ = decode_step(args.model, args.batch, args.context, kernel=args.engine_kernel, quantize=args.quantize,
+                            **({"stream_e4m3": 1} if args.quantize else {}))
     reference = engine.executor.buf["logits"][:args.batch].clone()
     for index, variant in enumerate(variants):
         options, t0 = dict(variant), time.perf_counter()
