@@ -3,8 +3,8 @@
     python benchmarks/variants.py --model llama-3-8b --batch 1 \\
         --variants '[{"kernel": "ring"}, {"kernel": "ring", "ring_slots": 4}, {"kernel": "ring", "trace": true}]'
 
-With --quantize fp8 the engine's weights are the model's FP8 twin, its products held in e4m3 (the engine's own step
-streams them so: stream_e4m3); a variant streams them in e4m3 with "stream_e4m3": 1.
+With --quantize fp8 the engine's weights are the model's FP8 twin with its products held in e4m3 alone (the engine is
+built with stream_e4m3), and every variant's executor streams them in e4m3.
 
 A variant is KernelOptions fields (kernels/options.py), plus "graph": GraphConfig fields (a table of its own over
 the same weights and KV cache) and "trace": true (one traced step: the per-type breakdown and the phase timeline,
