@@ -31,7 +31,6 @@ import functools
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from distmk.comm import sum_in_rank_order
 from distmk.models.fp8 import KERNEL_BLOCK, dequantize_blocks, in_block_order, quantize_groups, scaled_mm_blocks
@@ -138,11 +137,8 @@ def prefill_chunk(engine, tokens: list[int], start: int, blocks: list[int], logi
         attend = own_keys
     else:
         cached = torch.arange(start + n, device=device)                   # every position the chunk may see
-        # without a window, causal from the chunk's last row back (query i sees the keys up to start + i): a
-        # bias object, which the fused kernels take as causal, rather than a mask tensor
-        keep = (visible(positions, cached, spec.sliding_window) if spec.sliding_window
-                else causal_lower_right(n, start + n))
-        attend = cached_keys(engine, table[cached // kv.block_size], cached % kv.block_size, keep)
+        attend = cached_keys(engine, table[cached // kv.block_size], cached % kv.block_size,
+                             visible(positions, cached, spec.sliding_window))
     return run_layers(engine, torch.as_tensor(tokens, device=device), positions, page, slot, attend,
                       logits=logits)
 
@@ -154,18 +150,22 @@ def visible(positions: torch.Tensor, keys: torch.Tensor, window: int | None) -> 
     return keep & (keys[None, :] > positions[:, None] - window) if window else keep
 
 
-def cached_keys(engine, page: torch.Tensor, slot: torch.Tensor, mask):
+def cached_keys(engine, page: torch.Tensor, slot: torch.Tensor, mask: torch.Tensor):
     """attend(layer, q, k, v) over the cache's keys at (page, slot), read after the layer's KV store (so the
-    chunk's own keys are among them), under `mask` (a [rows, keys] boolean tensor or a causal bias). The kv
-    heads are repeated for their query heads: with a mask, scaled_dot_product_attention's fused kernel (memory
-    efficient) does not take GQA, and enable_gqa with a mask left it its math kernel alone, which materialises
-    every score (in float32 for bf16 inputs)."""
+    chunk's own keys are among them), where `mask` ([rows, keys] boolean) says which keys a row sees. A kv head's
+    query heads are folded into its rows ([1, kv heads, group x rows, D]) and the mask repeated for them, so that
+    each kv head's keys are gathered and read once: with a mask, scaled_dot_product_attention's fused kernel
+    (memory efficient) does not take GQA, and enable_gqa with a mask left it its math kernel alone, which
+    materialises every score; repeating the keys for every query head wrote and read them `group` times."""
     kv, group = engine.kv, engine.plan.num_heads // engine.plan.num_kv_heads
+    folded = mask.repeat(group, 1)
 
     def attend(layer, q, k, v):
-        keys, values = (cache[layer][page, slot].repeat_interleave(group, dim=1).transpose(0, 1)[None]
-                        for cache in (kv.k, kv.v))
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        keys, values = (cache[layer][page, slot].transpose(0, 1)[None] for cache in (kv.k, kv.v))
+        _, heads, rows, d = q.shape
+        out = F.scaled_dot_product_attention(q.reshape(1, heads // group, group * rows, d), keys, values,
+                                             attn_mask=folded)
+        return out.view(1, heads, rows, d)
     return attend
 
 
@@ -230,8 +230,8 @@ class ChunkGraphs:
     A later chunk's key bucket is at least its row bucket (unless a sequence holds fewer positions): chunks of
     512 over a context of 4096 make at most 6 first-chunk graphs and 39 later ones. They share one memory pool,
     and nothing a graph allocates outlives its replay, so the pool should hold about the largest graph's
-    intermediates, not their sum (not yet measured; at 512 rows and 4096 keys of llama-3-8b, a layer's keys
-    and values repeated for 32 heads are 64 MB). Only where nothing in a layer waits for the host: one rank
+    intermediates, not their sum (not yet measured; at 512 rows and 4096 keys of llama-3-8b, a layer's gathered
+    keys and values are 16 MB). Only where nothing in a layer waits for the host: one rank
     (the all-reduce is a host call), no sparse layer (its rows per expert are counted on the host)."""
 
     def __init__(self, engine, largest: int):
