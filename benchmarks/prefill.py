@@ -8,7 +8,9 @@ the same weights; one JSON object.
 
 Each chunk is the first of a fresh sequence (positions 0..n-1), its KV blocks allocated as the batcher does for
 a sequence of n tokens; with `--start S`, a later chunk (positions S..S+n-1, as a long prompt's chunks after the
-first) of a sequence whose positions 0..S-1 an untimed chunk prefilled first. The roofline is the chunk's FLOPs
+first) of a sequence whose positions 0..S-1 an untimed chunk prefilled first; `--max-context` as a server's gives such
+a chunk the key bucket it has there (runtime/prefill.py ChunkGraphs); `--last` times each chunk as its prompt's last,
+which also gives the first token's logits (a cached prefix's suffix, in a server). The roofline is the chunk's FLOPs
 (baselines.prefill_chunk_flops) at the GPU's dense bf16 tensor-core peak (distmk/graph/hardware.py's table); it
 is null off a GPU, in float32, or on a GPU the table lacks. The baseline (baselines.build_torch_prefill) is
 torch.compile'd by default; `--baseline eager` runs it uncompiled (Inductor takes a minute to compile even a
@@ -60,6 +62,11 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=20, help="timed calls per chunk (after 3 untimed ones)")
     p.add_argument("--start", type=int, default=0,
                    help="time each chunk at positions START.. after an untimed prefill of 0..START-1")
+    p.add_argument("--max-context", type=int, default=0,
+                   help="the engine's context (default: --start plus the longest chunk); a server's (distmk.serve "
+                        "--max-context) gives a later chunk the key buckets it has there")
+    p.add_argument("--last", action="store_true",
+                   help="time each chunk as its prompt's last, with its last position's logits (the first token's)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--baseline", choices=BASELINES, default="compiled",
                    help="the per-op PyTorch prefill: torch.compile'd, uncompiled, or not run")
@@ -80,6 +87,9 @@ def parse_args(argv=None):
         p.error(f"argument --iters: must be >= 1, got {args.iters}")
     if args.start < 0:
         p.error(f"argument --start: must be >= 0, got {args.start}")
+    if args.max_context and args.max_context < args.start + max(args.chunks):
+        p.error(f"argument --max-context: must hold --start plus the longest chunk ({args.start + max(args.chunks)}), "
+                f"got {args.max_context}")
     if args.start and args.baseline != "none":
         p.error("argument --start: the PyTorch baseline prefills a first chunk only: use --baseline none")
     return args
@@ -110,7 +120,7 @@ def run(args, log) -> dict:
     dtype = torch.bfloat16 if on_gpu else torch.float32
     peak = bf16_dense_flops(device) if dtype == torch.bfloat16 else None
     block = 16
-    context = -(-(args.start + max(args.chunks)) // block) * block
+    context = -(-(args.max_context or args.start + max(args.chunks)) // block) * block
     engine = prefill_engine(args.model, device, dtype, max_context=context,
                             compile_prefill=False if args.eager_prefill else None, graphs=not args.no_prefill_graphs,
                             quantize=args.quantize, prefill_fp8=args.prefill_fp8)
@@ -139,13 +149,13 @@ def run(args, log) -> dict:
                 if args.start:
                     prefill_chunk(engine, torch.randint(0, spec.vocab_size, (args.start,), generator=generator)
                                   .tolist(), 0, blocks)
-                distmk_ms = time_ms(lambda: prefill_chunk(engine, token_list, args.start, blocks), device,
-                                    args.iters)
+                distmk_ms = time_ms(lambda: prefill_chunk(engine, token_list, args.start, blocks, last=args.last),
+                                    device, args.iters)
             finally:
                 kv.release(blocks)
             flops = prefill_chunk_flops(spec, engine.plan, n, args.start)
             roofline_ms = flops / peak * 1e3 if peak else None
-            record = {"tokens": n, "start": args.start, "flops": flops, "distmk_ms": distmk_ms,
+            record = {"tokens": n, "start": args.start, "last": args.last, "flops": flops, "distmk_ms": distmk_ms,
                       "distmk_tflops_per_s": flops / distmk_ms / 1e9, "roofline_ms": roofline_ms,
                       "roofline_fraction": roofline_ms / distmk_ms if roofline_ms else None,
                       "torch_ms": None, "speedup_vs_torch": None}
@@ -164,7 +174,8 @@ def run(args, log) -> dict:
     return {"model": args.model, "params": spec.num_parameters(), "dtype": str(dtype).removeprefix("torch."),
             "quantize": args.quantize, "e4m3_products": sorted(engine.weights.fp8),
             "prefill_fp8": engine.prefill_fp8 if engine.weights.fp8 else None,
-            "device": args.device, "gpu": torch.cuda.get_device_name(device) if on_gpu else None,
+            "max_context": engine.max_context, "device": args.device,
+            "gpu": torch.cuda.get_device_name(device) if on_gpu else None,
             "bf16_dense_flops_per_s": peak, "distmk_prefill_compiled": engine.compile_prefill,
             "distmk_prefill_graphs": engine.prefill_graphs is not None, "torch_baseline": args.baseline,
             "torch_baseline_error": baseline_error, "iters": args.iters, "chunks": chunks,

@@ -70,6 +70,32 @@ def test_a_lone_long_prompt_is_prefilled_without_steps_between_its_chunks(engine
     assert seq.output == hf_greedy("tiny-qwen2", tuple(prompt), 3)[0]
 
 
+def test_a_prompt_that_ends_in_a_prefill_chunk_takes_its_first_token_from_it(engine, monkeypatch):
+    """A 16-token prompt in prefill chunks of 8 (after the first, more than a step's 6 rows are left): the second
+    chunk ends the prompt and its last row's logits give the first token, with no decode step for it (which would
+    add a step to the time to first token); the token's log-probability comes from them too. Tokens and logits are
+    transformers', each log-probability the log-softmax of the logits its token was chosen from."""
+    import torch
+    monkeypatch.setattr(engine, "prefill_chunk", 8)
+    batcher = Batcher(engine, prefix_cache=False)
+    steps, chunks, run, prefill = [], [], batcher.run, batcher.prefill
+    batcher.run = lambda step: steps.append(step) or run(step)
+    batcher.prefill = lambda chunk: chunks.append(chunk) or prefill(chunk)
+    prompt = list(range(200, 216))
+    seq = batcher.submit(Sequence(prompt, 3, logprobs=2, keep_logits=True))
+    while batcher.busy:
+        batcher.step()
+    assert [(c.start, len(c.tokens), c.last) for c in chunks] == [(0, 8, False), (8, 8, True)]
+    assert [step.positions for step in steps] == [[16], [17]]
+    ref_tokens, ref_logits = hf_greedy("tiny-qwen2", tuple(prompt), 3)
+    logits = torch.stack(seq.logits)
+    assert seq.output == ref_tokens
+    assert (logits - ref_logits).abs().max() / ref_logits.abs().max() < 1e-4
+    want = torch.log_softmax(logits.double(), dim=-1)
+    for row, token, got in zip(want, seq.output, seq.token_logprobs, strict=True):
+        assert got.logprob == pytest.approx(row[token].item()) and got.top[0] == (token, got.logprob)
+
+
 def test_a_prompt_bound_for_prefill_chunks_starts_with_one(engine, monkeypatch):
     """Two prompts bound for prefill chunks arrive together beside a stream, the first short enough for one chunk:
     the step after it has rows to spare, and the second prompt waits for its own first chunk at position 0

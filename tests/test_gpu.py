@@ -33,8 +33,9 @@ def test_tiny_float32_tokens_equal_transformers(name):
 
 @pytest.mark.parametrize("name", TINY + TINY_MOE)
 def test_tiny_prefill_chunks_on_the_gpu_equal_transformers(name):
-    """A 40-token prompt prefilled on the GPU by matrix products in chunks of 16, 16 and 7 tokens, then decoded by
-    the megakernel from the KV cache the chunks wrote: transformers' tokens (float32)."""
+    """A 40-token prompt prefilled on the GPU by matrix products in chunks of 16, 16 and 8 tokens (the last one's last
+    row gives the first token), then decoded by the megakernel from the KV cache the chunks wrote: transformers'
+    tokens (float32)."""
     prompt = [(7 * i + 3) % 50 for i in range(40)]
     config = GraphConfig(**{**SMALL.__dict__, "workers": sms()})
     engine = Engine(name, backend="triton", device="cuda", config=config, autotune=False, prefill_chunk=16)

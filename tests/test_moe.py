@@ -329,8 +329,8 @@ def test_a_step_whose_rows_share_experts_matches_transformers():
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", TINY_MOE)
 def test_prefill_chunks_match_transformers(checkpoints, name, tp):
-    """A 40-token prompt prefilled by matrix products in chunks of 16, 16 and 7 (runtime/prefill.py routes and
-    combines as the tasks do)."""
+    """A 40-token prompt prefilled by matrix products in chunks of 16, 16 and 8, the last one's last row giving the
+    first token (runtime/prefill.py routes and combines as the tasks do)."""
     path = checkpoints[name]
     prompt = tuple((7 * i + 3) % 50 for i in range(40))
     ref_tokens, ref_logits = transformers_greedy(path, prompt, 16)

@@ -798,12 +798,13 @@ def test_warm_up_leaves_no_prefill_bucket_to_a_request():
             pass
 
         def prefill(self, chunk):
-            warmed.add(graphs.stage(chunk.tokens, chunk.start, chunk.blocks))
+            warmed.add((*graphs.stage(chunk.tokens, chunk.start, chunk.blocks), chunk.last))
 
     warm_up(StagingLeader(), engine)
     blocks = list(range(engine.kv.blocks_per_seq))
-    missing = {graphs.stage([0] * n, start, blocks) for start in range(CONTEXT) for n in range(2, 65)
-               if start + n <= CONTEXT} - warmed
+    # a prompt's last chunk has any length; one that is not its last, the chunk size (Batcher.plan_prefill)
+    missing = {(*graphs.stage([0] * n, start, blocks), last) for start in range(CONTEXT) for n in range(2, 65)
+               for last in (True, False) if start + n <= CONTEXT and (last or n == 64)} - warmed
     assert not missing, sorted(missing)
 
 

@@ -42,8 +42,8 @@ def test_tp2_checkpoint_dirs_match_transformers(name, saved_checkpoints):
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", TINY)
 def test_prefill_chunks_match_transformers(name, tp):
-    """A 40-token prompt prefilled by matrix products (runtime/prefill.py) in chunks of 16, 16 and 7 tokens (its last
-    token goes through a step): transformers' tokens, and every rank bit-identical."""
+    """A 40-token prompt prefilled by matrix products (runtime/prefill.py) in chunks of 16, 16 and 8 tokens (the last
+    one's last row gives the first token): transformers' tokens, and every rank bit-identical."""
     prompt = [(7 * i + 3) % 50 for i in range(40)]
     ref_tokens, ref_logits = hf_greedy(name, tuple(prompt), 16)
     results = generate_tp(name, tp, new_tokens=16, prompt=prompt, prefill_chunk=16)
@@ -55,7 +55,7 @@ def test_prefill_chunks_match_transformers(name, tp):
 
 def test_compiled_prefill_stages_match_transformers():
     """The prefill's element-wise stages torch.compile'd, as a GPU runs them (here Inductor's CPU code): chunks
-    of 16, 16 and 7 tokens, one compilation for all three lengths, transformers' tokens, ranks bit-identical."""
+    of 16, 16 and 8 tokens, one compilation for all three lengths, transformers' tokens, ranks bit-identical."""
     prompt = [(7 * i + 3) % 50 for i in range(40)]
     ref_tokens, ref_logits = hf_greedy("tiny-qwen3", tuple(prompt), 16)
     results = generate_tp("tiny-qwen3", 2, new_tokens=16, prompt=prompt, prefill_chunk=16, compile_prefill=True)
@@ -71,12 +71,13 @@ def test_chunk_in_a_longer_bucket_writes_the_plain_chunks_kv(name, start, reques
     """What a chunk's CUDA graph records (runtime/prefill.ChunkGraphs, captured on a GPU only), run as it is: an
     11-token chunk at `start` (after a plain chunk of the positions before it) in the 16-row bucket, whose extra
     rows repeat the last one, and at start 19 in the 32-key bucket, whose extra keys repeat the last (30 of 32),
-    writes the K and V the plain chunk writes, and nothing past its positions. "window": tiny-mistral with a
-    sliding window of 8, whose chunks, the first included, all go through the masked keys."""
+    writes the K and V the plain chunk writes, and nothing past its positions; as its prompt's last chunk, the logits
+    of its last row are the plain chunk's. "window": tiny-mistral with a sliding window of 8, whose chunks, the first
+    included, all go through the masked keys."""
     from distmk.runtime.prefill import ChunkGraphs, prefill_chunk
     model = request.getfixturevalue("sliding_window_checkpoint")[0] if name == "window" else name
     tokens = [(5 * i + 2) % 40 for i in range(start + 11)]
-    caches = []
+    caches, logits = [], []
     for bucketed in (False, True):
         engine = Engine(model, config=SMALL, max_context=32)
         blocks = engine.kv.allocate([], start + 11)
@@ -86,10 +87,12 @@ def test_chunk_in_a_longer_bucket_writes_the_plain_chunks_kv(name, start, reques
             graphs = ChunkGraphs(engine, 16)
             bucket = graphs.stage(tokens[start:], start, blocks)
             assert bucket == (16, 32 if start else 16 if name == "window" else 0)
-            graphs.forward(*bucket)
+            logits.append(graphs.forward(*bucket, last=True))
         else:
-            prefill_chunk(engine, tokens[start:], start, blocks)
+            logits.append(prefill_chunk(engine, tokens[start:], start, blocks, last=True))
         caches.append((engine.kv.k.clone(), engine.kv.v.clone()))
+    assert logits[0].shape == logits[1].shape == (1, engine.spec.vocab_size)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-5)
     for plain, bucketed in zip(*caches):
         torch.testing.assert_close(bucketed, plain, rtol=1e-4, atol=1e-5)     # float32: other GEMM shapes
     end = start + 11                                                  # the chunk's blocks' positions end.. untouched

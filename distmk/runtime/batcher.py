@@ -3,9 +3,9 @@
 Each step first gives every decoding sequence one row (its last token), then fills the remaining rows with
 a chunk of the oldest prompt still being read (chunked prefill), so a long prompt never stalls the
 streams already running. A prompt longer than a step's rows goes, chunk by chunk (one chunk before each
-step), through the prefill path instead (runtime/prefill.py: GEMMs rather than the decode graph's GEMVs),
-all but its last token (or last few, at most a step's rows): those run in a step, which gives the sequence its
-first token. While no sequence decodes the chunks run back to back; while some do, their steps' free rows read
+step), through the prefill path instead (runtime/prefill.py: GEMMs rather than the decode graph's GEMVs): its
+last chunk's last row gives the sequence its first token, or, where what is left after a chunk fits in a step's
+rows, that step does. While no sequence decodes the chunks run back to back; while some do, their steps' free rows read
 the prompt too. A sequence's KV blocks are reserved when it is admitted (prompt + max_tokens) and returned the
 moment it finishes or is cancelled. With the prefix cache (on by default) a sequence starts from the longest run of
 full blocks of its prompt that earlier sequences wrote (their tokens and every token before them the same: kv_cache.py),
@@ -85,15 +85,17 @@ class StepInputs:
 @dataclass
 class PrefillInputs:
     """A chunk of one sequence's prompt for the prefill path, as every rank must run it: tokens at positions
-    start, start + 1, ... of the sequence whose KV blocks are `blocks`; logits: with the positions' logits."""
+    start, start + 1, ... of the sequence whose KV blocks are `blocks`; logits: with every position's logits;
+    last: the chunk ends the prompt (with its last position's logits, which give the first token)."""
     tokens: list[int]
     start: int
     blocks: list[int]
     logits: bool = False
+    last: bool = False
 
 
 def run_prefill(engine, chunk: PrefillInputs) -> torch.Tensor | None:
-    return prefill_chunk(engine, chunk.tokens, chunk.start, chunk.blocks, chunk.logits)
+    return prefill_chunk(engine, chunk.tokens, chunk.start, chunk.blocks, chunk.logits, chunk.last)
 
 
 def run_step(engine, step: StepInputs) -> tuple[list[list[int]], torch.Tensor | None]:
@@ -223,9 +225,9 @@ class Batcher:
         return bool(self.waiting or self.running)
 
     def _prefills(self, seq: Sequence) -> bool:
-        """Whether the sequence's unread prompt, its last token aside, still goes to a prefill chunk: it is
-        more than a step's rows (and the engine prefills by chunks)."""
-        return bool(self.engine.prefill_chunk) and len(seq.prompt) - 1 - seq.fed > self.engine.config.batch
+        """Whether the sequence's unread prompt still goes to a prefill chunk: it is more than a step's rows (and
+        the engine prefills by chunks)."""
+        return bool(self.engine.prefill_chunk) and len(seq.prompt) - seq.fed > self.engine.config.batch
 
     def plan_prefill(self) -> tuple[Sequence, PrefillInputs] | None:
         """The next prefill chunk and its sequence: of the oldest running sequence whose unread prompt still goes
@@ -233,9 +235,9 @@ class Batcher:
         self._admit()
         for seq in self.running:
             if self._prefills(seq):
-                n = min(self.engine.prefill_chunk, len(seq.prompt) - 1 - seq.fed)
+                n = min(self.engine.prefill_chunk, len(seq.prompt) - seq.fed)
                 chunk = PrefillInputs(seq.prompt[seq.fed:seq.fed + n], seq.fed, seq.blocks,
-                                      logits=seq.prompt_logprobs is not None)
+                                      logits=seq.prompt_logprobs is not None, last=seq.fed + n == len(seq.prompt))
                 seq.fed += n
                 return seq, chunk
         return None
@@ -282,12 +284,14 @@ class Batcher:
             logits = self.prefill(chunk)
             self._offer_blocks(seq)
             if chunk.logits:            # position p's logits give prompt token p + 1's log-probability
-                n = len(chunk.tokens)
+                n = len(chunk.tokens) - chunk.last
                 try:
                     seq.prompt_token_logprobs += token_logprobs(
-                        logits, seq.prompt[chunk.start + 1:chunk.start + n + 1], [seq.prompt_logprobs] * n)
+                        logits[:n], seq.prompt[chunk.start + 1:chunk.start + n + 1], [seq.prompt_logprobs] * n)
                 except Exception as e:  # noqa: BLE001 - this sequence fails, the others go on
                     self._fail_logprobs([seq], e, produced)
+            if chunk.last and seq.finish_reason is None:
+                self._first_token(seq, logits[-1], produced)
         planned = self.plan()
         if planned is None:
             return produced
@@ -299,24 +303,9 @@ class Batcher:
                 if seq.prompt_logprobs is not None:
                     asked.append((row, seq))
                 continue
-            try:
-                if seq.constraint is not None:
-                    token = sample(seq.constraint.mask(logits[row]), seq.params, seq.generator, seq.prompt,
-                                   seq.output)
-                    seq.constraint.accept(token)
-                else:
-                    token = (sample(logits[row], seq.params, seq.generator, seq.prompt, seq.output)
-                             if seq.params.needs_logits else greedy[0][row])
-            except Exception as e:  # noqa: BLE001 - whatever it was, it concerns this sequence only
-                seq.error = f"sampling failed: {e}"
-                self._finish(seq, "error")
-                produced.append((seq, None))
-                continue
-            if seq.keep_logits:
-                seq.logits.append(logits[row])
-            if seq.logprobs is not None:
+            if self._next_token(seq, None if logits is None else logits[row], greedy[0][row], produced) \
+                    and seq.logprobs is not None:
                 asked.append((row, seq))
-            self._produce(seq, token, produced)
         if asked:               # every row's at once: one copy to the host, not a few per row
             # a prompt row's logits give the next prompt token's log-probability, the last row's the new token's
             in_prompt = [batch[row][1] < len(seq.prompt) - 1 for row, seq in asked]
@@ -339,6 +328,36 @@ class Batcher:
         for seq in self.running:
             self._offer_blocks(seq)
         return produced
+
+    def _next_token(self, seq: Sequence, logits: torch.Tensor | None, greedy: int, produced: list) -> bool:
+        """Choose the sequence's next token from its row's [vocab] logits (`greedy`: their argmax, where the
+        sequence asks for no more) and produce it; False where it could not be sampled: the sequence then failed
+        alone (its pair has no token)."""
+        try:
+            if seq.constraint is not None:
+                token = sample(seq.constraint.mask(logits), seq.params, seq.generator, seq.prompt, seq.output)
+                seq.constraint.accept(token)
+            else:
+                token = sample(logits, seq.params, seq.generator, seq.prompt, seq.output) \
+                    if seq.params.needs_logits else greedy
+        except Exception as e:  # noqa: BLE001 - whatever it was, it concerns this sequence only
+            seq.error = f"sampling failed: {e}"
+            self._finish(seq, "error")
+            produced.append((seq, None))
+            return False
+        if seq.keep_logits:
+            seq.logits.append(logits)
+        self._produce(seq, token, produced)
+        return True
+
+    def _first_token(self, seq: Sequence, logits: torch.Tensor, produced: list) -> None:
+        """The first token, from the [vocab] logits of the prompt's last position that its last prefill chunk
+        computed, with its log-probability where asked."""
+        if self._next_token(seq, logits, int(logits.argmax()), produced) and seq.logprobs is not None:
+            try:
+                seq.token_logprobs += token_logprobs(logits[None], [seq.output[-1]], [seq.logprobs])
+            except Exception as e:  # noqa: BLE001 - this sequence fails, the others go on
+                self._fail_logprobs([seq], e, produced)
 
     def _fail_logprobs(self, seqs, error: Exception, produced: list) -> None:
         for seq in seqs:

@@ -17,12 +17,13 @@ Under tensor parallelism every rank runs its shard and the row-parallel outputs 
 (comm.gather), so the ranks stay bit-identical. A sparse layer routes and combines as router tiles do (a
 batch-1 decode table whose o_proj tiles add the logits' shares routes on the float32 normed stream instead).
 A chunk whose prompt's log-probabilities are asked for also runs the last layer to its end and the lm_head as a
-GEMM over every rank's vocabulary slice.
+GEMM over every rank's vocabulary slice; a chunk that ends its prompt does so for its last row, whose logits give
+the sequence's first token (as vLLM's prefill does), rather than a decode step after it.
 
 Even compiled, a chunk launched op by op is bound by the host (some 1300 kernel launches). So a chunk is replayed
 as a CUDA graph where nothing in it waits for the host (ChunkGraphs), the first chunk of a prompt and the chunks
 after it alike: a chunk after the first also stalls every running decode stream for its length. A chunk with
-logits runs op by op.
+every row's logits runs op by op.
 """
 from __future__ import annotations
 
@@ -119,15 +120,17 @@ def stages(compiled: bool):
     return tuple(torch.compile(f, dynamic=True) for f in funcs) if compiled else funcs
 
 
-def prefill_chunk(engine, tokens: list[int], start: int, blocks: list[int], logits: bool = False):
+def prefill_chunk(engine, tokens: list[int], start: int, blocks: list[int], logits: bool = False,
+                  last: bool = False):
     """Write the KV entries of `tokens`, at positions start..start + len(tokens) - 1 of the sequence whose KV
     blocks are `blocks` (positions before `start` are in the cache already). Every rank calls it together. With
     `logits`, also the [tokens, vocab] float32 logits of every position (the lm_head as a GEMM over every rank's
-    vocabulary slice, gathered), what the prompt's log-probabilities are read from; else None."""
+    vocabulary slice, gathered), what the prompt's log-probabilities are read from; else, with `last` (the chunk
+    ends its prompt), the [1, vocab] logits of its last position, what the first token is chosen from; else
+    None."""
     graphs = engine.prefill_graphs
     if graphs is not None and len(tokens) <= graphs.rows[-1] and not logits:
-        graphs.run(tokens, start, blocks)
-        return
+        return graphs.run(tokens, start, blocks, last)
     spec, kv, device = engine.spec, engine.kv, engine.kv.k.device
     n = len(tokens)
     positions = torch.arange(start, start + n, device=device)
@@ -139,8 +142,8 @@ def prefill_chunk(engine, tokens: list[int], start: int, blocks: list[int], logi
         cached = torch.arange(start + n, device=device)                   # every position the chunk may see
         attend = cached_keys(engine, table[cached // kv.block_size], cached % kv.block_size,
                              visible(positions, cached, spec.sliding_window))
-    return run_layers(engine, torch.as_tensor(tokens, device=device), positions, page, slot, attend,
-                      logits=logits)
+    out = slice(None) if logits else slice(n - 1, n) if last else None
+    return run_layers(engine, torch.as_tensor(tokens, device=device), positions, page, slot, attend, out=out)
 
 
 def visible(positions: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -175,11 +178,11 @@ def own_keys(layer, q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
-def run_layers(engine, ids, positions, page, slot, attend, stored=None, logits: bool = False):
+def run_layers(engine, ids, positions, page, slot, attend, stored=None, out=None):
     """The chunk's rows through every layer: tokens `ids` at `positions`, their K and V written to the cache's
     (page, slot); attend(layer, q, k, v) gives the attention of the rows' queries [1, heads, rows, D]. stored:
-    the row whose K and V each cache write takes (default: its own). logits: return the rows' [rows, vocab]
-    float32 logits (the last layer then runs to its end)."""
+    the row whose K and V each cache write takes (default: its own). out: the rows (an index) whose [rows, vocab]
+    float32 logits to return (the last layer then runs to its end); None: none."""
     spec, plan, weights, kv, dtype = engine.spec, engine.plan, engine.weights, engine.kv, engine.dtype
     n, heads, eps = ids.shape[0], (plan.num_heads, plan.num_kv_heads, spec.head_dim), spec.rms_norm_eps
     qkv_stage, norm_stage, mlp_stage, dequantize_stage, linear_stage = stages(engine.compile_prefill)
@@ -193,7 +196,7 @@ def run_layers(engine, ids, positions, page, slot, attend, stored=None, logits: 
                                eps, dtype)
         kv.k[layer, page, slot] = k if stored is None else k[stored]
         kv.v[layer, page, slot] = v if stored is None else v[stored]
-        if layer == len(weights.layers) - 1 and not logits:
+        if layer == len(weights.layers) - 1 and out is None:
             break                       # the chunk's output is its KV entries: the last layer's end feeds nothing
         attn = attend(layer, *(t.transpose(0, 1)[None] for t in (q, k, v)))
         attn = attn[0].transpose(0, 1).reshape(n, -1)
@@ -201,8 +204,8 @@ def run_layers(engine, ids, positions, page, slot, attend, stored=None, logits: 
                            dtype)
         mlp = mlp_stage(xn, lw.w_gate, lw.w_up, lw.w_down) if lw.router is None else sparse_mlp(xn, lw, spec)
         delta = sum_in_rank_order(engine.comm, mlp.float())
-    if logits:
-        xn = rms_norm(x + delta, weights.final_norm, eps).to(dtype)
+    if out is not None:
+        xn = rms_norm(x[out] + delta[out], weights.final_norm, eps).to(dtype)
         shards = engine.comm.gather(F.linear(xn, weights.lm_head).float())
         return torch.cat(shards, dim=-1)[:, :spec.vocab_size]
     return None
@@ -217,22 +220,23 @@ def powers_of_two(largest: int) -> list[int]:
 
 
 class ChunkGraphs:
-    """CUDA graphs of prefill chunks, one per bucket (rows, keys), captured on first use: replayed, a chunk costs
-    its kernels' GPU time alone. Rows: powers of two from 16 to the chunk size. A shorter chunk runs in the
-    next bucket up: its extra rows repeat the last token at the last position and store the last row's own K
-    and V in the last row's slot, and the causal mask keeps them out of every real row's attention. Keys: 0 for
-    a first chunk without a sliding window, which attends to its own keys alone (own_keys: causal flash or
-    cuDNN attention, GQA inside the kernel); else the chunk sees the cache's positions 0..start + n - 1,
-    gathered as a power of two of keys from 16 (or the most a sequence's blocks hold), the extra keys
-    repeating the last, through the masked fused kernel (cached_keys) with the mask of the staged positions,
-    which hides the extra keys as positions past every row's.
+    """CUDA graphs of prefill chunks, one per bucket (rows, keys, last), captured on first use: replayed, a chunk
+    costs its kernels' GPU time alone; one that ends its prompt (last) returns its last row's logits. Rows: powers
+    of two from 16 to the chunk size. A shorter chunk runs in the next bucket up: its extra rows repeat the last
+    token at the last position and store the last row's own K and V in the last row's slot, and the causal mask
+    keeps them out of every real row's attention. Keys: 0 for a first chunk without a sliding window, which
+    attends to its own keys alone (own_keys: causal flash or cuDNN attention, GQA inside the kernel); else the
+    chunk sees the cache's positions 0..start + n - 1, gathered as a power of two of keys from 16 (or the most a
+    sequence's blocks hold), the extra keys repeating the last, through the masked fused kernel (cached_keys)
+    with the mask of the staged positions, which hides the extra keys as positions past every row's.
 
     A later chunk's key bucket is at least its row bucket (unless a sequence holds fewer positions): chunks of
-    512 over a context of 4096 make at most 6 first-chunk graphs and 39 later ones. They share one memory pool,
-    and nothing a graph allocates outlives its replay, so the pool should hold about the largest graph's
-    intermediates, not their sum (not yet measured; at 512 rows and 4096 keys of llama-3-8b, a layer's gathered
-    keys and values are 16 MB). Only where nothing in a layer waits for the host: one rank
-    (the all-reduce is a host call), no sparse layer (its rows per expert are counted on the host)."""
+    512 over a context of 4096 make at most 6 first-chunk graphs and 39 later ones that end their prompt, and 5
+    of the chunk size that do not. They share one memory pool, and nothing a graph allocates outlives its replay
+    but its logits (copied out), so the pool should hold about the largest graph's intermediates, not their sum
+    (not yet measured; at 512 rows and 4096 keys of llama-3-8b, a layer's gathered keys and values are 16 MB).
+    Only where nothing in a layer waits for the host: one rank (the all-reduce is a host call), no sparse layer
+    (its rows per expert are counted on the host)."""
 
     def __init__(self, engine, largest: int):
         self.engine = engine
@@ -243,7 +247,7 @@ class ChunkGraphs:
         # slots [2, keys], one after the other from the start
         self.inputs = torch.zeros(5 * self.rows[-1] + 2 * self.keys[-1], dtype=torch.int64,
                                   device=engine.kv.k.device)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self.pool = None                  # one memory pool for every bucket's graph
 
     @staticmethod
@@ -251,11 +255,14 @@ class ChunkGraphs:
         return (engine.device.type == "cuda" and engine.comm.world == 1
                 and all(lw.router is None for lw in engine.weights.layers))
 
-    def run(self, tokens: list[int], start: int, blocks: list[int]) -> None:
-        bucket = self.stage(tokens, start, blocks)
+    def run(self, tokens: list[int], start: int, blocks: list[int], last: bool = False) -> torch.Tensor | None:
+        """Replay the chunk's bucket; its last row's [1, vocab] logits where `last`, else None."""
+        bucket = (*self.stage(tokens, start, blocks), last)
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(bucket)
-        self.graphs[bucket].replay()
+        graph, logits = self.graphs[bucket]
+        graph.replay()
+        return None if logits is None else logits.clone()
 
     def stage(self, tokens: list[int], start: int, blocks: list[int]) -> tuple[int, int]:
         """Put the chunk in the inputs of its bucket (one host-to-device copy); the bucket (rows, keys)."""
@@ -271,18 +278,20 @@ class ChunkGraphs:
         self.inputs[:staged.size].copy_(torch.from_numpy(staged))
         return size, keys
 
-    def forward(self, size: int, keys: int) -> None:
-        """The staged chunk through every layer, as the bucket's graph records it."""
+    def forward(self, size: int, keys: int, last: bool) -> torch.Tensor | None:
+        """The staged chunk through every layer, as the bucket's graph records it (its last row's logits where
+        `last`: the staged rows past the chunk's repeat its last row, whose index ends `stored`)."""
         ids, positions, page, slot, stored = self.inputs[:5 * size].view(5, size)
         attend = own_keys
         if keys:
             seen_page, seen_slot = self.inputs[5 * size:5 * size + 2 * keys].view(2, keys)
             mask = visible(positions, torch.arange(keys, device=positions.device), self.engine.spec.sliding_window)
             attend = cached_keys(self.engine, seen_page, seen_slot, mask)
-        run_layers(self.engine, ids, positions, page, slot, attend, stored)
+        return run_layers(self.engine, ids, positions, page, slot, attend, stored, stored[-1:] if last else None)
 
-    def _capture(self, bucket: tuple[int, int]) -> torch.cuda.CUDAGraph:
-        """Run the chunk once as it is (compiling what it needs; its writes are the chunk's own), then record it."""
+    def _capture(self, bucket: tuple[int, int, bool]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
+        """Run the chunk once as it is (compiling what it needs; its writes are the chunk's own), then record it;
+        the graph and the tensor its replays write the logits into (None: a chunk without them)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -292,8 +301,8 @@ class ChunkGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.forward(*bucket)
-        return graph
+            logits = self.forward(*bucket)
+        return graph, logits
 
 
 def sparse_mlp(xn: torch.Tensor, lw, spec) -> torch.Tensor:

@@ -121,7 +121,8 @@ def warm_up(leader: Leader, engine) -> None:
     """A one-row step, then a full step of every step table, and prefill chunks before serving, so that
     compilation and the CUDA-graph captures (runtime/prefill.ChunkGraphs) happen now rather than in the first
     requests: a first chunk of each row bucket and of the largest length, and a later chunk of every (rows, keys)
-    bucket a later chunk can fall in (keys >= rows; with chunks of 512 over a context of 4096, 39 of them): a
+    bucket a later chunk can fall in (keys >= rows; with chunks of 512 over a context of 4096, 39 of them), each
+    as a prompt's last chunk, and those of the chunk size also as one that is not: a
     bucket left to first use costs its first prompt a chunk run op by op and then recorded, many times a replay.
     What the chunks write to the KV cache is free space: a sequence reads only positions that it, or the
     sequence whose cached prefix it starts from, wrote."""
@@ -132,14 +133,18 @@ def warm_up(leader: Leader, engine) -> None:
         leader.run(StepInputs([0] * rows, positions, [blocks] * rows, needs_logits=True))
     largest = min(engine.prefill_chunk, context)
     graphs = engine.prefill_graphs
+    # a chunk that ends its prompt (last: with its last row's logits) can have any length; one that does not has
+    # the largest, the chunk size (Batcher.plan_prefill)
     for tokens in ([s for s in graphs.rows if s <= largest] if graphs else []) + [largest]:
-        if tokens > 1:                   # a chunk of one token would compile a stage for that length alone
-            leader.prefill(PrefillInputs([0] * tokens, 0, list(range(-(-tokens // bs)))))
+        for last in (True, False) if tokens == largest else (True,):
+            if tokens > 1:               # a chunk of one token would compile a stage for that length alone
+                leader.prefill(PrefillInputs([0] * tokens, 0, list(range(-(-tokens // bs))), last=last))
     later = [(rows, keys) for rows in (graphs.rows if graphs else []) for keys in graphs.keys if keys >= rows]
     for rows, keys in tqdm(later, desc="capturing prefill chunk graphs", leave=False):
         tokens = min(rows if keys > rows else rows - 1, largest)   # ending at the bucket's last key, after 0
         if 2 * tokens > rows:                                       # still in this row bucket
-            leader.prefill(PrefillInputs([0] * tokens, keys - tokens, list(range(-(-keys // bs)))))
+            for last in (True, False) if tokens == largest else (True,):
+                leader.prefill(PrefillInputs([0] * tokens, keys - tokens, list(range(-(-keys // bs))), last=last))
 
 
 def listen(host: str, port: int) -> socket.socket:

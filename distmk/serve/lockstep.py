@@ -8,8 +8,8 @@ broadcast, which sleeps in gloo instead of spinning. Rank 0 sends something at l
 gone, even when no connection reset tells it; and rank 0 notices a dead rank while idle, without
 waiting for the next request. A message is a header [op, rows, block-table width, needs_logits, steps] and,
 for a step, an int64 [rows, 2 + width] tensor: token, position and block table of each row; for a prefill
-chunk the header is [PREFILL, tokens, blocks, start, logits] and the tensor the chunk's tokens, then its
-sequence's blocks.
+chunk the header is [PREFILL, tokens, blocks, start, logits + 2 x last] and the tensor the chunk's tokens, then
+its sequence's blocks.
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ class Leader:
 
     def prefill(self, chunk: PrefillInputs):
         if self.group is not None:
-            self._send(PREFILL, len(chunk.tokens), len(chunk.blocks), chunk.start, int(chunk.logits))
+            self._send(PREFILL, len(chunk.tokens), len(chunk.blocks), chunk.start, int(chunk.logits) + 2 * chunk.last)
             _broadcast(torch.tensor(chunk.tokens + chunk.blocks, dtype=torch.int64), self.group)
         return _with_peers(run_prefill, self.engine, chunk)
 
@@ -108,7 +108,8 @@ def follow(engine, group) -> None:
         if op == PREFILL:
             chunk = torch.empty(n + width, dtype=torch.int64)
             _broadcast(chunk, group)
-            _with_peers(run_prefill, engine, PrefillInputs(chunk[:n].tolist(), flag, chunk[n:].tolist(), bool(steps)))
+            _with_peers(run_prefill, engine, PrefillInputs(chunk[:n].tolist(), flag, chunk[n:].tolist(),
+                                                           bool(steps & 1), bool(steps & 2)))
             continue
         rows = torch.empty(n, 2 + width, dtype=torch.int64)
         _broadcast(rows, group)
