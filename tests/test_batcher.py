@@ -73,8 +73,9 @@ def test_a_lone_long_prompt_is_prefilled_without_steps_between_its_chunks(engine
 def test_a_prompt_that_ends_in_a_prefill_chunk_takes_its_first_token_from_it(engine, monkeypatch):
     """A 16-token prompt in prefill chunks of 8 (after the first, more than a step's 6 rows are left): the second
     chunk ends the prompt and its last row's logits give the first token, with no decode step for it (which would
-    add a step to the time to first token); the token's log-probability comes from them too. Tokens and logits are
-    transformers', each log-probability the log-softmax of the logits its token was chosen from."""
+    add a step to the time to first token), returned at once, before the next step runs; the token's
+    log-probability comes from them too. Tokens and logits are transformers', each log-probability the log-softmax
+    of the logits its token was chosen from."""
     import torch
     monkeypatch.setattr(engine, "prefill_chunk", 8)
     batcher = Batcher(engine, prefix_cache=False)
@@ -83,10 +84,12 @@ def test_a_prompt_that_ends_in_a_prefill_chunk_takes_its_first_token_from_it(eng
     batcher.prefill = lambda chunk: chunks.append(chunk) or prefill(chunk)
     prompt = list(range(200, 216))
     seq = batcher.submit(Sequence(prompt, 3, logprobs=2, keep_logits=True))
+    calls = []
     while batcher.busy:
-        batcher.step()
+        calls.append(batcher.step())
     assert [(c.start, len(c.tokens), c.last) for c in chunks] == [(0, 8, False), (8, 8, True)]
     assert [step.positions for step in steps] == [[16], [17]]
+    assert calls == [[], [(seq, seq.output[0])], [(seq, seq.output[1])], [(seq, seq.output[2])]]
     ref_tokens, ref_logits = hf_greedy("tiny-qwen2", tuple(prompt), 3)
     logits = torch.stack(seq.logits)
     assert seq.output == ref_tokens

@@ -133,6 +133,7 @@ class Batcher:
         self.prefill = prefill or (lambda chunk: run_prefill(engine, chunk))
         self.waiting: list[Sequence] = []     # admitted in arrival order once their KV blocks fit
         self.running: list[Sequence] = []
+        self.step_next = False                # the last call returned a chunk's first token: this one steps first
 
     def check(self, seq: Sequence) -> None:
         """Raise DistmkError if the sequence can never run here. Reads only the engine's fixed limits, so
@@ -276,9 +277,12 @@ class Batcher:
         """One engine step (or several back to back, see steps_per_launch); returns the (sequence, new token)
         pairs it produced, in order. Finished sequences have finish_reason set and are out of the batch. A
         sequence whose token cannot be sampled fails alone: its pair has no token, its finish_reason is "error"
-        and its error says why. A prefill chunk, if a prompt needs one, runs first."""
+        and its error says why. A prefill chunk, if a prompt needs one, runs first; where it gives its sequence the
+        first token, that returns at once (it is the time to first token) and the next call runs the step, with
+        no chunk before it."""
         produced = []
-        prefill = self.plan_prefill()
+        prefill = None if self.step_next else self.plan_prefill()
+        self.step_next = False
         if prefill is not None:
             seq, chunk = prefill
             logits = self.prefill(chunk)
@@ -292,6 +296,9 @@ class Batcher:
                     self._fail_logprobs([seq], e, produced)
             if chunk.last and seq.finish_reason is None:
                 self._first_token(seq, logits[-1], produced)
+            if produced:
+                self.step_next = True
+                return produced
         planned = self.plan()
         if planned is None:
             return produced
