@@ -139,9 +139,9 @@ def prefill_chunk(engine, tokens: list[int], start: int, blocks: list[int], logi
     if start == 0 and not spec.sliding_window:
         attend = own_keys
     else:
-        cached = torch.arange(start + n, device=device)                   # every position the chunk may see
-        attend = cached_keys(engine, table[cached // kv.block_size], cached % kv.block_size,
-                             visible(positions, cached, spec.sliding_window))
+        pages = table[:-(-(start + n) // kv.block_size)]                # the blocks of every position it may see
+        keys = torch.arange(len(pages) * kv.block_size, device=device)
+        attend = cached_keys(engine, pages, visible(positions, keys, spec.sliding_window))
     out = slice(None) if logits else slice(n - 1, n) if last else None
     return run_layers(engine, torch.as_tensor(tokens, device=device), positions, page, slot, attend, out=out)
 
@@ -153,23 +153,56 @@ def visible(positions: torch.Tensor, keys: torch.Tensor, window: int | None) -> 
     return keep & (keys[None, :] > positions[:, None] - window) if window else keep
 
 
-def cached_keys(engine, page: torch.Tensor, slot: torch.Tensor, mask: torch.Tensor):
-    """attend(layer, q, k, v) over the cache's keys at (page, slot), read after the layer's KV store (so the
-    chunk's own keys are among them), where `mask` ([rows, keys] boolean) says which keys a row sees. A kv head's
-    query heads are folded into its rows ([1, kv heads, group x rows, D]) and the mask repeated for them, so that
-    each kv head's keys are gathered and read once: with a mask, scaled_dot_product_attention's fused kernel
-    (memory efficient) does not take GQA, and enable_gqa with a mask left it its math kernel alone, which
-    materialises every score; repeating the keys for every query head wrote and read them `group` times."""
+SPLIT_KEYS = 512        # keys of one part of a later chunk's attention on a GPU (split_attention)
+
+
+def cached_keys(engine, pages: torch.Tensor, mask: torch.Tensor):
+    """attend(layer, q, k, v) over the keys of the cache's blocks `pages`, in order (key j at position j), read
+    after the layer's KV store (so the chunk's own keys are among them), where `mask` ([rows, keys] boolean) says
+    which keys a row sees: positions past the sequence's, in its last block or in blocks repeated after it, are
+    never seen (the cache starts zeroed, so they are finite). Blocks are gathered whole, not key by key. A kv
+    head's query heads are folded into its rows ([1, kv heads, group x rows, D]) and the mask repeated for them,
+    so that each kv head's keys are read once: with a mask, scaled_dot_product_attention's fused kernel (memory
+    efficient) does not take GQA, and enable_gqa with a mask left it its math kernel alone, which materialises
+    every score. On a GPU the keys are read in parts (split_attention)."""
     kv, group = engine.kv, engine.plan.num_heads // engine.plan.num_kv_heads
     folded = mask.repeat(group, 1)
+    splits = split_count(mask.shape[1]) if mask.is_cuda else 1
+    bias = (torch.zeros(folded.shape, dtype=engine.dtype, device=mask.device).masked_fill(~folded, float("-inf"))
+            if splits > 1 else None)
 
     def attend(layer, q, k, v):
-        keys, values = (cache[layer][page, slot].transpose(0, 1)[None] for cache in (kv.k, kv.v))
+        keys, values = (cache[layer][pages].flatten(0, 1).transpose(0, 1)[None] for cache in (kv.k, kv.v))
         _, heads, rows, d = q.shape
-        out = F.scaled_dot_product_attention(q.reshape(1, heads // group, group * rows, d), keys, values,
-                                             attn_mask=folded)
+        q = q.reshape(1, heads // group, group * rows, d)
+        out = (split_attention(q, keys, values, bias, splits) if splits > 1
+               else F.scaled_dot_product_attention(q, keys, values, attn_mask=folded))
         return out.view(1, heads, rows, d)
     return attend
+
+
+def split_count(keys: int) -> int:
+    """Parts of SPLIT_KEYS keys a later chunk's attention over `keys` keys reads on a GPU (1: one fused kernel)."""
+    return keys // SPLIT_KEYS if keys % SPLIT_KEYS == 0 else 1
+
+
+def split_attention(q, keys, values, bias, splits: int):
+    """softmax(q keys^T / sqrt(D) + bias) values for q [1, heads, rows, D], keys and values [1, heads, K, D] and
+    bias [rows, K] (q's dtype, -inf where unseen), over `splits` parts of the keys: one memory-efficient kernel, a
+    batch of parts, with each part's log-sum-exp, the parts then summed by their weights (flash decoding). Whole,
+    a kv head's few rows of a later chunk left that kernel a handful of programs a head, each walking every key,
+    on a GPU of over a hundred SMs."""
+    _, heads, rows, d = q.shape
+    part = keys.shape[2] // splits
+    keys, values = (t[0].unflatten(1, (splits, part)).transpose(0, 1) for t in (keys, values))
+    bias = bias.unflatten(1, (splits, part)).transpose(0, 1)[:, None].expand(splits, heads, rows, part)
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q.expand(splits, heads, rows, d), keys, values, bias, True)[:2]
+    lse = lse[..., :rows]
+    lse = torch.where(torch.isfinite(lse), lse, float("-inf"))      # a part whose keys a row sees none of
+    weight = torch.exp(lse - lse.max(0).values)
+    total = (torch.nan_to_num(out.float()) * weight[..., None]).sum(0) / weight.sum(0)[..., None]
+    return total.to(q.dtype)[None]
 
 
 def own_keys(layer, q, k, v):
@@ -227,8 +260,9 @@ class ChunkGraphs:
     keeps them out of every real row's attention. Keys: 0 for a first chunk without a sliding window, which
     attends to its own keys alone (own_keys: causal flash or cuDNN attention, GQA inside the kernel); else the
     chunk sees the cache's positions 0..start + n - 1, gathered as a power of two of keys from 16 (or the most a
-    sequence's blocks hold), the extra keys repeating the last, through the masked fused kernel (cached_keys)
-    with the mask of the staged positions, which hides the extra keys as positions past every row's.
+    sequence's blocks hold) in whole blocks, those past the sequence's its last again, through the masked fused
+    kernel (cached_keys) with the mask of the staged positions, which hides the extra keys as positions past
+    every row's.
 
     A later chunk's key bucket is at least its row bucket (unless a sequence holds fewer positions): chunks of
     512 over a context of 4096 make at most 6 first-chunk graphs and 39 later ones that end their prompt, and 5
@@ -243,9 +277,9 @@ class ChunkGraphs:
         held = engine.kv.blocks_per_seq * engine.kv.block_size   # the most positions a sequence's blocks hold
         self.rows = powers_of_two(largest)
         self.keys = [s for s in powers_of_two(held) if s < held] + [held]
-        # a bucket's tokens, positions, pages, slots and stored row [5, rows], then its keys' pages and
-        # slots [2, keys], one after the other from the start
-        self.inputs = torch.zeros(5 * self.rows[-1] + 2 * self.keys[-1], dtype=torch.int64,
+        # a bucket's tokens, positions, pages, slots and stored row [5, rows], then its keys' blocks, one after
+        # the other from the start
+        self.inputs = torch.zeros(5 * self.rows[-1] + self.blocks(self.keys[-1]), dtype=torch.int64,
                                   device=engine.kv.k.device)
         self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self.pool = None                  # one memory pool for every bucket's graph
@@ -264,6 +298,10 @@ class ChunkGraphs:
         graph.replay()
         return None if logits is None else logits.clone()
 
+    def blocks(self, keys: int) -> int:
+        """The KV blocks a bucket of `keys` keys gathers."""
+        return -(-keys // self.engine.kv.block_size)
+
     def stage(self, tokens: list[int], start: int, blocks: list[int]) -> tuple[int, int]:
         """Put the chunk in the inputs of its bucket (one host-to-device copy); the bucket (rows, keys)."""
         n, bs = len(tokens), self.engine.kv.block_size
@@ -271,10 +309,10 @@ class ChunkGraphs:
         own = start == 0 and not self.engine.spec.sliding_window
         keys = 0 if own else next(s for s in self.keys if s >= start + n)
         rows = np.minimum(np.arange(size), n - 1)
-        seen = np.minimum(np.arange(keys), start + n - 1)
+        seen = np.minimum(np.arange(self.blocks(keys)), (start + n - 1) // bs)
         table, positions = np.asarray(blocks), start + rows
         staged = np.concatenate([np.asarray(tokens)[rows], positions, table[positions // bs], positions % bs, rows,
-                                 table[seen // bs], seen % bs])
+                                 table[seen]])
         self.inputs[:staged.size].copy_(torch.from_numpy(staged))
         return size, keys
 
@@ -284,9 +322,9 @@ class ChunkGraphs:
         ids, positions, page, slot, stored = self.inputs[:5 * size].view(5, size)
         attend = own_keys
         if keys:
-            seen_page, seen_slot = self.inputs[5 * size:5 * size + 2 * keys].view(2, keys)
-            mask = visible(positions, torch.arange(keys, device=positions.device), self.engine.spec.sliding_window)
-            attend = cached_keys(self.engine, seen_page, seen_slot, mask)
+            pages = self.inputs[5 * size:5 * size + self.blocks(keys)]
+            seen = torch.arange(len(pages) * self.engine.kv.block_size, device=positions.device)
+            attend = cached_keys(self.engine, pages, visible(positions, seen, self.engine.spec.sliding_window))
         return run_layers(self.engine, ids, positions, page, slot, attend, stored, stored[-1:] if last else None)
 
     def _capture(self, bucket: tuple[int, int, bool]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
