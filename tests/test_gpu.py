@@ -45,27 +45,6 @@ def test_tiny_prefill_chunks_on_the_gpu_equal_transformers(name):
     assert (logits.cpu() - ref_logits).abs().max() / ref_logits.abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, start, keys", [(64, 2000, 4096), (512, 1536, 2048), (16, 0, 1024)])
-def test_split_attention_equals_one_kernel(rows, start, keys, dtype):
-    """A later prefill chunk's attention over the keys in parts (runtime/prefill.py split_attention: one
-    memory-efficient kernel a batch of parts, merged by their log-sum-exp) against scaled_dot_product_attention
-    over all of them, llama-3-8b's heads folded as cached_keys folds them, the chunk's rows at positions start..
-    in a bucket of `keys` keys, those past its last position never seen (whole parts of them, at start 2000)."""
-    from distmk.runtime.prefill import SPLIT_KEYS, split_attention, visible
-    torch.manual_seed(0)
-    heads, group, d = 8, 4, 128
-    q, k, v = (torch.randn(1, heads, n, d, device="cuda", dtype=dtype) for n in (group * rows, keys, keys))
-    mask = visible(torch.arange(start, start + rows, device="cuda"), torch.arange(keys, device="cuda"), None)
-    folded = mask.repeat(group, 1)
-    bias = torch.zeros(folded.shape, dtype=dtype, device="cuda").masked_fill(~folded, float("-inf"))
-    got = split_attention(q, k, v, bias, keys // SPLIT_KEYS)
-    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=folded)
-    assert got.dtype == dtype and got.shape == want.shape
-    torch.testing.assert_close(got.float(), want, **({"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else
-                                                     {"atol": 1e-4, "rtol": 1e-4}))
-
-
 @pytest.mark.parametrize("name, tile_rows", [("tiny-llama", 32), ("tiny-qwen3", 32), ("tiny-qwen3", 24)]
                          + [(name, 32) for name in TINY_MOE])
 def test_tiny_bfloat16_matches_reference_executor(name, tile_rows):

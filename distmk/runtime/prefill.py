@@ -153,9 +153,6 @@ def visible(positions: torch.Tensor, keys: torch.Tensor, window: int | None) -> 
     return keep & (keys[None, :] > positions[:, None] - window) if window else keep
 
 
-SPLIT_KEYS = 512        # keys of one part of a later chunk's attention on a GPU (split_attention)
-
-
 def cached_keys(engine, pages: torch.Tensor, mask: torch.Tensor):
     """attend(layer, q, k, v) over the keys of the cache's blocks `pages`, in order (key j at position j), read
     after the layer's KV store (so the chunk's own keys are among them), where `mask` ([rows, keys] boolean) says
@@ -164,45 +161,17 @@ def cached_keys(engine, pages: torch.Tensor, mask: torch.Tensor):
     head's query heads are folded into its rows ([1, kv heads, group x rows, D]) and the mask repeated for them,
     so that each kv head's keys are read once: with a mask, scaled_dot_product_attention's fused kernel (memory
     efficient) does not take GQA, and enable_gqa with a mask left it its math kernel alone, which materialises
-    every score. On a GPU the keys are read in parts (split_attention)."""
+    every score."""
     kv, group = engine.kv, engine.plan.num_heads // engine.plan.num_kv_heads
     folded = mask.repeat(group, 1)
-    splits = split_count(mask.shape[1]) if mask.is_cuda else 1
-    bias = (torch.zeros(folded.shape, dtype=engine.dtype, device=mask.device).masked_fill(~folded, float("-inf"))
-            if splits > 1 else None)
 
     def attend(layer, q, k, v):
         keys, values = (cache[layer][pages].flatten(0, 1).transpose(0, 1)[None] for cache in (kv.k, kv.v))
         _, heads, rows, d = q.shape
-        q = q.reshape(1, heads // group, group * rows, d)
-        out = (split_attention(q, keys, values, bias, splits) if splits > 1
-               else F.scaled_dot_product_attention(q, keys, values, attn_mask=folded))
-        return out.view(1, heads, rows, d)
+        out = F.scaled_dot_product_attention(q.reshape(1, heads // group, group * rows, d), keys, values,
+                                             attn_mask=folded)
+        return out.reshape(1, heads, rows, d)      # in float32 the kernel's output is not contiguous
     return attend
-
-
-def split_count(keys: int) -> int:
-    """Parts of SPLIT_KEYS keys a later chunk's attention over `keys` keys reads on a GPU (1: one fused kernel)."""
-    return keys // SPLIT_KEYS if keys % SPLIT_KEYS == 0 else 1
-
-
-def split_attention(q, keys, values, bias, splits: int):
-    """softmax(q keys^T / sqrt(D) + bias) values for q [1, heads, rows, D], keys and values [1, heads, K, D] and
-    bias [rows, K] (q's dtype, -inf where unseen), over `splits` parts of the keys: one memory-efficient kernel, a
-    batch of parts, with each part's log-sum-exp, the parts then summed by their weights (flash decoding). Whole,
-    a kv head's few rows of a later chunk left that kernel a handful of programs a head, each walking every key,
-    on a GPU of over a hundred SMs."""
-    _, heads, rows, d = q.shape
-    part = keys.shape[2] // splits
-    keys, values = (t[0].unflatten(1, (splits, part)).transpose(0, 1) for t in (keys, values))
-    bias = bias.unflatten(1, (splits, part)).transpose(0, 1)[:, None].expand(splits, heads, rows, part)
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q.expand(splits, heads, rows, d), keys, values, bias, True)[:2]
-    lse = lse[..., :rows]
-    lse = torch.where(torch.isfinite(lse), lse, float("-inf"))      # a part whose keys a row sees none of
-    weight = torch.exp(lse - lse.max(0).values)
-    total = (torch.nan_to_num(out.float()) * weight[..., None]).sum(0) / weight.sum(0)[..., None]
-    return total.to(q.dtype)[None]
 
 
 def own_keys(layer, q, k, v):
