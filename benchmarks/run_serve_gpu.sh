@@ -52,14 +52,16 @@ timeout 240 "$DISTMK_PYTHON" benchmarks/serve_load.py --url "http://127.0.0.1:$p
     > /dev/null
 load_rc=$?                # a run with failed requests still writes its JSON: annotated below, then the exit code
 [ -s "$result" ] || exit 1
-"$DISTMK_PYTHON" - "$result" "$tp" "$model" "${args[*]}" <<'PY'
+PYTHONPATH="benchmarks${PYTHONPATH:+:$PYTHONPATH}" "$DISTMK_PYTHON" - "$result" "$tp" "$model" "${args[*]}" <<'PY'
 import datetime, json, os, sys, torch, triton
+from decode import git_commit
 out, tp, model, server = sys.argv[1:]
 r = json.load(open(out))
 r.update(model=model, tp=int(tp), gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", torch=torch.__version__,
          triton=triton.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
          backend=os.environ.get("BACKEND", "triton"), server=f"python {server}", load_command=r.get("command"),
-         command=f"LOAD={os.environ.get('LOAD', 'single')} benchmarks/run_serve_gpu.sh {tp} {model}")
+         command=f"LOAD={os.environ.get('LOAD', 'single')} benchmarks/run_serve_gpu.sh {tp} {model}",
+         distmk_commit=git_commit())
 json.dump(r, open(out, "w"), indent=1)
 print(json.dumps(r))
 PY
