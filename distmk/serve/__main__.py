@@ -121,7 +121,7 @@ def warm_up(leader: Leader, engine) -> None:
     """A one-row step, then a full step of every step table, and prefill chunks before serving, so that
     compilation and the CUDA-graph captures (runtime/prefill.ChunkGraphs) happen now rather than in the first
     requests: a first chunk of each row bucket and of the largest length, and a later chunk of every (rows, keys)
-    bucket a later chunk can fall in (keys >= rows; with chunks of 512 over a context of 4096, 39 of them), each
+    bucket a later chunk can fall in (keys >= rows; with chunks of 512 over a context of 4096, 63 of them), each
     as a prompt's last chunk, and those of the chunk size also as one that is not: a
     bucket left to first use costs its first prompt a chunk run op by op and then recorded, many times a replay.
     What the chunks write to the KV cache is free space: a sequence reads only positions that it, or the
