@@ -221,7 +221,7 @@ def powers_of_two(largest: int) -> list[int]:
     return sizes
 
 
-KEY_STEP = 512      # later chunks' key buckets past this many keys go up by it (ChunkGraphs.key_buckets)
+KEY_STEP = 512      # later chunks' key buckets past this many keys go up by it (key_buckets)
 
 
 def key_buckets(held: int) -> list[int]:

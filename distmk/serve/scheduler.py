@@ -7,7 +7,6 @@ to the event loop in one call; a listener (one per request) receives them there.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import threading
 from typing import Protocol
@@ -132,11 +131,12 @@ class Scheduler:
                 if self.trace:
                     self.trace.tokens([seq.id for seq, _ in produced])
                 last = {seq.id: i for i, (seq, _) in enumerate(produced)}    # a sequence may get several tokens
+                # a sequence that records log-probabilities has its steps one at a time: one token a step
                 # the prompt's log-probabilities, where asked, are complete once its first token comes
                 deliveries = [(self.listeners[seq.id], token, seq.finish_reason if last[seq.id] == i else None,
-                               seq.error, logprob,
-                               seq.prompt_token_logprobs if seq.prompt_logprobs is not None else None)
-                              for i, ((seq, token), logprob) in enumerate(zip(produced, _logprobs_of(produced)))]
+                               seq.error, seq.token_logprobs[-1] if seq.logprobs is not None and token is not None
+                               else None, seq.prompt_token_logprobs if seq.prompt_logprobs is not None else None)
+                              for i, (seq, token) in enumerate(produced)]
                 for i in last.values():
                     if produced[i][0].finish_reason is not None:
                         del self.listeners[produced[i][0].id]
@@ -158,21 +158,6 @@ class Scheduler:
             if self.batcher.engine.device.type == "cuda":
                 torch.cuda.synchronize(self.batcher.engine.device)
         return logits
-
-
-def _logprobs_of(produced) -> list:
-    """Each produced token's log-probability entry (None where its sequence records none). A sequence that records
-    them steps one step a launch, but may still get two tokens from one batcher step (its first from its prompt's
-    last prefill chunk, the next from the step): its entries are the last of its token_logprobs, in order."""
-    left = collections.Counter(seq.id for seq, token in produced if token is not None)
-    entries = []
-    for seq, token in produced:
-        if token is None or seq.logprobs is None:
-            entries.append(None)
-            continue
-        entries.append(seq.token_logprobs[len(seq.token_logprobs) - left[seq.id]])
-        left[seq.id] -= 1
-    return entries
 
 
 def _deliver(deliveries) -> None:
