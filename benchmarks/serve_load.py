@@ -165,12 +165,13 @@ async def run(args) -> dict:
 SUFFIX = 64         # a shared-prefix cell's tokens of each prompt's own
 
 
-SERVER_SERIES = ("distmk_step_seconds", "distmk_step_rows", "distmk_prefill_seconds")
+SERVER_SERIES = ("distmk_step_seconds", "distmk_step_rows", "distmk_prefill_seconds",
+                 "distmk_time_to_first_token_seconds")
 
 
 async def server_counters(http: httpx.AsyncClient) -> dict | None:
-    """distmk.serve's own sums and counts of step time, step rows and prefill-chunk time (GET /metrics), or
-    None from a server that does not publish them."""
+    """distmk.serve's own sums and counts of step time, step rows, prefill-chunk time and time to first token (GET
+    /metrics), or None from a server that does not publish them."""
     from prometheus_client.parser import text_string_to_metric_families
     r = await http.get("/metrics")
     if r.status_code != 200:
@@ -183,7 +184,9 @@ async def server_counters(http: httpx.AsyncClient) -> dict | None:
 
 
 def server_side(before: dict | None, after: dict | None) -> dict | None:
-    """What the server measured during a cell: its engine steps (mean time and rows) and prefill chunks."""
+    """What the server measured during a cell: its engine steps (mean time and rows), prefill chunks, and time to
+    first token from a request's arrival (its body not yet read) to its first token's handling on the event loop:
+    the client's TTFT less the server's is the request's and the token's way over HTTP."""
     if before is None or after is None:
         return None
     delta = {name: after[name] - before[name] for name in after if name in before}
@@ -193,7 +196,8 @@ def server_side(before: dict | None, after: dict | None) -> dict | None:
         return round(delta[f"{name}_sum"] / count * scale, 3) if count else None
     return {"steps": int(delta["distmk_step_seconds_count"]), "step_ms_mean": mean("distmk_step_seconds", 1e3),
             "rows_mean": mean("distmk_step_rows"), "prefill_chunks": int(delta["distmk_prefill_seconds_count"]),
-            "prefill_ms_mean": mean("distmk_prefill_seconds", 1e3)}
+            "prefill_ms_mean": mean("distmk_prefill_seconds", 1e3),
+            "ttft_ms_mean": mean("distmk_time_to_first_token_seconds", 1e3)}
 
 
 async def run_matrix(args, log) -> dict:

@@ -63,6 +63,8 @@ def test_matrix_writes_every_cell_and_a_png(server, tmp_path):
         assert server_side["steps"] >= 4 and 1 <= server_side["rows_mean"] <= MAX_BATCH and server_side["step_ms_mean"] > 0
         # a 24-token prompt has more unread tokens than a step's rows: one prefill chunk each
         assert server_side["prefill_chunks"] == (2 * streams if prompt_len == 24 else 0)
+        # the server's time to first token lies within the client's, request by request
+        assert 0 < server_side["ttft_ms_mean"] <= cell["ttft_s"]["mean"] * 1e3
     assert (tmp_path / "results" / "matrix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "2 streams, 24-token prompts: TTFT p50" in proc.stderr
 
