@@ -133,17 +133,21 @@ def warm_up(leader: Leader, engine) -> None:
         leader.run(StepInputs([0] * rows, positions, [blocks] * rows, needs_logits=True))
     largest = min(engine.prefill_chunk, context)
     graphs = engine.prefill_graphs
-    # a chunk that ends its prompt (last: with its last row's logits) can have any length; one that does not has
-    # the largest, the chunk size (Batcher.plan_prefill)
+
+    def endings(tokens):
+        """A chunk that ends its prompt (last: with its last row's logits) can have any length; one that does not
+        has the largest, the chunk size (Batcher.plan_prefill)."""
+        return (True, False) if tokens == largest else (True,)
+
     for tokens in ([s for s in graphs.rows if s <= largest] if graphs else []) + [largest]:
-        for last in (True, False) if tokens == largest else (True,):
-            if tokens > 1:               # a chunk of one token would compile a stage for that length alone
+        if tokens > 1:                   # a chunk of one token would compile a stage for that length alone
+            for last in endings(tokens):
                 leader.prefill(PrefillInputs([0] * tokens, 0, list(range(-(-tokens // bs))), last=last))
     later = [(rows, keys) for rows in (graphs.rows if graphs else []) for keys in graphs.keys if keys >= rows]
     for rows, keys in tqdm(later, desc="capturing prefill chunk graphs", leave=False):
         tokens = min(rows if keys > rows else rows - 1, largest)   # ending at the bucket's last key, after 0
         if 2 * tokens > rows:                                       # still in this row bucket
-            for last in (True, False) if tokens == largest else (True,):
+            for last in endings(tokens):
                 leader.prefill(PrefillInputs([0] * tokens, keys - tokens, list(range(-(-keys // bs))), last=last))
 
 
