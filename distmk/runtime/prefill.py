@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from distmk.comm import sum_in_rank_order
+from distmk.kernels.chunk_attention import chunk_attention
 from distmk.models.fp8 import KERNEL_BLOCK, dequantize_blocks, in_block_order, quantize_groups, scaled_mm_blocks
 from distmk.tasks.base import rms_norm, rope_angles, rotate
 from distmk.tasks.moe_combine import weighted_sum
@@ -139,9 +140,7 @@ def prefill_chunk(engine, tokens: list[int], start: int, blocks: list[int], logi
     if start == 0 and not spec.sliding_window:
         attend = own_keys
     else:
-        pages = table[:-(-(start + n) // kv.block_size)]                # the blocks of every position it may see
-        keys = torch.arange(len(pages) * kv.block_size, device=device)
-        attend = cached_keys(engine, pages, visible(positions, keys, spec.sliding_window))
+        attend = cached_keys(engine, table[:-(-(start + n) // kv.block_size)], positions)  # the blocks it may see
     out = slice(None) if logits else slice(n - 1, n) if last else None
     return run_layers(engine, torch.as_tensor(tokens, device=device), positions, page, slot, attend, out=out)
 
@@ -153,17 +152,25 @@ def visible(positions: torch.Tensor, keys: torch.Tensor, window: int | None) -> 
     return keep & (keys[None, :] > positions[:, None] - window) if window else keep
 
 
-def cached_keys(engine, pages: torch.Tensor, mask: torch.Tensor):
-    """attend(layer, q, k, v) over the keys of the cache's blocks `pages`, in order (key j at position j), read
-    after the layer's KV store (so the chunk's own keys are among them), where `mask` ([rows, keys] boolean) says
-    which keys a row sees: positions past the sequence's, in its last block or in blocks repeated after it, are
-    never seen (the cache starts zeroed, so they are finite). Blocks are gathered whole, not key by key. A kv
-    head's query heads are folded into its rows ([1, kv heads, group x rows, D]) and the mask repeated for them,
-    so that each kv head's keys are read once: with a mask, scaled_dot_product_attention's fused kernel (memory
-    efficient) does not take GQA, and enable_gqa with a mask left it its math kernel alone, which materialises
-    every score."""
-    kv, group = engine.kv, engine.plan.num_heads // engine.plan.num_kv_heads
-    folded = mask.repeat(group, 1)
+def cached_keys(engine, pages: torch.Tensor, positions: torch.Tensor):
+    """attend(layer, q, k, v) of rows at `positions` (in order) over the keys of the cache's blocks `pages` (key j
+    at position j), read after the layer's KV store (so the chunk's own keys are among them); a row sees the keys
+    `visible` says. On a GPU, kernels/chunk_attention.py reads the keys from the blocks in place. Elsewhere blocks
+    are gathered whole and a kv head's query heads folded into its rows ([1, kv heads, group x rows, D]) with the
+    mask repeated for them, so that each kv head's keys are read once: with a mask, scaled_dot_product_attention's
+    fused kernel (memory efficient) does not take GQA, and enable_gqa with a mask left it its math kernel alone,
+    which materialises every score. Positions past the sequence's, in its last block or in blocks repeated after
+    it, are never seen (the cache starts zeroed, so they are finite)."""
+    kv, window = engine.kv, engine.spec.sliding_window
+    if kv.k.is_cuda:
+        def attend_in_place(layer, q, k, v):
+            out = chunk_attention(q[0].transpose(0, 1), kv.k[layer], kv.v[layer], pages, positions,
+                                  len(pages) * kv.block_size, window)
+            return out.transpose(0, 1)[None]
+        return attend_in_place
+    group = engine.plan.num_heads // engine.plan.num_kv_heads
+    seen = torch.arange(len(pages) * kv.block_size, device=positions.device)
+    folded = visible(positions, seen, window).repeat(group, 1)
 
     def attend(layer, q, k, v):
         keys, values = (cache[layer][pages].flatten(0, 1).transpose(0, 1)[None] for cache in (kv.k, kv.v))
@@ -301,9 +308,7 @@ class ChunkGraphs:
         ids, positions, page, slot, stored = self.inputs[:5 * size].view(5, size)
         attend = own_keys
         if keys:
-            pages = self.inputs[5 * size:5 * size + self.blocks(keys)]
-            seen = torch.arange(len(pages) * self.engine.kv.block_size, device=positions.device)
-            attend = cached_keys(self.engine, pages, visible(positions, seen, self.engine.spec.sliding_window))
+            attend = cached_keys(self.engine, self.inputs[5 * size:5 * size + self.blocks(keys)], positions)
         return run_layers(self.engine, ids, positions, page, slot, attend, stored, stored[-1:] if last else None)
 
     def _capture(self, bucket: tuple[int, int, bool]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
