@@ -783,7 +783,7 @@ def test_step_trace_splits_each_streams_gaps_into_launches_prefill_and_host(tmp_
 
 
 def test_warm_up_leaves_no_prefill_bucket_to_a_request():
-    """ChunkGraphs captures a (rows, keys) bucket on first use, a capture a served prompt should not wait for.
+    """ChunkGraphs captures a (rows, keys, last) bucket on first use, a capture a served prompt should not wait for.
     Without a GPU to capture on, the chunks warm_up runs are staged into their buckets, and every chunk a prompt
     can make (any length up to the chunk size, at any start) must land in one of them."""
     from distmk.runtime.engine import Engine
@@ -806,20 +806,6 @@ def test_warm_up_leaves_no_prefill_bucket_to_a_request():
     missing = {(*graphs.stage([0] * n, start, blocks), last) for start in range(CONTEXT) for n in range(2, 65)
                for last in (True, False) if start + n <= CONTEXT and (last or n == 64)} - warmed
     assert not missing, sorted(missing)
-
-
-def test_key_buckets_grow_by_a_step_past_it():
-    """Later prefill chunks' key buckets (runtime/prefill.key_buckets): powers of two up to KEY_STEP, then every
-    KEY_STEP up to what a sequence's blocks hold, so that past KEY_STEP a chunk's bucket holds fewer than KEY_STEP
-    keys more than it sees (a 2064-key chunk reads 2560, not 4096)."""
-    from distmk.runtime.prefill import KEY_STEP, key_buckets
-    assert key_buckets(4096) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072, 3584, 4096]
-    for held in (16, 100, 600, 3008, 4096):
-        buckets = key_buckets(held)
-        assert buckets == sorted(set(buckets)) and buckets[-1] == held
-        for keys in range(1, held + 1):
-            bucket = next(b for b in buckets if b >= keys)
-            assert bucket <= max(16, 2 * keys - 1) if keys <= KEY_STEP else bucket < keys + KEY_STEP
 
 
 def test_api_key_guards_every_route_but_health(tmp_path):

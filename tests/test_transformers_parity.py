@@ -70,8 +70,8 @@ def test_compiled_prefill_stages_match_transformers():
 def test_chunk_in_a_longer_bucket_writes_the_plain_chunks_kv(name, start, request):
     """What a chunk's CUDA graph records (runtime/prefill.ChunkGraphs, captured on a GPU only), run as it is: an
     11-token chunk at `start` (after a plain chunk of the positions before it) in the 16-row bucket, whose extra
-    rows repeat the last one, and at start 19 in the 32-key bucket, whose keys past its 30 are the rest of its block,
-    writes the K and V the plain chunk writes, and nothing past its positions; as its prompt's last chunk, the logits
+    rows repeat the last one, and at start 19 in the bucket of the 64 keys a sequence holds (past its 30, the rest of
+    its block, then that block again), writes the K and V the plain chunk writes, and nothing past its positions; as its prompt's last chunk, the logits
     of its last row are the plain chunk's. "window": tiny-mistral with a sliding window of 8, whose chunks, the first
     included, all go through the masked keys."""
     from distmk.runtime.prefill import ChunkGraphs, prefill_chunk
@@ -79,14 +79,14 @@ def test_chunk_in_a_longer_bucket_writes_the_plain_chunks_kv(name, start, reques
     tokens = [(5 * i + 2) % 40 for i in range(start + 11)]
     caches, logits = [], []
     for bucketed in (False, True):
-        engine = Engine(model, config=SMALL, max_context=32)
+        engine = Engine(model, config=SMALL, max_context=64)
         blocks = engine.kv.allocate([], start + 11)
         if start:
             prefill_chunk(engine, tokens[:start], 0, blocks)
         if bucketed:
             graphs = ChunkGraphs(engine, 16)
             bucket = graphs.stage(tokens[start:], start, blocks)
-            assert bucket == (16, 32 if start else 16 if name == "window" else 0)
+            assert bucket == (16, 64 if start or name == "window" else 0)
             logits.append(graphs.forward(*bucket, last=True))
         else:
             logits.append(prefill_chunk(engine, tokens[start:], start, blocks, last=True))

@@ -106,7 +106,7 @@ class Engine:
                               f"{prefill_chunk}")
         # prompt tokens per prefill chunk (runtime/prefill.py); 0 here, 512 from the CLIs (--prefill-chunk); its
         # element-wise stages torch.compile'd (default: on a GPU), every chunk replayed as a CUDA graph of its
-        # length and key buckets where it can be (prefill_graphs, runtime/prefill.ChunkGraphs)
+        # length where it can be (prefill_graphs, runtime/prefill.ChunkGraphs)
         self.prefill_chunk = prefill_chunk
         self.compile_prefill = torch.device(device).type == "cuda" if compile_prefill is None else compile_prefill
         # how prefill multiplies the products held in e4m3 (runtime/prefill.py): w8a8 where torch._scaled_mm takes

@@ -228,44 +228,30 @@ def powers_of_two(largest: int) -> list[int]:
     return sizes
 
 
-KEY_STEP = 512      # later chunks' key buckets past this many keys go up by it (key_buckets)
-
-
-def key_buckets(held: int) -> list[int]:
-    """The key counts of later chunks' buckets: powers of two from 16 up to KEY_STEP, then every KEY_STEP, up to
-    `held` (the most a sequence's blocks hold) and `held` itself. A chunk's attention reads its bucket's every key,
-    in time about linear in them, so a bucket twice a chunk's keys (2064 in one of 4096) doubles it."""
-    small = [s for s in powers_of_two(min(held, KEY_STEP)) if s < held]
-    return small + list(range(2 * KEY_STEP, held, KEY_STEP)) + [held]
-
-
 class ChunkGraphs:
     """CUDA graphs of prefill chunks, one per bucket (rows, keys, last), captured on first use: replayed, a chunk
     costs its kernels' GPU time alone; one that ends its prompt (last) returns its last row's logits. Rows: powers
     of two from 16 to the chunk size. A shorter chunk runs in the next bucket up: its extra rows repeat the last
     token at the last position and store the last row's own K and V in the last row's slot, and the causal mask
     keeps them out of every real row's attention. Keys: 0 for a first chunk without a sliding window, which
-    attends to its own keys alone (own_keys: causal flash or cuDNN attention, GQA inside the kernel); else the
-    chunk sees the cache's positions 0..start + n - 1, gathered as a bucket of keys (key_buckets) in whole blocks,
-    those past the sequence's its last again, through the masked fused kernel (cached_keys) with the mask of the
-    staged positions, which hides the extra keys as positions past every row's.
+    attends to its own keys alone (own_keys: causal flash or cuDNN attention, GQA inside the kernel); else every
+    position a sequence's blocks hold, its blocks staged in order and its last again past them: the chunk's
+    attention (cached_keys) reads the keys up to its rows' positions alone, so one bucket of keys serves every
+    later chunk.
 
-    A later chunk's key bucket is at least its row bucket (unless a sequence holds fewer positions): chunks of
-    512 over a context of 4096 make at most 6 first-chunk graphs and 63 later ones that end their prompt, and 8
-    of the chunk size that do not. They share one memory pool, and nothing a graph allocates outlives its replay
-    but its logits (copied out), so the pool should hold about the largest graph's intermediates, not their sum
-    (not yet measured; at 512 rows and 4096 keys of llama-3-8b, a layer's gathered keys and values are 16 MB).
+    Chunks of 512 make at most 6 first-chunk graphs and 6 later ones that end their prompt, and 2 of the chunk
+    size that do not. They share one memory pool, and nothing a graph allocates outlives its replay but its logits
+    (copied out), so the pool should hold about the largest graph's intermediates, not their sum.
     Only where nothing in a layer waits for the host: one rank (the all-reduce is a host call), no sparse layer
     (its rows per expert are counted on the host)."""
 
     def __init__(self, engine, largest: int):
         self.engine = engine
-        held = engine.kv.blocks_per_seq * engine.kv.block_size   # the most positions a sequence's blocks hold
+        self.held = engine.kv.blocks_per_seq * engine.kv.block_size   # the most positions a sequence's blocks hold
         self.rows = powers_of_two(largest)
-        self.keys = key_buckets(held)
         # a bucket's tokens, positions, pages, slots and stored row [5, rows], then its keys' blocks, one after
         # the other from the start
-        self.inputs = torch.zeros(5 * self.rows[-1] + self.blocks(self.keys[-1]), dtype=torch.int64,
+        self.inputs = torch.zeros(5 * self.rows[-1] + self.blocks(self.held), dtype=torch.int64,
                                   device=engine.kv.k.device)
         self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self.pool = None                  # one memory pool for every bucket's graph
@@ -293,7 +279,7 @@ class ChunkGraphs:
         n, bs = len(tokens), self.engine.kv.block_size
         size = next(s for s in self.rows if s >= n)
         own = start == 0 and not self.engine.spec.sliding_window
-        keys = 0 if own else next(s for s in self.keys if s >= start + n)
+        keys = 0 if own else self.held
         rows = np.minimum(np.arange(size), n - 1)
         seen = np.minimum(np.arange(self.blocks(keys)), (start + n - 1) // bs)
         table, positions = np.asarray(blocks), start + rows

@@ -120,10 +120,9 @@ def serve_rank(args, launch, comm, device: str, sock) -> int:
 def warm_up(leader: Leader, engine) -> None:
     """A one-row step, then a full step of every step table, and prefill chunks before serving, so that
     compilation and the CUDA-graph captures (runtime/prefill.ChunkGraphs) happen now rather than in the first
-    requests: a first chunk of each row bucket and of the largest length, and a later chunk of every (rows, keys)
-    bucket a later chunk can fall in (keys >= rows; with chunks of 512 over a context of 4096, 63 of them), each
-    as a prompt's last chunk, and those of the chunk size also as one that is not: a
-    bucket left to first use costs its first prompt a chunk run op by op and then recorded, many times a replay.
+    requests: a first chunk and a later one of each row bucket and of the largest length (every later chunk has
+    the same bucket of keys), each as a prompt's last chunk, and those of the chunk size also as one that is not:
+    a bucket left to first use costs its first prompt a chunk run op by op and then recorded, many times a replay.
     What the chunks write to the KV cache is free space: a sequence reads only positions that it, or the
     sequence whose cached prefix it starts from, wrote."""
     bs, context = engine.kv.block_size, engine.max_context
@@ -143,12 +142,11 @@ def warm_up(leader: Leader, engine) -> None:
         if tokens > 1:                   # a chunk of one token would compile a stage for that length alone
             for last in endings(tokens):
                 leader.prefill(PrefillInputs([0] * tokens, 0, list(range(-(-tokens // bs))), last=last))
-    later = [(rows, keys) for rows in (graphs.rows if graphs else []) for keys in graphs.keys if keys >= rows]
-    for rows, keys in tqdm(later, desc="capturing prefill chunk graphs", leave=False):
-        tokens = min(rows if keys > rows else rows - 1, largest)   # ending at the bucket's last key, after 0
-        if 2 * tokens > rows:                                       # still in this row bucket
+    for rows in tqdm(graphs.rows if graphs else [], desc="capturing later prefill chunks' graphs", leave=False):
+        tokens = min(rows, largest, context - 1)          # at the context's end, after position 0
+        if 2 * tokens > rows:                             # still in this row bucket
             for last in endings(tokens):
-                leader.prefill(PrefillInputs([0] * tokens, keys - tokens, list(range(-(-keys // bs))), last=last))
+                leader.prefill(PrefillInputs([0] * tokens, context - tokens, list(range(-(-context // bs))), last=last))
 
 
 def listen(host: str, port: int) -> socket.socket:
