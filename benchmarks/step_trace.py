@@ -1,12 +1,15 @@
 """Summarise a server's step timeline (python -m distmk.serve --trace-steps FILE): what ran between two
 consecutive tokens of a stream. Each gap a stream saw (its inter-token latency, on the server) is split into
 the engine launches, the prefill chunks and the rest (the host: scheduling, sampling, handing tokens over),
-and the gaps are grouped by whether a prefill chunk ran in them.
+and the gaps are grouped by whether a prefill chunk ran in them. Each request's time to its first token (from its
+arrival to the token's hand-over; its delivery on the event loop and HTTP's after it are not in the trace) is
+split alike, after its admission (reading and checking the request, to its hand-over to the scheduler) and its
+queue (to the scheduler's taking it in, between two steps).
 
     python benchmarks/step_trace.py FILE [--matrix SERVE_MATRIX_JSON] [--json OUT]
 
-Prints, for gaps without and with prefill chunks: their count and share, p50 and p99 of the gap and of each
-part; then each prefill chunk size's median time. --matrix: the same for each cell of a serve_load.py --matrix
+Prints, for gaps without and with prefill chunks and for first tokens: their count and share, p50 and p99 of the
+gap and of each part; then each prefill chunk size's median time. --matrix: the same for each cell of a serve_load.py --matrix
 run against that server, from the span of the server's clock it recorded (time.monotonic, one clock for every
 process of a machine). --json writes the same."""
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sys
 from serve_load import percentiles
 
 PARTS = ("gap", "launch", "prefill", "host")
+FIRST_PARTS = ("ttft", "admission", "queue", "launch", "prefill", "host")
 
 
 def ms_percentiles(values: list[float]) -> dict:
@@ -32,20 +36,34 @@ def ms_percentiles(values: list[float]) -> dict:
 def summarise(records: list[dict]) -> dict:
     spans = sorted((r for r in records if "start" in r), key=lambda r: r["start"])
     ends = [r["end"] for r in spans]
+
+    def inside(since: float, until: float) -> dict:
+        """Seconds of launches and of prefill chunks that ended in (since, until]."""
+        ran = spans[bisect.bisect_right(ends, since):bisect.bisect_right(ends, until)]
+        return {kind: sum(s["end"] - s["start"] for s in ran if s["kind"] == kind) for kind in ("step", "prefill")}
+
     gaps = {"no prefill": [], "prefill": []}
     last_seen: dict[int, float] = {}
+    first_token: dict[int, float] = {}
     for r in (r for r in records if r["kind"] == "tokens"):
         for seq, n in collections.Counter(r["ids"]).items():
             if seq in last_seen:
                 since = last_seen[seq]
-                inside = spans[bisect.bisect_right(ends, since):bisect.bisect_right(ends, r["time"])]
-                parts = {kind: sum(s["end"] - s["start"] for s in inside if s["kind"] == kind)
-                         for kind in ("step", "prefill")}
+                parts = inside(since, r["time"])
                 gap = r["time"] - since
                 gaps["prefill" if parts["prefill"] else "no prefill"].append(
                     {"gap": gap / n, "launch": parts["step"] / n, "prefill": parts["prefill"],
                      "host": (gap - parts["step"] - parts["prefill"]) / n})
+            else:
+                first_token[seq] = r["time"]
             last_seen[seq] = r["time"]
+    first = []
+    for r in (r for r in records if r["kind"] == "request" and r["id"] in first_token):
+        until = first_token[r["id"]]
+        parts = inside(r["time"], until)
+        first.append({"ttft": until - r["arrived"], "admission": r["submitted"] - r["arrived"],
+                      "queue": r["time"] - r["submitted"], "launch": parts["step"], "prefill": parts["prefill"],
+                      "host": until - r["time"] - parts["step"] - parts["prefill"]})
 
     total = sum(len(g) for g in gaps.values())
     every = ms_percentiles([g["gap"] for v in gaps.values() for g in v])
@@ -56,6 +74,8 @@ def summarise(records: list[dict]) -> dict:
         out["gaps"][name] = {"count": len(g), "share": round(len(g) / total, 4) if total else None,
                              **{f"{part}_ms_{q}": value for part in PARTS
                                 for q, value in ms_percentiles([x[part] for x in g]).items()}}
+    out["first_token"] = {"count": len(first), **{f"{part}_ms_{q}": value for part in FIRST_PARTS
+                                                  for q, value in ms_percentiles([x[part] for x in first]).items()}}
     sizes: dict[int, list[float]] = {}
     for r in spans:
         if r["kind"] == "prefill":
@@ -75,6 +95,10 @@ def report(out: dict, title: str) -> None:
         if g["count"]:
             print(f"  {name:10s} {g['count']:6d} gaps ({g['share']:.1%}): " + " | ".join(
                 f"{part} p50 {g[f'{part}_ms_p50']} p99 {g[f'{part}_ms_p99']}" for part in PARTS) + " ms")
+    g = out["first_token"]
+    if g["count"]:
+        print(f"  first token {g['count']:5d} requests: " + " | ".join(
+            f"{part} p50 {g[f'{part}_ms_p50']} p99 {g[f'{part}_ms_p99']}" for part in FIRST_PARTS) + " ms")
     print("  prefill chunk ms (median) by tokens:", out["prefill_ms_median_by_tokens"])
 
 

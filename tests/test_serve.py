@@ -748,7 +748,7 @@ def test_virtual_ranks_server_gives_transformers_tokens(tmp_path):
 def test_step_trace_splits_each_streams_gaps_into_launches_prefill_and_host(tmp_path):
     """--trace-steps: a stream decoding while a 40-token prompt is prefilled in chunks of 16 gets tokens between
     the chunks, and has gaps with a chunk in them; benchmarks/step_trace.py counts every token gap of both
-    streams once."""
+    streams once, and splits each request's time to its first token: the long prompt's holds its chunks."""
     trace = tmp_path / "steps.jsonl"
     srv = serve_alone(tmp_path, "trace", "--max-batch", "4", "--prefill-chunk", "16", "--trace-steps", str(trace))
     try:
@@ -780,6 +780,13 @@ def test_step_trace_splits_each_streams_gaps_into_launches_prefill_and_host(tmp_
     assert gaps["no prefill"]["count"] + gaps["prefill"]["count"] == sum(len(t) - 1 for t in outputs)
     assert gaps["prefill"]["count"] >= 1 and gaps["prefill"]["prefill_ms_p50"] > 0
     assert out["prefill_chunks"] == len(prefill) and set(out["prefill_ms_median_by_tokens"]) == {r["rows"] for r in prefill}
+    requests = [r for r in records if r["kind"] == "request"]
+    assert [r["prompt"] for r in requests] == [3, 40]
+    assert all(r["arrived"] <= r["submitted"] <= r["time"] for r in requests)
+    assert requests[1]["time"] < prefill[0]["start"]            # taken in, then its chunks
+    first = out["first_token"]
+    assert first["count"] == 2 and first["prefill_ms_p99"] >= sum(r["end"] - r["start"] for r in prefill) * 1e3 - 1e-3
+    assert 0 < first["ttft_ms_p50"] <= first["ttft_ms_p99"] and first["admission_ms_p50"] >= 0
 
 
 def test_warm_up_leaves_no_prefill_bucket_to_a_request():

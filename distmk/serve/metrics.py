@@ -69,8 +69,9 @@ class Metrics:
 
 class StepTrace:
     """--trace-steps FILE: JSON lines on rank 0, on time.monotonic's clock in seconds: every engine launch and
-    prefill chunk (rows, start, end), and after each scheduler iteration the sequences that got tokens from
-    it (one id a token). The timeline behind /metrics' histograms: what ran between two tokens of a stream,
+    prefill chunk (rows, start, end), every request the scheduler takes in (when it arrived, was handed over and
+    taken in), and after each scheduler iteration the sequences that got tokens from it (one id a token). The
+    timeline behind /metrics' histograms: what ran between two tokens of a stream, or before a request's first,
     a prefill chunk or the loop's host work (benchmarks/step_trace.py reads it)."""
 
     def __init__(self, path: str):
@@ -87,6 +88,10 @@ class StepTrace:
         start = time.monotonic()
         yield
         self.write(kind, **fields, start=round(start, 6), end=round(time.monotonic(), 6))
+
+    def request(self, sequence_id: int, prompt_tokens: int, arrived: float, submitted: float) -> None:
+        self.write("request", id=sequence_id, prompt=prompt_tokens, arrived=round(arrived, 6),
+                   submitted=round(submitted, 6), time=round(time.monotonic(), 6))
 
     def tokens(self, sequence_ids: list[int]) -> None:
         self.write("tokens", time=round(time.monotonic(), 6), ids=sequence_ids)

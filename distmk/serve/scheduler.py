@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Protocol
 
 import torch
@@ -24,7 +25,9 @@ HEARTBEAT_S = 5.0
 class Listener(Protocol):
     """Called on the event loop: each new token of the sequence (with its log-probabilities, and its prompt's, where
     the sequence asked for them), or a failure (a message for the client and its HTTP status: 503 when the engine is
-    down, 500 when only this sequence failed)."""
+    down, 500 when only this sequence failed). arrived: when its request arrived (time.monotonic), for the trace."""
+
+    arrived: float
 
     def on_token(self, token: int, finish_reason: str | None, logprob: TokenLogprob | None = None,
                  prompt_logprobs: list[TokenLogprob] | None = None) -> None: ...
@@ -39,7 +42,7 @@ class Scheduler:
         self.batcher = Batcher(engine, max_running, run=self._run, prefill=self._prefill,
                                steps_per_launch=steps_per_launch, prefix_cache=prefix_cache)
         self.cond = threading.Condition()
-        self.inbox: list[tuple[str, Sequence, Listener | None]] = []
+        self.inbox: list[tuple[str, Sequence, Listener | None, float]] = []      # (op, seq, listener, posted at)
         self.listeners: dict[int, Listener] = {}
         self.stopping = False
         self.failure: str | None = None       # why the loop died, if it did
@@ -76,7 +79,7 @@ class Scheduler:
 
     def _post(self, op: str, seq: Sequence, listener: Listener | None) -> None:
         with self.cond:
-            self.inbox.append((op, seq, listener))
+            self.inbox.append((op, seq, listener, time.monotonic()))
             self.cond.notify()
 
     def _main(self) -> None:
@@ -92,7 +95,7 @@ class Scheduler:
                 except DistmkError:
                     pass
             with self.cond:
-                listeners = list(self.listeners.values()) + [l for op, _, l in self.inbox if op == "submit"]
+                listeners = list(self.listeners.values()) + [l for op, _, l, _ in self.inbox if op == "submit"]
             try:
                 self.loop.call_soon_threadsafe(_fail_all, listeners, f"the engine failed: {self.failure}")
             except RuntimeError:    # the event loop already closed: no client is left to tell
@@ -114,7 +117,7 @@ class Scheduler:
             if idle:
                 self.leader.heartbeat()
                 continue
-            for op, seq, listener in inbox:
+            for op, seq, listener, posted in inbox:
                 if op == "cancel":
                     self.batcher.cancel(seq)
                     self.listeners.pop(seq.id, None)
@@ -125,6 +128,8 @@ class Scheduler:
                     self.loop.call_soon_threadsafe(_fail_all, [listener], str(e))
                     continue
                 self.listeners[seq.id] = listener
+                if self.trace:
+                    self.trace.request(seq.id, len(seq.prompt), listener.arrived, posted)
             produced = self.batcher.step()
             self.metrics.batcher_state(self.batcher)
             if produced:
