@@ -64,7 +64,7 @@ def parse_args(argv=None):
                    help="time each chunk at positions START.. after an untimed prefill of 0..START-1")
     p.add_argument("--max-context", type=int, default=0,
                    help="the engine's context (default: --start plus the longest chunk); a server's (distmk.serve "
-                        "--max-context) gives a later chunk the key buckets it has there")
+                        "--max-context) gives a later chunk the bucket of keys it has there")
     p.add_argument("--last", action="store_true",
                    help="time each chunk as its prompt's last, with its last position's logits (the first token's)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
