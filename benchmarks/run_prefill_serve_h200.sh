@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One H200, about 6 minutes (at most 9.5 by the timeouts, so one device call): prefill.py (chunks of 256, 512,
 # 2048 tokens against the bf16 tensor-core roofline and the torch.compile'd PyTorch prefill; then the 64-token
-# suffix of a cached 2000-token prefix as the server runs it, its prompt's last chunk in the server's key bucket),
+# suffix of a cached 2000-token prefix as the server runs it, its prompt's last chunk in the server's bucket of keys),
 # then distmk.serve for MODEL (--max-batch 16 --max-context 4096, plus SERVE_ARGS) and serve_load.py's matrix against
-# it (LOAD=matrix run_serve_gpu.sh), its cells' TTFT printed last. Everything goes to OUT_DIR. The device image lacks the HTTP stack: carry its wheels in .whl/
-# (benchmarks/README.md says how); they are installed if there. PREFILL_ARGS: more prefill.py flags.
+# it (LOAD=matrix run_serve_gpu.sh), its cells' TTFT printed last with the server's split of it (step_trace.py).
+# Everything goes to OUT_DIR. The device image lacks the HTTP stack: carry its wheels in .whl/ (benchmarks/README.md
+# says how); they are installed if there. PREFILL_ARGS: more prefill.py flags.
 # Usage, from the repository root: bash benchmarks/run_prefill_serve_h200.sh OUT_DIR [MODEL]
 # (on the device machine, DISTMK_COMMIT=<hash> too: its checkout's git HEAD is not the tree it was sent)
 set -u
@@ -28,12 +29,19 @@ grep "tokens " "$out/prefill_${model}_cached_suffix.log"
 stamp "distmk.serve $model, serve_load.py --matrix"
 OUT=$out LOAD=matrix timeout 330 bash benchmarks/run_serve_gpu.sh 1 "$model" > /dev/null
 echo "serve matrix: exit $?"
-"$DISTMK_PYTHON" - "$out/serve_matrix_${model}_tp1.json" <<'PY'
+"$DISTMK_PYTHON" - "$out/serve_matrix_${model}_tp1.json" "$out/serve_matrix_${model}_tp1_steps.json" <<'PY'
 import json, sys
-for c in json.load(open(sys.argv[1]))["cells"]:
-    server = c.get("server") or {}
+cells = json.load(open(sys.argv[1]))["cells"]
+try:
+    traced = json.load(open(sys.argv[2]))["cells"]
+except (OSError, ValueError, KeyError):
+    traced = [{}] * len(cells)
+for c, t in zip(cells, traced):
+    server, first = c.get("server") or {}, t.get("first_token") or {}
     print(f"{c['concurrency']} streams, {c['prompt_len']} tokens ({c['cached_tokens_mean']} cached): TTFT p50 "
           f"{c['ttft_s']['p50'] * 1e3:.1f} ms (server {server.get('ttft_ms_mean')}, prefill chunk "
           f"{server.get('prefill_ms_mean')} ms), inter-token p50 {c['itl_s']['p50'] * 1e3:.2f} ms, {c['failed']} failed")
+    print("    to the first token's hand-over, p50 ms: " + ", ".join(
+        f"{part} {first.get(part + '_ms_p50')}" for part in ("ttft", "admission", "queue", "launch", "prefill", "host")))
 PY
 stamp done
