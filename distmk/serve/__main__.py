@@ -49,8 +49,9 @@ def parse_args(argv=None):
                    help="read every prompt whole (by default a prompt starts from the KV blocks of the longest "
                         "block-aligned prefix an earlier request wrote, as vLLM's automatic prefix caching)")
     p.add_argument("--trace-steps", metavar="FILE", default=None,
-                   help="write a JSON line for every engine step and prefill chunk (rows, start and end) to FILE: "
-                        "the timeline behind /metrics (benchmarks/step_trace.py summarises it)")
+                   help="write a JSON line for every engine step and prefill chunk (rows, start and end), request "
+                        "taken in and token hand-over to FILE: the timeline behind /metrics "
+                        "(benchmarks/step_trace.py summarises it)")
     p.add_argument("--max-queue", type=NON_NEGATIVE, default=256,
                    help="requests waiting for a place in the batch; beyond: 429")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
