@@ -31,6 +31,8 @@ OUT=$out LOAD=matrix timeout 330 bash benchmarks/run_serve_gpu.sh 1 "$model" > /
 echo "serve matrix: exit $?"
 "$DISTMK_PYTHON" - "$out/serve_matrix_${model}_tp1.json" "$out/serve_matrix_${model}_tp1_steps.json" <<'PY'
 import json, sys
+sys.path.insert(0, "benchmarks")
+from step_trace import FIRST_PARTS
 cells = json.load(open(sys.argv[1]))["cells"]
 try:
     traced = json.load(open(sys.argv[2]))["cells"]
@@ -42,6 +44,6 @@ for c, t in zip(cells, traced):
           f"{c['ttft_s']['p50'] * 1e3:.1f} ms (server {server.get('ttft_ms_mean')}, prefill chunk "
           f"{server.get('prefill_ms_mean')} ms), inter-token p50 {c['itl_s']['p50'] * 1e3:.2f} ms, {c['failed']} failed")
     print("    to the first token's hand-over, p50 ms: " + ", ".join(
-        f"{part} {first.get(part + '_ms_p50')}" for part in ("ttft", "admission", "queue", "launch", "prefill", "host")))
+        f"{part} {first.get(part + '_ms_p50')}" for part in FIRST_PARTS))
 PY
 stamp done

@@ -8,10 +8,10 @@ queue (to the scheduler's taking it in, between two steps).
 
     python benchmarks/step_trace.py FILE [--matrix SERVE_MATRIX_JSON] [--json OUT]
 
-Prints, for gaps without and with prefill chunks and for first tokens: their count and share, p50 and p99 of the
-gap and of each part; then each prefill chunk size's median time. --matrix: the same for each cell of a serve_load.py --matrix
-run against that server, from the span of the server's clock it recorded (time.monotonic, one clock for every
-process of a machine). --json writes the same."""
+Prints, for gaps without and with prefill chunks: their count and share, p50 and p99 of the gap and of each
+part; the same for first tokens; then each prefill chunk size's median time. --matrix: the same for each cell of a
+serve_load.py --matrix run against that server, from the span of the server's clock it recorded (time.monotonic,
+one clock for every process of a machine). --json writes the same."""
 from __future__ import annotations
 
 import argparse
