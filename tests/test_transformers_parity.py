@@ -70,10 +70,10 @@ def test_compiled_prefill_stages_match_transformers():
 def test_chunk_in_a_longer_bucket_writes_the_plain_chunks_kv(name, start, request):
     """What a chunk's CUDA graph records (runtime/prefill.ChunkGraphs, captured on a GPU only), run as it is: an
     11-token chunk at `start` (after a plain chunk of the positions before it) in the 16-row bucket, whose extra
-    rows repeat the last one, and at start 19 in the bucket of the 64 keys a sequence holds (past its 30, the rest of
-    its block, then that block again), writes the K and V the plain chunk writes, and nothing past its positions; as its prompt's last chunk, the logits
-    of its last row are the plain chunk's. "window": tiny-mistral with a sliding window of 8, whose chunks, the first
-    included, all go through the masked keys."""
+    rows repeat the last one, and at start 19 in the bucket of the 64 keys a sequence holds (past its 30, the rest
+    of its block, then that block again), writes the K and V the plain chunk writes, and nothing past its
+    positions; as its prompt's last chunk, the logits of its last row are the plain chunk's. "window": tiny-mistral
+    with a sliding window of 8, whose chunks, the first included, all go through the masked keys."""
     from distmk.runtime.prefill import ChunkGraphs, prefill_chunk
     model = request.getfixturevalue("sliding_window_checkpoint")[0] if name == "window" else name
     tokens = [(5 * i + 2) % 40 for i in range(start + 11)]
