@@ -77,16 +77,20 @@ def _attend(q_ptr, k_ptr, v_ptr, pages_ptr, pos_ptr, out_ptr, lse_ptr,
 
 @triton.jit
 def _combine(parts_ptr, lse_ptr, out_ptr, stride_part, stride_or, stride_oh, rows, heads,
-             PARTS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Program (row, head): the parts' outputs weighted by their share of the row's softmax."""
-    row, head = tl.program_id(0), tl.program_id(1)
+             PARTS: tl.constexpr, GROUP: tl.constexpr, GROUP_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Program (row, kv head): its query heads' part outputs weighted by their share of each head's softmax."""
+    row = tl.program_id(0)
+    head = tl.program_id(1) * GROUP + tl.arange(0, GROUP_POW2)
+    valid = tl.arange(0, GROUP_POW2) < GROUP
     part = tl.arange(0, PARTS)
     dim = tl.arange(0, HEAD_DIM)
-    lse = tl.load(lse_ptr + (part * rows + row) * heads + head)
-    weight = tl.exp2(lse - tl.max(lse, 0))
-    outs = tl.load(parts_ptr + part[:, None] * stride_part + row * stride_or + head * stride_oh + dim[None, :])
-    out = tl.sum(outs * weight[:, None], 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + row * stride_or + head * stride_oh + dim, out.to(out_ptr.dtype.element_ty))
+    lse = tl.load(lse_ptr + (part[:, None] * rows + row) * heads + head[None, :], mask=valid[None, :], other=0.0)
+    weight = tl.exp2(lse - tl.max(lse, 0)[None, :])
+    at = part[:, None, None] * stride_part + row * stride_or + head[None, :, None] * stride_oh + dim[None, None, :]
+    outs = tl.load(parts_ptr + at, mask=valid[None, :, None], other=0.0)
+    out = tl.sum(outs * weight[:, :, None], 0) / tl.sum(weight, 0)[:, None]
+    tl.store(out_ptr + row * stride_or + head[:, None] * stride_oh + dim[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 def parts_for(rows: int, kv_heads: int, group: int, keys: int, programs: int) -> int:
@@ -127,6 +131,6 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                   PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS,
                   num_stages=NUM_STAGES)
     if split:
-        _combine[(rows, heads)](target, lse, out, target.stride(0), out.stride(0), out.stride(1), rows, heads,
-                                PARTS=parts, HEAD_DIM=d)
+        _combine[(rows, kv_heads)](target, lse, out, target.stride(0), out.stride(0), out.stride(1), rows, heads,
+                                   PARTS=parts, GROUP=group, GROUP_POW2=triton.next_power_of_2(group), HEAD_DIM=d)
     return out
