@@ -428,6 +428,19 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server):
     assert all(c.usage.prompt_tokens == 3 for c in chunks) and chunks[-1].choices == []
 
 
+def test_streamed_text_with_unicode_line_separators_reads_line_by_line(server):
+    """A token's text may hold U+0085, U+2028 or U+2029, which SSE does not break lines at but str.splitlines (and
+    httpx's aiter_lines, with it) does: every event still reads as one line of JSON."""
+    prompt = "one\u2028two\x85three\u2029four"
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": prompt, "echo": True, "max_tokens": 2, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: {") for line in lines[:-1]), lines
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
+    assert text.startswith(prompt)
+
+
 def test_batched_prompts_give_each_prompts_own_choices(server):
     """A list of prompts in one completions request (OpenAI's, what lm-eval sends with batch_size > 1): each a
     sequence with n choices of its own, indexed prompt-major, equal to the prompt sent alone; usage over all of
