@@ -6,7 +6,8 @@
 # streams x 256- and 2000-token prompts, 128 tokens out, 8 requests per stream) into serve_matrix_MODEL_tpTP.json
 # and .png, the server's step timeline (--trace-steps) into steps_MODEL_tpTP.jsonl and step_trace.py's summary
 # of it per cell into serve_matrix_MODEL_tpTP_steps.json; else 64 requests, 8 at once, 256-token prompts into
-# serve_load_MODEL_tpTP.json.
+# serve_load_MODEL_tpTP.json. LOAD=features: serve_load.py --features $FEATURES_ARGS (default: 8 requests a cell, 128
+# tokens out, 2000-token prompts) into serve_features_MODEL_tpTP.json.
 # SERVE_ARGS: more flags for the server (e.g. --kv-splits 16).
 # Usage, from the repository root: OUT=dir [LOAD=matrix] bash benchmarks/run_serve_gpu.sh TP [MODEL]
 # (BACKEND=reference DEVICE=cpu runs the same on the CPU, for a tiny preset)
@@ -20,6 +21,9 @@ if [ "${LOAD:-single}" = matrix ]; then
   max_context=${MAX_CONTEXT:-4096} result="$OUT/serve_matrix_${model}_tp${tp}.json"
   load=(--matrix ${MATRIX_ARGS:---streams 1,8 --prompt-lens 256,2000 --rounds 8 --max-tokens 128})
   steps="$OUT/steps_${model}_tp${tp}.jsonl"       # the server's step timeline, summarised per cell at the end
+elif [ "${LOAD:-single}" = features ]; then
+  max_context=${MAX_CONTEXT:-4096} result="$OUT/serve_features_${model}_tp${tp}.json"
+  load=(--features ${FEATURES_ARGS:---rounds 8 --max-tokens 128 --prompt-lens 2000})
 else
   max_context=1024 result="$OUT/serve_load_${model}_tp${tp}.json"
   load=(--concurrency 8 --requests 64 --max-tokens 128 --prompt-len 256)

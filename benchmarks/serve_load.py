@@ -18,6 +18,15 @@ The matrix also has a shared-prefix cell per stream count: every prompt the same
 0: none) then 64 of its own, as a chat resends its system prompt and history, after one untimed request has
 sent that prefix (a server with prefix caching holds its KV then: the cell's cached_tokens_mean says how much).
 
+With --features, the costs of two request features, each cell beside the same requests without it against one
+server (one stream, --rounds requests a cell, after an untimed request of each kind):
+
+- `json_schema`: --max-tokens tokens of 256-token prompts under a `response_format` JSON schema (an array of
+  strings), their inter-token latency against unconstrained decoding's;
+- `prompt_logprobs`: fresh prompts of --prompt-lens' longest length (no cached prefix) with their log-probabilities
+  (`echo`, `logprobs: 1`, `max_tokens: 0`), each request's whole time against one token of the same length
+  (`max_tokens: 1`): the plain prefill.
+
 Prompts are random token ids (seeded) below --vocab-limit, so their length is exact whatever the
 tokenizer; ignore_eos makes every request generate exactly --max-tokens tokens. Each streamed chunk
 carries one token (distmk.serve sends one per token), so the gaps between chunks are inter-token latencies.
@@ -68,6 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--shared-prefix", type=int, default=2000,
                    help="matrix: a cell per stream count whose prompts share this many tokens, then 64 their own "
                         "(0: no such cells)")
+    p.add_argument("--features", action="store_true",
+                   help="the cost of a JSON schema on decoding and of prompt log-probabilities on a prefill (above)")
     p.add_argument("--out", help="also write the JSON here (with --matrix, the PNG beside it)")
     args = p.parse_args(argv)
     for flag in ("concurrency", "requests", "max_tokens", "prompt_len", "rounds"):
@@ -75,6 +86,8 @@ def parse_args(argv=None):
             p.error(f"argument --{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
     if args.shared_prefix < 0:
         p.error(f"argument --shared-prefix: must be >= 0, got {args.shared_prefix}")
+    if args.matrix and args.features:
+        p.error("--matrix and --features are runs of their own: pick one")
     if args.matrix and not args.out:
         p.error("--matrix needs --out (the JSON; the PNG goes beside it)")
     return args
@@ -111,14 +124,15 @@ async def one_request(http: httpx.AsyncClient, body: dict) -> dict:
 
 
 async def load(http: httpx.AsyncClient, model: str, rng: random.Random, *, concurrency: int, requests: int,
-               prompt_len: int, max_tokens: int, vocab_limit: int, prefix: list[int] = ()) -> dict:
+               prompt_len: int, max_tokens: int, vocab_limit: int, prefix: list[int] = (),
+               extra: dict | None = None) -> dict:
     """`concurrency` clients send `requests` streamed completions in all: their latencies and throughput. Each
-    prompt is `prefix` then random tokens up to prompt_len."""
+    prompt is `prefix` then random tokens up to prompt_len; `extra`: more fields of every request."""
     prefix = list(prefix)
     bodies = [{"model": model,
                "prompt": prefix + [rng.randrange(1, vocab_limit) for _ in range(prompt_len - len(prefix))],
                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-               "stream_options": {"include_usage": True}} for _ in range(requests)]
+               "stream_options": {"include_usage": True}, **(extra or {})} for _ in range(requests)]
     pending = iter(bodies)
     results = []
 
@@ -133,6 +147,7 @@ async def load(http: httpx.AsyncClient, model: str, rng: random.Random, *, concu
     errors = sorted({r["error"] for r in results if "error" in r})
     ttft = [r["arrivals"][0] - r["start"] for r in done if r["arrivals"]]
     itl = [b - a for r in done for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    latency = [r["end"] - r["start"] for r in done]
     tokens = sum(r["usage"]["completion_tokens"] if r["usage"] else len(r["arrivals"]) for r in done)
     cached = [(r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") for r in done if r["usage"]]
     cached = [c for c in cached if c is not None]
@@ -140,6 +155,7 @@ async def load(http: httpx.AsyncClient, model: str, rng: random.Random, *, concu
             "shared_prefix": len(prefix), "cached_tokens_mean": round(statistics.mean(cached), 1) if cached else None,
             "completed": len(done), "failed": len(results) - len(done), "errors": errors[:5],
             "duration_s": round(duration, 3), "ttft_s": percentiles(ttft), "itl_s": percentiles(itl),
+            "latency_s": percentiles(latency),
             "request_throughput_per_s": round(len(done) / duration, 3),
             "output_token_throughput_per_s": round(tokens / duration, 2), "output_tokens": tokens}
 
@@ -235,6 +251,43 @@ async def run_matrix(args, log) -> dict:
             "command": shlex.join(["python", *sys.argv])}
 
 
+# a schema every reply can keep to for as long as it is allowed to run
+ARRAY_OF_STRINGS = {"type": "json_schema", "json_schema": {"name": "items", "strict": True, "schema": {
+    "type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}}, "required": ["items"],
+    "additionalProperties": False}}}
+FEATURES = {        # name: (the cell's request fields, the plain cell's, prompt length, max_tokens, what is compared)
+    "json_schema": ({"response_format": ARRAY_OF_STRINGS}, {}, 256, None, "itl_s"),
+    "prompt_logprobs": ({"echo": True, "logprobs": 1}, {}, None, (0, 1), "latency_s"),
+}
+
+
+async def run_features(args, log) -> dict:
+    """Each of FEATURES' cells beside the same requests without the feature, one stream, against one server."""
+    rng = random.Random(args.seed)
+    features = []
+    async with connect(args, 1) as http:
+        model = await served_model(http, args.model)
+        for name, (fields, plain_fields, prompt_len, max_tokens, key) in FEATURES.items():
+            prompt_len = prompt_len or max(args.prompt_lens)
+            with_tokens, plain_tokens = max_tokens or (args.max_tokens, args.max_tokens)
+            cells = {}
+            for which, extra, tokens in (("plain", plain_fields, plain_tokens), ("with", fields, with_tokens)):
+                await load(http, model, rng, concurrency=1, requests=1, prompt_len=prompt_len,  # untimed
+                           max_tokens=tokens, vocab_limit=args.vocab_limit, extra=extra)
+                cells[which] = await load(http, model, rng, concurrency=1, requests=args.rounds,
+                                          prompt_len=prompt_len, max_tokens=tokens, vocab_limit=args.vocab_limit,
+                                          extra=extra)
+            plain, with_ = cells["plain"][key]["p50"], cells["with"][key]["p50"]
+            ratio = round(with_ / plain, 3) if plain and with_ else None
+            log(f"{name}: {key[:-2]} p50 {ms(with_)} ms against {ms(plain)} without ({ratio}x), "
+                f"{cells['with']['failed'] + cells['plain']['failed']} failed")
+            features.append({"feature": name, "fields": fields, "compared": key, "ratio_p50": ratio, **cells})
+    return {"url": args.url, "model": model, "rounds": args.rounds, "features": features,
+            "failed": sum(f[c]["failed"] for f in features for c in ("plain", "with")),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join(["python", *sys.argv])}
+
+
 def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
@@ -277,7 +330,8 @@ def main(argv=None) -> int:
         print(f"[serve_load] {msg}", file=sys.stderr, flush=True)
 
     try:
-        result = asyncio.run(run_matrix(args, log) if args.matrix else run(args))
+        result = asyncio.run(run_matrix(args, log) if args.matrix else run_features(args, log) if args.features
+                             else run(args))
     except httpx.TransportError as e:
         print(f"error: cannot reach {args.url}: {e}", file=sys.stderr)
         return 1
