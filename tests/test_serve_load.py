@@ -1,5 +1,5 @@
 """The serving load benchmark (benchmarks/serve_load.py) against a real distmk.serve on the CPU: one run,
-and the matrix of stream counts and prompt lengths with its JSON and PNG."""
+the matrix of stream counts and prompt lengths with its JSON and PNG, and the features' costs."""
 import json
 import sys
 
@@ -74,3 +74,25 @@ def test_matrix_needs_an_output_and_sane_counts(server):
     assert proc.returncode == 2 and "--matrix needs --out" in proc.stderr
     proc = load(server, "--matrix", "--out", "x.json", "--streams", "1,0")
     assert proc.returncode == 2 and "--streams" in proc.stderr and "'1,0'" in proc.stderr
+
+
+def test_features_time_each_feature_beside_the_same_requests_without_it(server, tmp_path):
+    out = tmp_path / "features.json"
+    proc = load(server, "--features", "--rounds", "2", "--max-tokens", "6", "--prompt-lens", "24", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["failed"] == 0
+    features = {f["feature"]: f for f in result["features"]}
+    assert list(features) == ["json_schema", "prompt_logprobs"]
+    schema, logprobs = features["json_schema"], features["prompt_logprobs"]
+    assert schema["with"]["prompt_len"] == 256 and schema["with"]["completed"] == 2
+    assert "response_format" in schema["fields"] and schema["plain"]["output_tokens"] == 2 * 6
+    # the prompt's log-probabilities generate nothing shown (max_tokens 0); the plain prefill one token
+    assert (logprobs["with"]["prompt_len"], logprobs["with"]["output_tokens"], logprobs["plain"]["output_tokens"]) \
+        == (24, 0, 2)
+    for feature in features.values():
+        compared = feature["compared"]
+        assert feature["ratio_p50"] == round(feature["with"][compared]["p50"] / feature["plain"][compared]["p50"], 3)
+    assert "prompt_logprobs: latency p50" in proc.stderr
+    proc = load(server, "--features", "--matrix", "--out", str(out))
+    assert proc.returncode == 2 and "pick one" in proc.stderr
