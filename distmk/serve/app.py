@@ -497,7 +497,9 @@ def create_app(served: Served) -> FastAPI:
         finally:
             for generation in generations:
                 generation.close()
-        count(request, 200 if isinstance(response, dict) else response.status_code)
+        if isinstance(response, dict):  # JSON's types already; FastAPI would walk it again (jsonable_encoder): the
+            response = JSONResponse(response)   # most of a long prompt's log-probabilities' time on the host
+        count(request, response.status_code)
         return response
 
     return app
