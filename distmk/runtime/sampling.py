@@ -119,8 +119,8 @@ class TokenLogprob:
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
     """TokenLogprob of each row of `logits` [rows, vocab]: row r chose tokens[r] and lists its ks[r] most likely;
-    computed where the logits are, in one copy to the host for all rows."""
-    logprobs = torch.log_softmax(logits.double(), dim=-1).nan_to_num(nan=-9999.0).clamp(min=-9999.0)
+    computed where the logits are, in float32 (a long prompt's rows are a GB of them), in one copy to the host."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1).nan_to_num_(nan=-9999.0).clamp_(min=-9999.0)
     chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])
     rank = (logprobs > chosen).sum(dim=-1) + 1
     top = torch.topk(logprobs, min(max(ks), logprobs.shape[-1]), dim=-1, sorted=True)
