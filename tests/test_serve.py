@@ -563,6 +563,26 @@ def test_extreme_repetition_penalties_get_an_answer(server, penalty, temperature
 def test_stop_token_ids_outside_the_vocabulary_name_their_parameter(server):
     r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "stop_token_ids": [9999]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "logit_bias": {"9999": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_logit_bias_bans_and_forces_tokens(server, chat):
+    """OpenAI's logit_bias through both ranks, streamed and whole: -100 on the greedy first token leaves
+    transformers' next most likely one; 100 on a token makes it every token of the reply."""
+    import torch
+    from conftest import hf_model
+    prompt = [{"role": "user", "content": "Hi"}] if chat else [1, 2, 3]
+    _, greedy, _ = complete(server, prompt, 4, chat=chat)
+    for stream in (False, True):
+        assert complete(server, prompt, 4, stream=stream, chat=chat, logit_bias={"42": 100})[1] == [42] * 4
+        banned = complete(server, prompt, 1, stream=stream, chat=chat, logit_bias={str(greedy[0]): -100})[1]
+        if not chat:
+            with torch.no_grad():
+                logits = hf_model(MODEL)(torch.tensor([prompt])).logits[0, -1]
+            assert [greedy[0], banned[0]] == logits.topk(2).indices.tolist()
+        assert banned[0] != greedy[0]
 
 
 @pytest.mark.parametrize("body, status, says", [

@@ -64,6 +64,7 @@ LEGAL_EXTREMES = {
     "seed": [-2 ** 63, -1, 0, 2 ** 63, 2 ** 64 - 1, None],
     "max_tokens": [1, 1, 2, None],                    # null: to the end of the (small) context
     "presence_penalty": [0, -0.0, Literal("0e0")], "frequency_penalty": [0, Literal("-0")], "n": [1, Literal("1")],
+    "logit_bias": [{"5": -100}, {"0": 100, "511": -100}, {"7": 5e-324}, {"007": 100}, {}, None],
 }
 
 # field: values that are wrong for it (type, range, unsupported), so the request must be refused
@@ -83,7 +84,8 @@ WRONG = {
     "logprobs": [21, -1, "2", True], "echo": ["yes", 1],
     "presence_penalty": [3, "1", -2.5], "frequency_penalty": [2.5, "0"],
     "repetition_penalty": [0, -1, "1"], "stop_token_ids": [[-1], [1.5], "1", [10 ** 6], list(range(65))],
-    "logit_bias": [{"5": 1}], "best_of": [2], "suffix": ["end"],
+    "logit_bias": [{"x": 1}, {"5": 101}, {"-5": 1}, {"5": "1"}, [5], {str(10 ** 6): 1}, {"9" * 5000: 1}],
+    "best_of": [2], "suffix": ["end"],
     "tools": [[]], "frobnicate": [1],
     "response_format": ["json", {"type": "xml"}, {"type": "json_schema"}, {"type": "text", "json_schema": {"name": "x"}},
                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}],

@@ -7,8 +7,8 @@ Safe for any finite parameters: temperatures under GREEDY_BELOW are greedy (as v
 rest scale the logits in float64 after subtracting their maximum (so nothing overflows to inf or nan),
 and top-p always keeps the most likely token. Penalties come first, on the logits of the tokens a sequence
 has seen: transformers' (and vLLM's) repetition_penalty over the prompt and the output, OpenAI's presence and
-frequency penalties over the output; a greedy sequence with a penalty takes the penalised logits' argmax here,
-not the device's. A token's log-probability (token_logprobs) is the model's: of the logits before penalties,
+frequency penalties over the output, then OpenAI's logit_bias; a greedy sequence with any of them takes the
+changed logits' argmax here, not the device's. A token's log-probability (token_logprobs) is the model's: of the logits before penalties,
 temperature, top-k and top-p, as OpenAI and vLLM report it."""
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ class SamplingParams:
     presence_penalty: float = 0.0    # subtracted from the logit of each token the output has
     frequency_penalty: float = 0.0   # subtracted from a token's logit once per time the output has it
     repetition_penalty: float = 1.0  # a seen token's logit divided by it where positive, multiplied where negative
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token, added to its logit): OpenAI's, -100 to 100
 
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -44,6 +45,9 @@ class SamplingParams:
                 raise DistmkError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise DistmkError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if not -100 <= bias <= 100:                      # also refuses nan
+                raise DistmkError(f"logit_bias must be in [-100, 100], got {bias} for token {token}")
 
     @property
     def greedy(self) -> bool:
@@ -51,7 +55,8 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+        """Whether the logits change before sampling (penalize): penalties or a logit bias."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
 
     @property
     def needs_logits(self) -> bool:
@@ -61,19 +66,20 @@ class SamplingParams:
 
 def resolve_sampling(temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None, *,
                      defaults: dict, greedy_default: bool, presence_penalty: float = 0.0,
-                     frequency_penalty: float = 0.0, repetition_penalty: float | None = None) -> SamplingParams:
+                     frequency_penalty: float = 0.0, repetition_penalty: float | None = None,
+                     logit_bias: dict[int, float] | None = None) -> SamplingParams:
     """What a caller asked for, each parameter it left out (None) taken from the checkpoint's defaults
     (ModelSpec.generation_defaults), else from distmk's: greedy for the CLI, temperature 1 for the API."""
     given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
     values = {"temperature": 0.0 if greedy_default else 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0,
               **defaults, **{k: v for k, v in given.items() if v is not None}}
     return SamplingParams(values["temperature"], values["top_p"], values["top_k"], seed, presence_penalty,
-                          frequency_penalty, values["repetition_penalty"])
+                          frequency_penalty, values["repetition_penalty"], tuple(sorted((logit_bias or {}).items())))
 
 
 def penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
     """The logits (float64) with the sequence's penalties: repetition over every token of prompt and output,
-    presence and frequency over the output's counts."""
+    presence and frequency over the output's counts; then its logit bias added."""
     logits = logits.double().clone()
     if params.repetition_penalty != 1:
         seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=logits.device)
@@ -82,6 +88,10 @@ def penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int], ou
     if output and (params.presence_penalty or params.frequency_penalty):
         counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=logits.numel()).double()
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).double()
+    if params.logit_bias:
+        tokens, biases = zip(*params.logit_bias)
+        logits[torch.tensor(tokens, device=logits.device)] += torch.tensor(biases, dtype=logits.dtype,
+                                                                           device=logits.device)
     # a legal but extreme repetition_penalty (5e-324, 1e308) divides or multiplies past float64's range: the
     # penalised logits stay finite, the largest (or smallest) there is, so sampling's softmax stays a distribution
     return logits.nan_to_num(posinf=torch.finfo(torch.float64).max, neginf=torch.finfo(torch.float64).min)

@@ -455,7 +455,8 @@ def create_app(served: Served) -> FastAPI:
         top_k = None if req.top_k is None else max(req.top_k, 0)          # -1, as vLLM has it: no limit
         params = resolve_sampling(req.temperature, req.top_p, top_k, req.seed, defaults=served.sampling_defaults,
                                   greedy_default=False, presence_penalty=req.presence_penalty,
-                                  frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty)
+                                  frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                                  logit_bias=req.logit_bias or None)
         choices = req.n * len(prompts)
         if choices > served.capacity:
             what = f"n {req.n}" + (f" of {len(prompts)} prompts ({choices} sequences)" if len(prompts) > 1 else "")
@@ -473,6 +474,7 @@ def create_app(served: Served) -> FastAPI:
                          prompt_logprobs=max(asked) if asked else None, constraint=next(constraints))
                 for prompt in prompts for i in range(req.n)]
         check_vocabulary(req.stop_token_ids or [], "stop_token_ids", "stop token ids")
+        check_vocabulary(sorted(req.logit_bias or ()), "logit_bias", "logit_bias token ids")
         for i, prompt in enumerate(prompts):
             try:
                 served.scheduler.check(seqs[i * req.n])

@@ -2,10 +2,10 @@
 
 Bodies are validated strictly: a wrong type is an error rather than coerced ("1" is not a number), and a
 parameter the server does not implement is refused by name instead of silently ignored. A few that
-clients send with neutral values by habit (logit_bias: null, best_of: 1, ...) are accepted with exactly
-those values. Log-probabilities as OpenAI has them: `logprobs` (completions: how many alternatives,
-0..MAX_LOGPROBS; with `echo`, the prompt's too, and max_tokens 0 asks for nothing more: what lm-eval's
-loglikelihood tasks send), `logprobs` and `top_logprobs` (chat). Extensions shared with vLLM: top_k,
+clients send with neutral values by habit (best_of: 1, suffix: null) are accepted with exactly those values.
+Log-probabilities as OpenAI has them: `logprobs` (completions: how many alternatives, 0..MAX_LOGPROBS; with `echo`,
+the prompt's too, and max_tokens 0 asks for nothing more: what lm-eval's loglikelihood tasks send), `logprobs` and
+`top_logprobs` (chat); `logit_bias` (token ids, as strings, to -100..100). Extensions shared with vLLM: top_k,
 repetition_penalty, stop_token_ids, ignore_eos, return_token_ids, prompt_logprobs,
 stream_options.continuous_usage_stats; its /tokenize and /detokenize. max_tokens: null means as many as the
 context has room for.
@@ -75,6 +75,20 @@ def _stop_strings(v: Any) -> list[str]:
     return stops
 
 
+def _logit_bias(v: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (JSON's keys are strings) to a bias from -100 to 100 added to their logits."""
+    if v is None:
+        return {}
+    bias = {}
+    for key, value in v.items():
+        if not (key.isascii() and key.isdigit()):
+            raise ValueError(f"maps token ids to biases; {json.dumps(key)} is not a token id")
+        if not -100 <= value <= 100:
+            raise ValueError(f"takes biases from -100 to 100, got {value} for token {key}")
+        bias[int(key)] = value
+    return bias
+
+
 def _text_content(v: Any) -> str:
     if isinstance(v, str):
         return v
@@ -140,7 +154,7 @@ class _Sampling(_Strict):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)    # vLLM's; null: the checkpoint's, else 1
-    logit_bias: Annotated[dict[str, float] | None, _neutral(None)] = None
+    logit_bias: Annotated[dict[str, float] | None, AfterValidator(_logit_bias)] = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)    # vLLM's: the prompt's log-probabilities
     response_format: ResponseFormat | None = None
 
