@@ -25,7 +25,7 @@ server (one stream, --rounds requests a cell, after an untimed request of each k
   strings), their inter-token latency against unconstrained decoding's;
 - `prompt_logprobs`: fresh prompts of --prompt-lens' longest length (no cached prefix) with their log-probabilities
   (`echo`, `logprobs: 1`, `max_tokens: 0`), each request's whole time against one token of the same length
-  (`max_tokens: 1`): the plain prefill.
+  (`max_tokens: 1`): the plain prefill; both not streamed, as lm-eval sends them.
 
 Prompts are random token ids (seeded) below --vocab-limit, so their length is exact whatever the
 tokenizer; ignore_eos makes every request generate exactly --max-tokens tokens. Each streamed chunk
@@ -104,9 +104,15 @@ def percentiles(values: list[float]) -> dict:
 
 
 async def one_request(http: httpx.AsyncClient, body: dict) -> dict:
-    """Send one streamed completion; the arrival times of its token chunks."""
+    """Send one completion; the arrival times of its token chunks (not streamed: of the whole reply)."""
     start = time.perf_counter()
     arrivals, usage = [], None
+    if not body["stream"]:
+        r = await http.post("/v1/completions", json=body)
+        end = time.perf_counter()
+        if r.status_code != 200:
+            return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
+        return {"start": start, "arrivals": [end], "end": end, "usage": r.json()["usage"]}
     async with http.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             return {"error": f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"}
@@ -255,9 +261,10 @@ async def run_matrix(args, log) -> dict:
 ARRAY_OF_STRINGS = {"type": "json_schema", "json_schema": {"name": "items", "strict": True, "schema": {
     "type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}}, "required": ["items"],
     "additionalProperties": False}}}
+WHOLE = {"stream": False, "stream_options": None}       # a reply in one piece
 FEATURES = {        # name: (the cell's request fields, the plain cell's, prompt length, max_tokens, what is compared)
     "json_schema": ({"response_format": ARRAY_OF_STRINGS}, {}, 256, None, "itl_s"),
-    "prompt_logprobs": ({"echo": True, "logprobs": 1}, {}, None, (0, 1), "latency_s"),
+    "prompt_logprobs": ({"echo": True, "logprobs": 1, **WHOLE}, WHOLE, None, (0, 1), "latency_s"),
 }
 
 
@@ -279,7 +286,8 @@ async def run_features(args, log) -> dict:
                                           extra=extra)
             plain, with_ = cells["plain"][key]["p50"], cells["with"][key]["p50"]
             ratio = round(with_ / plain, 3) if plain and with_ else None
-            log(f"{name}: {key[:-2]} p50 {ms(with_)} ms against {ms(plain)} without ({ratio}x), "
+            log(f"{name}: {key[:-2]} p50 {ms(with_)} ms against {ms(plain)} without ({ratio}x), output tokens "
+                f"{cells['with']['output_tokens']} against {cells['plain']['output_tokens']}, "
                 f"{cells['with']['failed'] + cells['plain']['failed']} failed")
             features.append({"feature": name, "fields": fields, "compared": key, "ratio_p50": ratio, **cells})
     return {"url": args.url, "model": model, "rounds": args.rounds, "features": features,

@@ -596,6 +596,8 @@ def test_logit_bias_bans_and_forces_tokens(server, chat):
     ({"model": MODEL, "prompt": "hi", "n": 41}, 400, "n 41 is more choices than the server runs or queues at once"),
     ({"model": MODEL, "prompt": "hi", "temperature": "0.5"}, 400, "'temperature': Input should be a valid number"),
     ({"model": MODEL, "prompt": "hi", "tools": []}, 400, "unsupported parameter 'tools'"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 1, "05": 2}}, 400, "'logit_bias': names token 5 twice"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"9" * 5000: 1}}, 400, "is not a token id"),
     ({"model": MODEL, "prompt": [1, 9999]}, 400, "outside the vocabulary"),
     ({"model": MODEL, "prompt": "hi", "stop": "x" * 1_000_000}, 400,
      "'stop': takes strings of at most 1024 characters, got one of 1000000"),

@@ -78,19 +78,25 @@ def _attend(q_ptr, k_ptr, v_ptr, pages_ptr, pos_ptr, out_ptr, lse_ptr,
 @triton.jit
 def _combine(parts_ptr, lse_ptr, out_ptr, stride_part, stride_or, stride_oh, rows, heads,
              PARTS: tl.constexpr, GROUP: tl.constexpr, GROUP_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Program (row, kv head): its query heads' part outputs weighted by their share of each head's softmax."""
+    """Program (row, kv head): its query heads' part outputs weighted by their share of each head's softmax, a part
+    at a time (a short chunk may have hundreds of parts)."""
     row = tl.program_id(0)
     head = tl.program_id(1) * GROUP + tl.arange(0, GROUP_POW2)
     valid = tl.arange(0, GROUP_POW2) < GROUP
-    part = tl.arange(0, PARTS)
     dim = tl.arange(0, HEAD_DIM)
-    lse = tl.load(lse_ptr + (part[:, None] * rows + row) * heads + head[None, :], mask=valid[None, :], other=0.0)
-    weight = tl.exp2(lse - tl.max(lse, 0)[None, :])
-    at = part[:, None, None] * stride_part + row * stride_or + head[None, :, None] * stride_oh + dim[None, None, :]
-    outs = tl.load(parts_ptr + at, mask=valid[None, :, None], other=0.0)
-    out = tl.sum(outs * weight[:, :, None], 0) / tl.sum(weight, 0)[:, None]
+    lse_at = lse_ptr + row * heads + head
+    top = tl.full([GROUP_POW2], float("-inf"), tl.float32)
+    for part in range(PARTS):
+        top = tl.maximum(top, tl.load(lse_at + part * rows * heads, mask=valid, other=0.0))
+    total = tl.zeros([GROUP_POW2], tl.float32)
+    acc = tl.zeros([GROUP_POW2, HEAD_DIM], tl.float32)
+    at = parts_ptr + row * stride_or + head[:, None] * stride_oh + dim[None, :]
+    for part in range(PARTS):
+        weight = tl.exp2(tl.load(lse_at + part * rows * heads, mask=valid, other=0.0) - top)
+        total += weight
+        acc += weight[:, None] * tl.load(at + part * stride_part, mask=valid[:, None], other=0.0)
     tl.store(out_ptr + row * stride_or + head[:, None] * stride_oh + dim[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+             (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 def parts_for(rows: int, kv_heads: int, group: int, keys: int, programs: int) -> int:

@@ -5,11 +5,11 @@ device's, so a seed draws a different stream on a GPU than on the CPU, as preset
 
 Safe for any finite parameters: temperatures under GREEDY_BELOW are greedy (as vLLM treats them), the
 rest scale the logits in float64 after subtracting their maximum (so nothing overflows to inf or nan),
-and top-p always keeps the most likely token. Penalties come first, on the logits of the tokens a sequence
-has seen: transformers' (and vLLM's) repetition_penalty over the prompt and the output, OpenAI's presence and
-frequency penalties over the output, then OpenAI's logit_bias; a greedy sequence with any of them takes the
-changed logits' argmax here, not the device's. A token's log-probability (token_logprobs) is the model's: of the logits before penalties,
-temperature, top-k and top-p, as OpenAI and vLLM report it."""
+and top-p always keeps the most likely token. OpenAI's logit_bias and the penalties come first, in vLLM's order:
+the bias, then transformers' (and vLLM's) repetition_penalty over the prompt and the output, OpenAI's presence and
+frequency penalties over the output; a greedy sequence with any of them takes the changed logits' argmax here, not
+the device's. A token's log-probability (token_logprobs) is the model's: of the logits before the bias, the
+penalties, temperature, top-k and top-p, as OpenAI and vLLM report it."""
 from __future__ import annotations
 
 import math
@@ -46,8 +46,8 @@ class SamplingParams:
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise DistmkError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         for token, bias in self.logit_bias:
-            if not -100 <= bias <= 100:                      # also refuses nan
-                raise DistmkError(f"logit_bias must be in [-100, 100], got {bias} for token {token}")
+            if token < 0 or not -100 <= bias <= 100:          # also refuses nan
+                raise DistmkError(f"logit_bias takes token ids >= 0 to biases in [-100, 100], got {token}: {bias}")
 
     @property
     def greedy(self) -> bool:
@@ -55,7 +55,7 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether the logits change before sampling (penalize): penalties or a logit bias."""
+        """Whether the logits change before sampling (penalize): a logit bias or penalties."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
 
     @property
@@ -78,9 +78,13 @@ def resolve_sampling(temperature: float | None, top_p: float | None, top_k: int 
 
 
 def penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """The logits (float64) with the sequence's penalties: repetition over every token of prompt and output,
-    presence and frequency over the output's counts; then its logit bias added."""
+    """The logits (float64) with the sequence's logit bias added, then its penalties: repetition over every token
+    of prompt and output, presence and frequency over the output's counts."""
     logits = logits.double().clone()
+    if params.logit_bias:
+        tokens, biases = zip(*params.logit_bias)
+        logits[torch.tensor(tokens, device=logits.device)] += torch.tensor(biases, dtype=logits.dtype,
+                                                                           device=logits.device)
     if params.repetition_penalty != 1:
         seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=logits.device)
         values = logits[seen]
@@ -88,10 +92,6 @@ def penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int], ou
     if output and (params.presence_penalty or params.frequency_penalty):
         counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=logits.numel()).double()
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).double()
-    if params.logit_bias:
-        tokens, biases = zip(*params.logit_bias)
-        logits[torch.tensor(tokens, device=logits.device)] += torch.tensor(biases, dtype=logits.dtype,
-                                                                           device=logits.device)
     # a legal but extreme repetition_penalty (5e-324, 1e308) divides or multiplies past float64's range: the
     # penalised logits stay finite, the largest (or smallest) there is, so sampling's softmax stays a distribution
     return logits.nan_to_num(posinf=torch.finfo(torch.float64).max, neginf=torch.finfo(torch.float64).min)

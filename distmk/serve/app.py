@@ -771,9 +771,12 @@ class Reply:
 
 # characters that are no line break to SSE but are one to str.splitlines (which httpx's aiter_lines follows): a
 # client reading lines that way would cut an event at a token holding one; JSON may escape them (json.dumps
-# already escapes the rest, control characters)
-_LINE_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+# already escapes the rest, control characters). str.replace: translate takes a slow path on non-ASCII text.
+_LINE_BREAKS = [(c, f"\\u{ord(c):04x}") for c in "\x85\u2028\u2029"]
 
 
 def _event(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
+    text = json.dumps(obj, ensure_ascii=False)
+    for char, escaped in _LINE_BREAKS:
+        text = text.replace(char, escaped)
+    return f"data: {text}\n\n"

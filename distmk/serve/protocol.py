@@ -23,6 +23,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 128              # n, at most (also at most what the server runs or queues at once)
 MAX_LOGPROBS = 20              # alternatives a token's log-probabilities may list (OpenAI's chat limit, vLLM's default)
 MAX_STOP_CHARS = 1024          # per stop string: a longer one is refused rather than matched
+MAX_LOGIT_BIAS = 300           # tokens one logit_bias may bias (its tensors are built every step)
 
 
 class APIError(Exception):
@@ -79,12 +80,16 @@ def _logit_bias(v: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's logit_bias: token ids (JSON's keys are strings) to a bias from -100 to 100 added to their logits."""
     if v is None:
         return {}
+    if len(v) > MAX_LOGIT_BIAS:
+        raise ValueError(f"takes at most {MAX_LOGIT_BIAS} tokens, got {len(v)}")
     bias = {}
     for key, value in v.items():
-        if not (key.isascii() and key.isdigit()):
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
             raise ValueError(f"maps token ids to biases; {json.dumps(key)} is not a token id")
         if not -100 <= value <= 100:
             raise ValueError(f"takes biases from -100 to 100, got {value} for token {key}")
+        if int(key) in bias:
+            raise ValueError(f"names token {int(key)} twice")
         bias[int(key)] = value
     return bias
 
