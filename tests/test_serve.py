@@ -385,6 +385,23 @@ def test_32_concurrent_clients_get_what_they_would_get_alone(server):
     assert metric(server, "distmk_kv_cache_used_blocks") == 0
 
 
+def test_chat_template_kwargs_are_taken_and_the_templates_own_parameters_refused(server):
+    """vLLM's chat_template_kwargs on chat and /tokenize (a preset's ChatML reads none: the same prompt); those that
+    would set what apply_chat_template sets itself are refused by name."""
+    messages = [{"role": "user", "content": "Hi"}]
+    plain = post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    r = post(server, "/tokenize", {"messages": messages, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200 and r.json()["tokens"] == plain
+    body = {"model": MODEL, "messages": messages, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(plain), r.text
+    for path, sent in (("/v1/chat/completions", body), ("/tokenize", {"messages": messages})):
+        r = post(server, path, {**sent, "chat_template_kwargs": {"tokenize": True, "messages": []}})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "chat_template_kwargs", r.text
+        assert "cannot set messages, tokenize" in error["message"]
+
+
 def test_openapi_models_tokenize_and_detokenize(server):
     """FastAPI's /openapi.json (with the request bodies) and /docs; a model by id, as the openai SDK's
     models.retrieve asks for it; vLLM's /tokenize and /detokenize; a 405 says which methods are allowed."""

@@ -99,7 +99,8 @@ WRONG_CHAT = {"messages": ["hi", [], [{"role": "bot", "content": "x"}], [{"role"
               "max_completion_tokens": [0, "2"], "logprobs": ["yes", 1],
               "top_logprobs": [21, -1, 3],         # 3: valid only beside logprobs: true
               "tools": [[], [{"type": "function"}], [{"type": "function", "function": {"name": "a b"}}]],
-              "tool_choice": ["always", "required", {"type": "function", "function": {"name": "missing"}}]}
+              "tool_choice": ["always", "required", {"type": "function", "function": {"name": "missing"}}],
+              "chat_template_kwargs": [{"tokenize": True}, {"messages": []}, "x", [1]]}
 UNKNOWN_NAMES = ["", " ", "__proto__", "constructor", "x" * 300, "é€😀", "max tokens", "Temperature", "prompt ",
                  "stream\u0000", "$where"]
 

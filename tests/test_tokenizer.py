@@ -6,8 +6,10 @@ import pytest
 from distmk.runtime.tokenizer import CHATML_END, ByteTokenizer, IncrementalDecoder, load_tokenizer
 
 MESSAGES = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi there"}]
+# Qwen3's closes an empty thought where the caller turns thinking off (chat_template_kwargs)
 TEMPLATE = ("{% for m in messages %}<s>{{ m.role }}: {{ m.content }}</s>{% endfor %}"
-            "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+            "{% if add_generation_prompt %}<s>assistant:{% if enable_thinking is defined and not enable_thinking %}"
+            "<think></think>{% endif %}{% endif %}")
 # a template that shows tools, calls and their results, as Qwen's and Llama-3's do in their own formats
 TOOLS_TEMPLATE = ("{% if tools %}<s>tools: {{ tools | map(attribute='function.name') | join(',') }}</s>{% endif %}"
                   "{% for m in messages %}<s>{{ m.role }}: {% for c in m.tool_calls or [] %}{{ c.function.name }}"
@@ -52,6 +54,19 @@ def test_checkpoint_chat_template_is_used(hf_dir):
     assert stops == ()
     ids, stops = load_tokenizer(str(hf_dir / "without"), 400).render_chat(MESSAGES)
     assert reference.decode(ids).endswith("<|im_start|>assistant\n") and stops == (CHATML_END,)
+
+
+def test_chat_template_kwargs_reach_the_template(hf_dir):
+    """vLLM's chat_template_kwargs are the template's variables (Qwen3's enable_thinking); ChatML reads none."""
+    from transformers import AutoTokenizer
+    reference = AutoTokenizer.from_pretrained(hf_dir / "with_template")
+    tok = load_tokenizer(str(hf_dir / "with_template"), 400)
+    for kwargs, ending in (({"enable_thinking": False}, "assistant:<think></think>"),
+                           ({"enable_thinking": True}, "assistant:"), (None, "assistant:")):
+        ids, _ = tok.render_chat(MESSAGES, None, kwargs)
+        assert reference.decode(ids).endswith(ending), kwargs
+    assert ByteTokenizer(512).render_chat(MESSAGES, None, {"enable_thinking": False}) == \
+        ByteTokenizer(512).render_chat(MESSAGES)
 
 
 def test_a_checkpoint_template_gets_the_tools_and_the_calls(hf_dir):

@@ -78,10 +78,12 @@ class ByteTokenizer:
         """One token's bytes, as log-probabilities show them (an id past 255: none)."""
         return bytes([token]) if token < 256 else b""
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], tuple[str, ...]]:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> tuple[list[int], tuple[str, ...]]:
         """The prompt of a conversation ([{"role", "content"}] with text content, and where they have them the
         assistant's tool_calls and the tool messages' tool_call_id) offering `tools` (OpenAI's tool objects), and
-        the stop strings that end a reply in its format."""
+        the stop strings that end a reply in its format. template_kwargs: variables for a chat template (vLLM's
+        chat_template_kwargs); ChatML's reads none."""
         return self.encode(render_chatml(messages, tools)), (CHATML_END,)
 
 
@@ -125,10 +127,12 @@ class HFTokenizer:
             self._bytes[token] = raw
         return self._bytes[token]
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], tuple[str, ...]]:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> tuple[list[int], tuple[str, ...]]:
         if not self.tok.chat_template:
             return self.encode(render_chatml(messages, tools)), (CHATML_END,)
-        text = self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+        text = self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
+                                            **(template_kwargs or {}))
         return self.tok.encode(text, add_special_tokens=False), ()    # the template writes BOS itself
 
 

@@ -357,9 +357,12 @@ def create_app(served: Served) -> FastAPI:
                 tokens = await served.tokenize(served.tokenizer.encode, req.prompt, req.add_special_tokens)
             else:
                 tokens, _ = await served.tokenize(served.tokenizer.render_chat,
-                                                  [m.for_template() for m in req.messages])
+                                                  [m.for_template() for m in req.messages], None,
+                                                  req.chat_template_kwargs)
         except DistmkError as e:                     # this model takes token ids only
             raise APIError(400, str(e), param="prompt" if req.prompt is not None else "messages") from None
+        except Exception as e:  # noqa: BLE001 - a chat template refuses a conversation by raising
+            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
         count(request, 200)
         return {"count": len(tokens), "max_model_len": served.max_context, "tokens": tokens}
 
@@ -422,7 +425,7 @@ def create_app(served: Served) -> FastAPI:
         try:
             prompt, format_stops = await served.tokenize(served.tokenizer.render_chat,
                                                          [m.for_template() for m in req.messages],
-                                                         tools.offered if tools else None)
+                                                         tools.offered if tools else None, req.chat_template_kwargs)
         except DistmkError as e:                     # this model takes token ids only
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # noqa: BLE001 - a chat template refuses a conversation by raising

@@ -7,11 +7,13 @@ Log-probabilities as OpenAI has them: `logprobs` (completions: how many alternat
 the prompt's too, and max_tokens 0 asks for nothing more: what lm-eval's loglikelihood tasks send), `logprobs` and
 `top_logprobs` (chat); `logit_bias` (token ids, as strings, to -100..100). Extensions shared with vLLM: top_k,
 repetition_penalty, stop_token_ids, ignore_eos, return_token_ids, prompt_logprobs,
-stream_options.continuous_usage_stats; its /tokenize and /detokenize. max_tokens: null means as many as the
+stream_options.continuous_usage_stats, chat_template_kwargs; its /tokenize and /detokenize. max_tokens: null means as many as the
 context has room for.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 from typing import Annotated, Any, Literal
 
@@ -92,6 +94,22 @@ def _logit_bias(v: dict[str, float] | None) -> dict[int, float]:
             raise ValueError(f"names token {int(key)} twice")
         bias[int(key)] = value
     return bias
+
+
+@functools.cache
+def template_parameters() -> frozenset[str]:
+    """What chat_template_kwargs may not set: transformers' apply_chat_template's own parameters, and the
+    conversation as the template reads it (messages)."""
+    from transformers import PreTrainedTokenizerBase
+    signature = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    return frozenset(k for k, p in signature.items() if p.kind is not p.VAR_KEYWORD and k != "self") | {"messages"}
+
+
+def _template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    own = sorted(template_parameters() & set(v or ()))
+    if own:
+        raise ValueError(f"cannot set {', '.join(own)}: the server renders the conversation with its own")
+    return v
 
 
 def _text_content(v: Any) -> str:
@@ -254,6 +272,8 @@ class ChatRequest(_Sampling):
     tools: list[Tool] | None = Field(None, min_length=1)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None    # none given: auto with tools
     parallel_tool_calls: bool | None = None     # "required" may make several calls, a named choice one
+    # vLLM's: variables for the chat template (Qwen3's enable_thinking)
+    chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None
 
     _only_with_logprobs = _only_when("top_logprobs", "logprobs")
 
@@ -289,6 +309,7 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[Message] | None = Field(None, min_length=1)
     add_special_tokens: bool = True        # a prompt's: the tokenizer's own (a BOS); lm-eval asks for none
+    chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None   # messages'
 
     @model_validator(mode="after")
     def _one_of(self):
