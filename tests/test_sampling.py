@@ -21,6 +21,11 @@ def test_top_k_and_top_p_support():
     assert draws == {0}
     draws = {sample(logits, SamplingParams(temperature=5.0), gen) for _ in range(400)}
     assert draws == {0, 1, 2, 3, 4}
+    # min_p: what is at least that share of the most likely token's probability (.64 x 0.3 = .19)
+    draws = {sample(logits, SamplingParams(temperature=1.0, min_p=0.3), gen) for _ in range(200)}
+    assert draws == {0, 1}
+    draws = {sample(logits, SamplingParams(temperature=5.0, min_p=1.0), gen) for _ in range(50)}
+    assert draws == {0}
 
 
 def test_top_k_1_is_greedy():
@@ -100,7 +105,8 @@ def test_a_sequence_whose_sampling_fails_fails_alone():
                                          ({"top_p": float("nan")}, "top_p"),
                                          ({"presence_penalty": 2.5}, "presence_penalty must be in"),
                                          ({"frequency_penalty": float("nan")}, "frequency_penalty"),
-                                         ({"repetition_penalty": 0}, "repetition_penalty must be a finite")])
+                                         ({"repetition_penalty": 0}, "repetition_penalty must be a finite"),
+                                         ({"min_p": 1.5}, "min_p must be in"), ({"min_p": float("nan")}, "min_p")])
 def test_bad_sampling_parameters(kw, message):
     with pytest.raises(DistmkError, match=message):
         SamplingParams(**kw)

@@ -336,11 +336,12 @@ def test_seeded_sampling_is_reproducible(server):
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_tiny_temperature_and_top_p_act_as_greedy(server, chat):
-    """Temperatures and top_p down to the smallest double (which overflowed float32 and killed the engine)."""
+    """Temperatures and top_p down to the smallest double (which overflowed float32 and killed the engine), and
+    min_p 1, which keeps the most likely token alone."""
     prompt = [{"role": "user", "content": "Hi"}] if chat else [1, 2, 3]
     greedy = complete(server, prompt, 6, chat=chat)
     for params in ({"temperature": 1e-50}, {"temperature": 1.0, "top_p": 1e-50},
-                   {"temperature": 5e-324, "top_p": 5e-324}):
+                   {"temperature": 5e-324, "top_p": 5e-324}, {"temperature": 1.0, "min_p": 1.0}):
         for stream in (False, True):
             assert complete(server, prompt, 6, stream=stream, chat=chat, **params) == greedy, params
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}

@@ -276,14 +276,15 @@ def _moe_fields(cfg: dict, family: str, num_layers: int, need, source: str) -> d
 
 def with_generation_config(spec: ModelSpec, gen: dict, source: str = "generation_config.json") -> ModelSpec:
     """The spec with what generation_config.json adds, as transformers and vLLM read it: its eos_token_id
-    (an id or a list) ends generation too, and its temperature, top_p, top_k and repetition_penalty become the
-    defaults."""
+    (an id or a list) ends generation too, and its temperature, top_p, top_k, min_p and repetition_penalty become
+    the defaults."""
     eos = spec.eos_token_id + tuple(t for t in _token_ids(gen.get("eos_token_id"), f"{source}: eos_token_id")
                                     if t not in spec.eos_token_id)
     defaults = {}
     checks = {"temperature": (lambda v: v >= 0, "a finite number >= 0"),
               "top_p": (lambda v: 0 < v <= 1, "a finite number > 0 and <= 1"),
               "top_k": (lambda v: isinstance(v, int) and v >= -1, "an integer >= -1 (0 or -1: no limit)"),
+              "min_p": (lambda v: 0 <= v <= 1, "a finite number >= 0 and <= 1"),
               "repetition_penalty": (lambda v: v > 0, "a finite number > 0")}
     for key, (ok, wanted) in checks.items():
         value = gen.get(key)

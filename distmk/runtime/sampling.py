@@ -5,7 +5,7 @@ device's, so a seed draws a different stream on a GPU than on the CPU, as preset
 
 Safe for any finite parameters: temperatures under GREEDY_BELOW are greedy (as vLLM treats them), the
 rest scale the logits in float64 after subtracting their maximum (so nothing overflows to inf or nan),
-and top-p always keeps the most likely token. OpenAI's logit_bias and the penalties come first, in vLLM's order:
+and top-k, min-p (vLLM's) and top-p, in that order, always keep the most likely token. OpenAI's logit_bias and the penalties come first, in vLLM's order:
 the bias, then transformers' (and vLLM's) repetition_penalty over the prompt and the output, OpenAI's presence and
 frequency penalties over the output; a greedy sequence with any of them takes the changed logits' argmax here, not
 the device's. A token's log-probability (token_logprobs) is the model's: of the logits before the bias, the
@@ -32,6 +32,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0   # subtracted from a token's logit once per time the output has it
     repetition_penalty: float = 1.0  # a seen token's logit divided by it where positive, multiplied where negative
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token, added to its logit): OpenAI's, -100 to 100
+    min_p: float = 0.0         # vLLM's: tokens less likely than min_p x the most likely one's are left out
 
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -45,6 +46,8 @@ class SamplingParams:
                 raise DistmkError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise DistmkError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:                    # also refuses nan
+            raise DistmkError(f"min_p must be in [0, 1], got {self.min_p}")
         for token, bias in self.logit_bias:
             if token < 0 or not -100 <= bias <= 100:          # also refuses nan
                 raise DistmkError(f"logit_bias takes token ids >= 0 to biases in [-100, 100], got {token}: {bias}")
@@ -67,14 +70,16 @@ class SamplingParams:
 def resolve_sampling(temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None, *,
                      defaults: dict, greedy_default: bool, presence_penalty: float = 0.0,
                      frequency_penalty: float = 0.0, repetition_penalty: float | None = None,
-                     logit_bias: dict[int, float] | None = None) -> SamplingParams:
+                     logit_bias: dict[int, float] | None = None, min_p: float | None = None) -> SamplingParams:
     """What a caller asked for, each parameter it left out (None) taken from the checkpoint's defaults
     (ModelSpec.generation_defaults), else from distmk's: greedy for the CLI, temperature 1 for the API."""
-    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty,
+             "min_p": min_p}
     values = {"temperature": 0.0 if greedy_default else 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0,
-              **defaults, **{k: v for k, v in given.items() if v is not None}}
+              "min_p": 0.0, **defaults, **{k: v for k, v in given.items() if v is not None}}
     return SamplingParams(values["temperature"], values["top_p"], values["top_k"], seed, presence_penalty,
-                          frequency_penalty, values["repetition_penalty"], tuple(sorted((logit_bias or {}).items())))
+                          frequency_penalty, values["repetition_penalty"], tuple(sorted((logit_bias or {}).items())),
+                          values["min_p"])
 
 
 def penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
@@ -108,6 +113,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if params.min_p:                                                # the most likely token always stays
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0)
+        probs /= probs.sum()
     if params.top_p < 1:
         sorted_p, order = probs.sort(descending=True)
         drop = sorted_p.cumsum(0) - sorted_p >= params.top_p       # keep the smallest prefix reaching top_p

@@ -459,7 +459,7 @@ def create_app(served: Served) -> FastAPI:
         params = resolve_sampling(req.temperature, req.top_p, top_k, req.seed, defaults=served.sampling_defaults,
                                   greedy_default=False, presence_penalty=req.presence_penalty,
                                   frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                                  logit_bias=req.logit_bias or None)
+                                  logit_bias=req.logit_bias or None, min_p=req.min_p)
         choices = req.n * len(prompts)
         if choices > served.capacity:
             what = f"n {req.n}" + (f" of {len(prompts)} prompts ({choices} sequences)" if len(prompts) > 1 else "")

@@ -6,7 +6,7 @@ clients send with neutral values by habit (best_of: 1, suffix: null) are accepte
 Log-probabilities as OpenAI has them: `logprobs` (completions: how many alternatives, 0..MAX_LOGPROBS; with `echo`,
 the prompt's too, and max_tokens 0 asks for nothing more: what lm-eval's loglikelihood tasks send), `logprobs` and
 `top_logprobs` (chat); `logit_bias` (token ids, as strings, to -100..100). Extensions shared with vLLM: top_k,
-repetition_penalty, stop_token_ids, ignore_eos, return_token_ids, prompt_logprobs,
+min_p, repetition_penalty, stop_token_ids, ignore_eos, return_token_ids, prompt_logprobs,
 stream_options.continuous_usage_stats, chat_template_kwargs; its /tokenize and /detokenize. max_tokens: null means as many as the
 context has room for.
 """
@@ -165,6 +165,7 @@ class _Sampling(_Strict):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="-1 or 0: no limit")
+    min_p: float | None = Field(None, ge=0, le=1)       # vLLM's; null: the checkpoint's, else 0
     seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)
     stop: Annotated[list[str], PlainValidator(_stop_strings)] = []
     stream: bool = False
