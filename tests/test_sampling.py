@@ -140,3 +140,17 @@ def test_greedy_with_repetition_penalty_gives_transformers_tokens():
     got = Engine("tiny-llama", config=SMALL).generate(PROMPT, 24, SamplingParams(repetition_penalty=1.5),
                                                       stop_on_eos=False)
     assert got == want != plain
+
+
+def test_min_p_of_generation_config_is_the_default():
+    """generation_config.json's min_p (vLLM reads it too) where the caller leaves it out; out of [0, 1] refused."""
+    from distmk.errors import ModelError
+    from distmk.models.presets import preset
+    from distmk.models.spec import with_generation_config
+    from distmk.runtime.sampling import resolve_sampling
+    defaults = with_generation_config(preset("tiny-llama"), {"min_p": 0.05}).generation_defaults
+    assert defaults == {"min_p": 0.05}
+    assert resolve_sampling(None, None, None, None, defaults=defaults, greedy_default=False).min_p == 0.05
+    assert resolve_sampling(None, None, None, None, defaults=defaults, greedy_default=False, min_p=0.0).min_p == 0
+    with pytest.raises(ModelError, match="min_p must be a finite number >= 0 and <= 1"):
+        with_generation_config(preset("tiny-llama"), {"min_p": 2})
