@@ -303,6 +303,28 @@ def test_stop_token_ids_end_a_reply(server):
     assert r.status_code == 400 and "stop token ids [9999] are outside the vocabulary" in r.text
 
 
+def test_min_tokens_hold_back_stop_tokens_and_stop_strings(server):
+    """vLLM's min_tokens: no end of sequence or stop token is chosen, and no stop string ends the reply, before the
+    output holds that many tokens; until the first token that would have ended it the reply is the same."""
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    _, tokens, _ = complete(server, prompt, 16, ignore_eos=True)
+    stop = next(t for i, t in enumerate(tokens) if i >= 3 and t not in tokens[:i])
+    at = tokens.index(stop)
+    words, word_tokens, _ = complete(server, "The quick brown fox", 40, ignore_eos=True)
+    early = next(c for c in words if c.isprintable() and c != "\ufffd" and c not in words[-2:])
+    assert complete(server, "The quick brown fox", 40, ignore_eos=True, stop=[early])[0] == words[:words.index(early)]
+    for stream in (False, True):
+        _, got, finish = complete(server, prompt, 16, stream=stream, stop_token_ids=[stop], min_tokens=at + 3)
+        assert got[:at] == tokens[:at] and stop not in got[:at + 3] and len(got) >= at + 3, (got, tokens)
+        assert finish == "stop" if got[-1] == stop else finish == "length"
+        # a stop string in the text before the min_tokens-th token (a character the last token's, a byte of a
+        # preset's, cannot hold) does not cut it
+        assert complete(server, "The quick brown fox", 40, stream=stream, ignore_eos=True, min_tokens=40,
+                        stop=[early])[:2] == (words, word_tokens)
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4, "min_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+
+
 def test_json_bodies_need_a_json_content_type(server):
     body = json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": 2}).encode()
     for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):

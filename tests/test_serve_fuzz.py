@@ -62,6 +62,7 @@ LEGAL_EXTREMES = {
     "top_p": [5e-324, 1e-320, 1e-50, 1e-9, 0.9999999999999999, 1, None],
     "top_k": [-1, 0, 1, 2, 10 ** 30, 2 ** 63, 2 ** 64 + 1, None],
     "min_p": [0, 5e-324, 0.5, 1, None],
+    "min_tokens": [0, 1],
     "seed": [-2 ** 63, -1, 0, 2 ** 63, 2 ** 64 - 1, None],
     "max_tokens": [1, 1, 2, None],                    # null: to the end of the (small) context
     "presence_penalty": [0, -0.0, Literal("0e0")], "frequency_penalty": [0, Literal("-0")], "n": [1, Literal("1")],
@@ -77,6 +78,7 @@ WRONG = {
     "temperature": ["hot", -0.1, 3, [0]],
     "top_p": [0, 1.5, "x"],
     "min_p": [-0.1, 1.5, "0.5"],
+    "min_tokens": [-1, "1", 1.5, 10 ** 6],
     "top_k": [-2, 1.5, "5"],
     "seed": ["1", 2 ** 70, 1.5],
     "stop": [5, [1], ["a"] * 5, [""], {"s": 1}, "s" * 1025],

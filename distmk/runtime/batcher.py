@@ -48,6 +48,7 @@ class Sequence:
     logits: list[torch.Tensor] = field(default_factory=list)
     logprobs: int | None = None       # record each new token's log-probability and its k most likely alternatives
     stop_tokens: frozenset[int] = frozenset()   # token ids that end it as an end of sequence does (even past eos)
+    min_tokens: int = 0               # until the output holds this many, no token that would end it is chosen
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
     # record each prompt token's log-probability (given the tokens before it) and its k most likely alternatives:
     # from the logits of its prefill chunks (which then compute them) and of the steps' prompt rows
@@ -264,7 +265,7 @@ class Batcher:
         if not batch:
             return None
         needs_logits = any(seq.keep_logits or seq.logprobs is not None or seq.params.needs_logits
-                           or seq.constraint is not None
+                           or seq.constraint is not None or self._held_back(seq)
                            or (seq.prompt_logprobs is not None and i < len(seq.prompt) - 1) for seq, i in batch)
         steps = 1
         if self.steps_per_launch > 1 and not needs_logits and not self.waiting and all(s.output for s, _ in batch):
@@ -336,14 +337,25 @@ class Batcher:
             self._offer_blocks(seq)
         return produced
 
+    def _held_back(self, seq: Sequence) -> list[int]:
+        """The tokens that would end the sequence, while its output is shorter than its min_tokens (and no grammar
+        decides where it ends)."""
+        if len(seq.output) >= seq.min_tokens or seq.constraint is not None:
+            return []
+        return sorted(seq.stop_tokens | (set(self.engine.spec.eos_token_id) if seq.stop_on_eos else set()))
+
     def _next_token(self, seq: Sequence, logits: torch.Tensor | None, greedy: int, produced: list) -> bool:
         """Choose the sequence's next token from its row's [vocab] logits (`greedy`: their argmax, where the
         sequence asks for no more) and produce it; False where it could not be sampled: the sequence then failed
         alone (its pair has no token)."""
+        held = self._held_back(seq)
         try:
             if seq.constraint is not None:
                 token = sample(seq.constraint.mask(logits), seq.params, seq.generator, seq.prompt, seq.output)
                 seq.constraint.accept(token)
+            elif held:
+                token = sample(logits.index_fill(0, torch.tensor(held, device=logits.device), float("-inf")),
+                               seq.params, seq.generator, seq.prompt, seq.output)
             else:
                 token = sample(logits, seq.params, seq.generator, seq.prompt, seq.output) \
                     if seq.params.needs_logits else greedy

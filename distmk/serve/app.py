@@ -230,7 +230,9 @@ class Generation:
             self.tokens.append(token)
             try:
                 text = self.decoder.push(token) + (self.decoder.flush() if finish_reason else "")
-                text, stopped = self.stop.feed(text, final=finish_reason is not None)
+                stopped = False
+                if len(self.tokens) >= self.seq.min_tokens:       # vLLM's: no stop string before min_tokens
+                    text, stopped = self.stop.feed(text, final=finish_reason is not None)
             except Exception as e:  # noqa: BLE001 - decoding or stop strings failed for this request only
                 self.finish_reason = "error"
                 raise Aborted(f"decoding the output failed: {type(e).__name__}: {e}", status=500) from None
@@ -444,6 +446,8 @@ def create_app(served: Served) -> FastAPI:
         """The reply to `prompts` (token ids; a completions request may batch several), n choices each, indexed
         prompt-major (prompt * n + choice) as OpenAI has them. max_tokens 0 (with echo): one token is generated
         and not shown."""
+        if max_tokens is not None and req.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens {req.min_tokens} is more than max_tokens {max_tokens}", param="min_tokens")
         for i, prompt in enumerate(prompts):
             at = f"{prompt_param}[{i}]" if len(prompts) > 1 else prompt_param
             room = served.max_context - len(prompt)
@@ -451,6 +455,10 @@ def create_app(served: Served) -> FastAPI:
                 raise APIError(400, f"the prompt has {len(prompt)} tokens, but the context holds "
                                     f"{served.max_context} including at least one generated token", param=at,
                                code="context_length_exceeded")
+            if req.min_tokens > room:
+                raise APIError(400, f"min_tokens {req.min_tokens} is more than the context has room for: {room} "
+                                    f"tokens after the prompt's {len(prompt)} (context {served.max_context})",
+                               param="min_tokens", code="context_length_exceeded")
             if max_tokens is not None and max_tokens > room:
                 raise APIError(400, f"max_tokens {max_tokens} is more than the context has room for: {room} "
                                     f"tokens after the prompt's {len(prompt)} (context {served.max_context})",
@@ -473,6 +481,7 @@ def create_app(served: Served) -> FastAPI:
                          params if params.seed is None or i == 0 else
                          dataclasses.replace(params, seed=(params.seed + i) % 2 ** 64),
                          stop_on_eos=not req.ignore_eos, stop_tokens=frozenset(req.stop_token_ids or ()),
+                         min_tokens=req.min_tokens,
                          logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs,
                          prompt_logprobs=max(asked) if asked else None, constraint=next(constraints))
                 for prompt in prompts for i in range(req.n)]
