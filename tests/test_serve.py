@@ -425,6 +425,19 @@ def test_chat_template_kwargs_are_taken_and_the_templates_own_parameters_refused
         assert "cannot set messages, tokenize" in error["message"]
 
 
+def test_a_prefilled_reply_goes_on_from_the_last_message(server):
+    """vLLM's continue_final_message with add_generation_prompt false: the prompt ends inside the assistant's message
+    (a preset's ChatML, its bytes), chat and /tokenize alike; both true is refused."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well,"}]
+    open_ended = {"add_generation_prompt": False, "continue_final_message": True}
+    tokens = post(server, "/tokenize", {"messages": messages, **open_ended}).json()["tokens"]
+    assert bytes(tokens).decode().endswith("<|im_start|>assistant\nWell,")
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2, **open_ended})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tokens), r.text
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "continue_final_message": True})
+    assert r.status_code == 400 and "cannot both be true" in r.json()["error"]["message"], r.text
+
+
 def test_openapi_models_tokenize_and_detokenize(server):
     """FastAPI's /openapi.json (with the request bodies) and /docs; a model by id, as the openai SDK's
     models.retrieve asks for it; vLLM's /tokenize and /detokenize; a 405 says which methods are allowed."""

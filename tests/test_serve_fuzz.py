@@ -104,7 +104,9 @@ WRONG_CHAT = {"messages": ["hi", [], [{"role": "bot", "content": "x"}], [{"role"
               "top_logprobs": [21, -1, 3],         # 3: valid only beside logprobs: true
               "tools": [[], [{"type": "function"}], [{"type": "function", "function": {"name": "a b"}}]],
               "tool_choice": ["always", "required", {"type": "function", "function": {"name": "missing"}}],
-              "chat_template_kwargs": [{"tokenize": True}, {"messages": []}, "x", [1]]}
+              "chat_template_kwargs": [{"tokenize": True}, {"messages": []}, "x", [1]],
+              "continue_final_message": ["yes", True],      # True: beside add_generation_prompt's default, true
+              "add_generation_prompt": ["no", 0]}
 UNKNOWN_NAMES = ["", " ", "__proto__", "constructor", "x" * 300, "é€😀", "max tokens", "Temperature", "prompt ",
                  "stream\u0000", "$where"]
 

@@ -69,6 +69,21 @@ def test_chat_template_kwargs_reach_the_template(hf_dir):
         ByteTokenizer(512).render_chat(MESSAGES)
 
 
+def test_a_prefilled_reply_leaves_the_last_message_open(hf_dir):
+    """continue_final_message (vLLM's, transformers'): the last message is left open for the reply to go on with it,
+    and no reply turn is opened; add_generation_prompt false: the conversation as it stands."""
+    from transformers import AutoTokenizer
+    prefilled = MESSAGES + [{"role": "assistant", "content": "Sure, the"}]
+    ids, _ = ByteTokenizer(512).render_chat(prefilled, add_generation_prompt=False, continue_final_message=True)
+    assert bytes(ids).decode().endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\nSure, the")
+    ids, _ = ByteTokenizer(512).render_chat(MESSAGES, add_generation_prompt=False)
+    assert bytes(ids).decode().endswith("Hi there<|im_end|>\n")
+    reference = AutoTokenizer.from_pretrained(hf_dir / "with_template")
+    ids, _ = load_tokenizer(str(hf_dir / "with_template"), 400).render_chat(
+        prefilled, add_generation_prompt=False, continue_final_message=True)
+    assert reference.decode(ids).endswith("</s><s>assistant: Sure, the")
+
+
 def test_a_checkpoint_template_gets_the_tools_and_the_calls(hf_dir):
     """Chat tools reach the checkpoint's template as transformers hands them over: the tool objects, an assistant's
     tool_calls with their arguments as a mapping (serve/protocol.py Message.for_template), a tool message."""

@@ -36,7 +36,8 @@ For each function call, return a json object with function name and arguments wi
 </tool_call>"""
 
 
-def render_chatml(messages: list[dict], tools: list[dict] | None = None) -> str:
+def render_chatml(messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                  continue_final_message: bool = False) -> str:
     if tools:
         offered = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
         if messages and messages[0]["role"] == "system":
@@ -52,7 +53,9 @@ def render_chatml(messages: list[dict], tools: list[dict] | None = None) -> str:
         if role == "tool":
             role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
         turns.append(f"<|im_start|>{role}\n{content}{CHATML_END}\n")
-    return "".join(turns) + "<|im_start|>assistant\n"
+    if continue_final_message:                  # the last message left open, for the reply to go on with it
+        turns[-1] = turns[-1][:-len(CHATML_END) - 1]
+    return "".join(turns) + "<|im_start|>assistant\n" * add_generation_prompt
 
 
 class ByteTokenizer:
@@ -78,13 +81,17 @@ class ByteTokenizer:
         """One token's bytes, as log-probabilities show them (an id past 255: none)."""
         return bytes([token]) if token < 256 else b""
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> tuple[list[int], tuple[str, ...]]:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                    add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> tuple[list[int], tuple[str, ...]]:
         """The prompt of a conversation ([{"role", "content"}] with text content, and where they have them the
         assistant's tool_calls and the tool messages' tool_call_id) offering `tools` (OpenAI's tool objects), and
         the stop strings that end a reply in its format. template_kwargs: variables for a chat template (vLLM's
-        chat_template_kwargs); ChatML's reads none."""
-        return self.encode(render_chatml(messages, tools)), (CHATML_END,)
+        chat_template_kwargs); ChatML's reads none. add_generation_prompt: the reply's turn opened after the
+        messages; continue_final_message: the last message left open instead, for the reply to go on with it (both
+        as transformers' apply_chat_template has them)."""
+        return self.encode(render_chatml(messages, tools, add_generation_prompt, continue_final_message)), \
+            (CHATML_END,)
 
 
 class HFTokenizer:
@@ -127,12 +134,15 @@ class HFTokenizer:
             self._bytes[token] = raw
         return self._bytes[token]
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> tuple[list[int], tuple[str, ...]]:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                    add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> tuple[list[int], tuple[str, ...]]:
         if not self.tok.chat_template:
-            return self.encode(render_chatml(messages, tools)), (CHATML_END,)
-        text = self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
-                                            **(template_kwargs or {}))
+            return self.encode(render_chatml(messages, tools, add_generation_prompt, continue_final_message)), \
+                (CHATML_END,)
+        text = self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                            add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message, **(template_kwargs or {}))
         return self.tok.encode(text, add_special_tokens=False), ()    # the template writes BOS itself
 
 

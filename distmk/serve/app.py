@@ -358,9 +358,7 @@ def create_app(served: Served) -> FastAPI:
             if req.prompt is not None:
                 tokens = await served.tokenize(served.tokenizer.encode, req.prompt, req.add_special_tokens)
             else:
-                tokens, _ = await served.tokenize(served.tokenizer.render_chat,
-                                                  [m.for_template() for m in req.messages], None,
-                                                  req.chat_template_kwargs)
+                tokens, _ = await served.tokenize(render_chat(req), [m.for_template() for m in req.messages], None)
         except DistmkError as e:                     # this model takes token ids only
             raise APIError(400, str(e), param="prompt" if req.prompt is not None else "messages") from None
         except Exception as e:  # noqa: BLE001 - a chat template refuses a conversation by raising
@@ -425,9 +423,8 @@ def create_app(served: Served) -> FastAPI:
         req, arrived = await accept(request, ChatRequest)
         tools = ToolChoice.of(req)
         try:
-            prompt, format_stops = await served.tokenize(served.tokenizer.render_chat,
-                                                         [m.for_template() for m in req.messages],
-                                                         tools.offered if tools else None, req.chat_template_kwargs)
+            prompt, format_stops = await served.tokenize(render_chat(req), [m.for_template() for m in req.messages],
+                                                         tools.offered if tools else None)
         except DistmkError as e:                     # this model takes token ids only
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # noqa: BLE001 - a chat template refuses a conversation by raising
@@ -435,6 +432,12 @@ def create_app(served: Served) -> FastAPI:
         max_tokens = req.max_completion_tokens or req.max_tokens
         return await respond(request, req, [prompt], "messages", max_tokens, list(format_stops), arrived, chat=True,
                              tools=tools)
+
+    def render_chat(req):
+        """The tokenizer's render_chat as the request has the conversation rendered."""
+        return functools.partial(served.tokenizer.render_chat, template_kwargs=req.chat_template_kwargs,
+                                 add_generation_prompt=req.add_generation_prompt,
+                                 continue_final_message=req.continue_final_message)
 
     def check_model(name: str, param: str | None = "model") -> None:
         if name != served.model_name:

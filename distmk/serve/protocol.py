@@ -112,6 +112,13 @@ def _template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
     return v
 
 
+def _one_ending(request):
+    """A conversation either opens the reply's turn or leaves its last message open, as vLLM has it."""
+    if request.continue_final_message and request.add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+    return request
+
+
 def _text_content(v: Any) -> str:
     if isinstance(v, str):
         return v
@@ -274,8 +281,13 @@ class ChatRequest(_Sampling):
     tools: list[Tool] | None = Field(None, min_length=1)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None    # none given: auto with tools
     parallel_tool_calls: bool | None = None     # "required" may make several calls, a named choice one
-    # vLLM's: variables for the chat template (Qwen3's enable_thinking)
+    # vLLM's: variables for the chat template (Qwen3's enable_thinking), the reply's turn opened after the messages,
+    # or the last message left open for the reply to go on with it (a prefilled reply)
     chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    _check_ending = model_validator(mode="after")(_one_ending)
 
     _only_with_logprobs = _only_when("top_logprobs", "logprobs")
 
@@ -312,6 +324,10 @@ class TokenizeRequest(_Strict):
     messages: list[Message] | None = Field(None, min_length=1)
     add_special_tokens: bool = True        # a prompt's: the tokenizer's own (a BOS); lm-eval asks for none
     chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None   # messages'
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    _check_ending = model_validator(mode="after")(_one_ending)
 
     @model_validator(mode="after")
     def _one_of(self):
