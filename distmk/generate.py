@@ -29,6 +29,9 @@ def parse_args(argv=None):
                    help="0 = greedy (default: the checkpoint's generation_config.json, else 0)")
     p.add_argument("--top-p", type=PROBABILITY, default=None, help="default: the checkpoint's, else 1")
     p.add_argument("--top-k", type=NON_NEGATIVE, default=None, help="0 = no limit (default: the checkpoint's, else 0)")
+    p.add_argument("--min-p", type=float_in(0, 1), default=None,
+                   help="leave out tokens less likely than this times the most likely one's (default: the "
+                        "checkpoint's, else 0)")
     p.add_argument("--sample-seed", type=SEED, default=0, help="seed of the sampling (temperature > 0)")
     p.add_argument("--repetition-penalty", type=float_in(0, lo_open=True), default=None,
                    help="transformers' repetition penalty, > 0 (default: the checkpoint's, else 1 = none)")
@@ -70,7 +73,7 @@ def run_with(args, launch, comm, device) -> dict:
     t1 = time.perf_counter()
     params = resolve_sampling(args.temperature, args.top_p, args.top_k, args.sample_seed,
                               defaults=engine.spec.generation_defaults, greedy_default=True,
-                              repetition_penalty=args.repetition_penalty)
+                              repetition_penalty=args.repetition_penalty, min_p=args.min_p)
     tokens = engine.generate(prompt, args.max_new_tokens, params, stop_on_eos=not args.ignore_eos)
     t2 = time.perf_counter()
     if args.trace:

@@ -436,6 +436,11 @@ def test_a_prefilled_reply_goes_on_from_the_last_message(server):
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tokens), r.text
     r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "continue_final_message": True})
     assert r.status_code == 400 and "cannot both be true" in r.json()["error"]["message"], r.text
+    # chat_template_kwargs may set them too, as vLLM merges them
+    assert post(server, "/tokenize", {"messages": messages, "chat_template_kwargs": open_ended}).json()["tokens"] \
+        == tokens
+    r = post(server, "/tokenize", {"messages": messages, "chat_template_kwargs": {"continue_final_message": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
 
 
 def test_openapi_models_tokenize_and_detokenize(server):

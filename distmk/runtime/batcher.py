@@ -265,7 +265,8 @@ class Batcher:
         if not batch:
             return None
         needs_logits = any(seq.keep_logits or seq.logprobs is not None or seq.params.needs_logits
-                           or seq.constraint is not None or self._held_back(seq)
+                           or seq.constraint is not None
+                           or (self._held_back(seq) and i == len(seq.prompt) + len(seq.output) - 1)
                            or (seq.prompt_logprobs is not None and i < len(seq.prompt) - 1) for seq, i in batch)
         steps = 1
         if self.steps_per_launch > 1 and not needs_logits and not self.waiting and all(s.output for s, _ in batch):

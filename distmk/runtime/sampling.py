@@ -5,11 +5,12 @@ device's, so a seed draws a different stream on a GPU than on the CPU, as preset
 
 Safe for any finite parameters: temperatures under GREEDY_BELOW are greedy (as vLLM treats them), the
 rest scale the logits in float64 after subtracting their maximum (so nothing overflows to inf or nan),
-and top-k, min-p (vLLM's) and top-p, in that order, always keep the most likely token. OpenAI's logit_bias and the penalties come first, in vLLM's order:
-the bias, then transformers' (and vLLM's) repetition_penalty over the prompt and the output, OpenAI's presence and
-frequency penalties over the output; a greedy sequence with any of them takes the changed logits' argmax here, not
-the device's. A token's log-probability (token_logprobs) is the model's: of the logits before the bias, the
-penalties, temperature, top-k and top-p, as OpenAI and vLLM report it."""
+and top-k, min-p (vLLM's) and top-p, in that order, always keep the most likely token. OpenAI's logit_bias and
+the penalties come first, in vLLM's order: the bias, then transformers' (and vLLM's) repetition_penalty over the
+prompt and the output, OpenAI's presence and frequency penalties over the output; a greedy sequence with any of
+them takes the changed logits' argmax here, not the device's. A token's log-probability (token_logprobs) is the
+model's: of the logits before the bias, the penalties, any masking, temperature, top-k, min-p and top-p, as OpenAI
+and vLLM report it."""
 from __future__ import annotations
 
 import math

@@ -354,15 +354,13 @@ def create_app(served: Served) -> FastAPI:
     async def tokenize(request: Request):
         """vLLM's: a prompt's token ids, or a conversation's as the chat template renders it for a reply."""
         req = await parse(request, TokenizeRequest)
-        try:
-            if req.prompt is not None:
+        if req.prompt is None:
+            tokens, _ = await render_chat(req)
+        else:
+            try:
                 tokens = await served.tokenize(served.tokenizer.encode, req.prompt, req.add_special_tokens)
-            else:
-                tokens, _ = await served.tokenize(render_chat(req), [m.for_template() for m in req.messages], None)
-        except DistmkError as e:                     # this model takes token ids only
-            raise APIError(400, str(e), param="prompt" if req.prompt is not None else "messages") from None
-        except Exception as e:  # noqa: BLE001 - a chat template refuses a conversation by raising
-            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+            except DistmkError as e:                 # this model takes token ids only
+                raise APIError(400, str(e), param="prompt") from None
         count(request, 200)
         return {"count": len(tokens), "max_model_len": served.max_context, "tokens": tokens}
 
@@ -422,22 +420,28 @@ def create_app(served: Served) -> FastAPI:
     async def chat_completions(request: Request):
         req, arrived = await accept(request, ChatRequest)
         tools = ToolChoice.of(req)
-        try:
-            prompt, format_stops = await served.tokenize(render_chat(req), [m.for_template() for m in req.messages],
-                                                         tools.offered if tools else None)
-        except DistmkError as e:                     # this model takes token ids only
-            raise APIError(400, str(e), param="messages") from None
-        except Exception as e:  # noqa: BLE001 - a chat template refuses a conversation by raising
-            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+        prompt, format_stops = await render_chat(req, tools.offered if tools else None)
         max_tokens = req.max_completion_tokens or req.max_tokens
         return await respond(request, req, [prompt], "messages", max_tokens, list(format_stops), arrived, chat=True,
                              tools=tools)
 
-    def render_chat(req):
-        """The tokenizer's render_chat as the request has the conversation rendered."""
-        return functools.partial(served.tokenizer.render_chat, template_kwargs=req.chat_template_kwargs,
-                                 add_generation_prompt=req.add_generation_prompt,
-                                 continue_final_message=req.continue_final_message)
+    async def render_chat(req, tools: list[dict] | None = None) -> tuple[list[int], tuple[str, ...]]:
+        """The request's conversation as the tokenizer renders it (its prompt, its format's stop strings). Its
+        chat_template_kwargs may also set add_generation_prompt and continue_final_message, as vLLM merges them."""
+        kwargs = dict(req.chat_template_kwargs or {})
+        opens = kwargs.pop("add_generation_prompt", req.add_generation_prompt)
+        continues = kwargs.pop("continue_final_message", req.continue_final_message)
+        if opens and continues:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                           param="chat_template_kwargs")
+        render = functools.partial(served.tokenizer.render_chat, template_kwargs=kwargs, add_generation_prompt=opens,
+                                   continue_final_message=continues)
+        try:
+            return await served.tokenize(render, [m.for_template() for m in req.messages], tools)
+        except DistmkError as e:                     # this model takes token ids only
+            raise APIError(400, str(e), param="messages") from None
+        except Exception as e:  # noqa: BLE001 - a chat template refuses a conversation by raising
+            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
 
     def check_model(name: str, param: str | None = "model") -> None:
         if name != served.model_name:

@@ -7,7 +7,8 @@ Log-probabilities as OpenAI has them: `logprobs` (completions: how many alternat
 the prompt's too, and max_tokens 0 asks for nothing more: what lm-eval's loglikelihood tasks send), `logprobs` and
 `top_logprobs` (chat); `logit_bias` (token ids, as strings, to -100..100). Extensions shared with vLLM: top_k,
 min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, return_token_ids, prompt_logprobs,
-stream_options.continuous_usage_stats, chat_template_kwargs; its /tokenize and /detokenize. max_tokens: null means as many as the
+stream_options.continuous_usage_stats, min_tokens, chat_template_kwargs, add_generation_prompt,
+continue_final_message; its /tokenize and /detokenize. max_tokens: null means as many as the
 context has room for.
 """
 from __future__ import annotations
@@ -99,10 +100,12 @@ def _logit_bias(v: dict[str, float] | None) -> dict[int, float]:
 @functools.cache
 def template_parameters() -> frozenset[str]:
     """What chat_template_kwargs may not set: transformers' apply_chat_template's own parameters, and the
-    conversation as the template reads it (messages)."""
+    conversation as the template reads it (messages); add_generation_prompt, continue_final_message and documents
+    it may, as vLLM merges them."""
     from transformers import PreTrainedTokenizerBase
     signature = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
-    return frozenset(k for k, p in signature.items() if p.kind is not p.VAR_KEYWORD and k != "self") | {"messages"}
+    own = frozenset(k for k, p in signature.items() if p.kind is not p.VAR_KEYWORD and k != "self")
+    return own - {"add_generation_prompt", "continue_final_message", "documents"} | {"messages"}
 
 
 def _template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
