@@ -139,7 +139,15 @@ def sbatch(cluster: Cluster, script: str, out_dir, *options, **variables) -> tup
 
 
 def json_lines(log: str) -> list[dict]:
-    return [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    """The log's lines that start with "{", read as JSON; one that is not fails with the log's end shown."""
+    found = []
+    for line in log.splitlines():
+        if line.startswith("{"):
+            try:
+                found.append(json.loads(line))
+            except ValueError as e:
+                raise AssertionError(f"a log line is not JSON ({e}): {line[:500]!r}\n{log[-3000:]}") from None
+    return found
 
 
 def test_scaling_sbatch_writes_json_figures_and_summary(cluster, tmp_path):
