@@ -346,6 +346,8 @@ def test_stop_string_cuts_the_text(server):
     for stream in (False, True):
         cut, cut_tokens, finish = complete(server, prompt, 40, stream=stream, stop=[stop, "never-there"])
         assert finish == "stop" and cut == text[:text.index(stop)] and cut_tokens == tokens[:len(cut_tokens)]
+        kept = complete(server, prompt, 40, stream=stream, stop=[stop], include_stop_str_in_output=True)
+        assert kept == (text[:text.index(stop) + 1], cut_tokens, "stop")      # vLLM's include_stop_str_in_output
 
 
 def test_seeded_sampling_is_reproducible(server):

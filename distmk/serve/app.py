@@ -116,30 +116,31 @@ class StopStrings:
 
     Each stop string keeps its Knuth-Morris-Pratt state (how long a start of it the text ends with), so
     each character of the text is looked at once per stop string: linear in the text, however long the
-    stop strings are. Of stop strings completed by the same character, the longest wins."""
+    stop strings are. Of stop strings completed by the same character, the longest wins. The text sent ends
+    before the stop string, or after it for those in `kept` (vLLM's include_stop_str_in_output)."""
 
-    def __init__(self, stops: list[str]):
-        self.stops, self.pending = stops, ""
+    def __init__(self, stops: list[str], kept: frozenset[str] = frozenset()):
+        self.stops, self.kept, self.pending = stops, kept, ""
         self.fallback = [_kmp_fallback(s) for s in stops]
         self.matched = [0] * len(stops)
 
     def feed(self, text: str, final: bool) -> tuple[str, bool]:
         """(text that is safe to send, whether a stop string was reached)."""
         for end, char in enumerate(text, 1):
-            completed = 0
+            completed = ""
             for i, stop in enumerate(self.stops):
                 k = self.matched[i]
                 while k and stop[k] != char:
                     k = self.fallback[i][k - 1]
                 if stop[k] == char:
                     k += 1
-                if k == len(stop):
-                    completed = max(completed, k)
+                if k == len(stop) and k > len(completed):
+                    completed = stop
                 self.matched[i] = k
             if completed:
                 seen = self.pending + text[:end]          # the stop string lies in what is not sent yet
                 self.pending = ""
-                return seen[:len(seen) - completed], True
+                return (seen if completed in self.kept else seen[:len(seen) - len(completed)]), True
         seen = self.pending + text
         hold = 0 if final else max(self.matched, default=0)
         out, self.pending = seen[:len(seen) - hold], seen[len(seen) - hold:]
@@ -181,11 +182,12 @@ class Piece:
 class Generation:
     """One request's sequence, seen from the event loop. It is the scheduler's listener for it."""
 
-    def __init__(self, served: Served, seq: Sequence, stops: list[str], arrived: float):
+    def __init__(self, served: Served, seq: Sequence, stops: list[str], arrived: float,
+                 kept_stops: frozenset[str] = frozenset()):
         self.served, self.seq, self.arrived = served, seq, arrived
         self.queue: asyncio.Queue = asyncio.Queue()
         self.decoder = IncrementalDecoder(served.tokenizer)
-        self.stop = StopStrings(stops)
+        self.stop = StopStrings(stops, kept_stops)
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.last_token_at: float | None = None
@@ -501,7 +503,8 @@ def create_app(served: Served) -> FastAPI:
                 raise APIError(400, str(e), param=f"{prompt_param}[{i}]" if len(prompts) > 1 else prompt_param) \
                     from None
         served.check_admission(len(seqs))
-        generations = [Generation(served, seq, req.stop + format_stops, arrived) for seq in seqs]
+        kept = frozenset(req.stop) if req.include_stop_str_in_output else frozenset()   # the caller's, not the format's
+        generations = [Generation(served, seq, req.stop + format_stops, arrived, kept) for seq in seqs]
         try:
             for generation in generations:
                 generation.start()

@@ -7,7 +7,7 @@ Log-probabilities as OpenAI has them: `logprobs` (completions: how many alternat
 the prompt's too, and max_tokens 0 asks for nothing more: what lm-eval's loglikelihood tasks send), `logprobs` and
 `top_logprobs` (chat); `logit_bias` (token ids, as strings, to -100..100). Extensions shared with vLLM: top_k,
 min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, return_token_ids, prompt_logprobs,
-stream_options.continuous_usage_stats, min_tokens, chat_template_kwargs, add_generation_prompt,
+stream_options.continuous_usage_stats, min_tokens, include_stop_str_in_output, chat_template_kwargs, add_generation_prompt,
 continue_final_message; its /tokenize and /detokenize. max_tokens: null means as many as the
 context has room for.
 """
@@ -184,6 +184,7 @@ class _Sampling(_Strict):
     user: str | None = None                        # the caller's id for the operator's logs: unused here
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)    # vLLM's: no end of sequence, stop token or stop string before this many
+    include_stop_str_in_output: bool = False    # vLLM's: the text ends after the stop string rather than before it
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     return_token_ids: bool = False
     presence_penalty: float = Field(0.0, ge=-2, le=2)
