@@ -464,14 +464,11 @@ def create_app(served: Served) -> FastAPI:
                 raise APIError(400, f"the prompt has {len(prompt)} tokens, but the context holds "
                                     f"{served.max_context} including at least one generated token", param=at,
                                code="context_length_exceeded")
-            if req.min_tokens > room:
-                raise APIError(400, f"min_tokens {req.min_tokens} is more than the context has room for: {room} "
-                                    f"tokens after the prompt's {len(prompt)} (context {served.max_context})",
-                               param="min_tokens", code="context_length_exceeded")
-            if max_tokens is not None and max_tokens > room:
-                raise APIError(400, f"max_tokens {max_tokens} is more than the context has room for: {room} "
-                                    f"tokens after the prompt's {len(prompt)} (context {served.max_context})",
-                               param="max_tokens", code="context_length_exceeded")
+            for name, wanted in (("min_tokens", req.min_tokens), ("max_tokens", max_tokens)):
+                if wanted is not None and wanted > room:
+                    raise APIError(400, f"{name} {wanted} is more than the context has room for: {room} tokens after "
+                                        f"the prompt's {len(prompt)} (context {served.max_context})",
+                                   param=name, code="context_length_exceeded")
         top_k = None if req.top_k is None else max(req.top_k, 0)          # -1, as vLLM has it: no limit
         params = resolve_sampling(req.temperature, req.top_p, top_k, req.seed, defaults=served.sampling_defaults,
                                   greedy_default=False, presence_penalty=req.presence_penalty,
