@@ -262,7 +262,9 @@ ARRAY_OF_STRINGS = {"type": "json_schema", "json_schema": {"name": "items", "str
     "type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}}, "required": ["items"],
     "additionalProperties": False}}}
 WHOLE = {"stream": False, "stream_options": None}       # a reply in one piece
-FEATURES = {        # name: (the cell's request fields, the plain cell's, prompt length, max_tokens, what is compared)
+# name: (the cell's request fields, the plain cell's, prompt length (None: --prompt-lens' longest), max_tokens of the
+# cell and of the plain cell (None: --max-tokens for both), what is compared)
+FEATURES = {
     "json_schema": ({"response_format": ARRAY_OF_STRINGS}, {}, 256, None, "itl_s"),
     "prompt_logprobs": ({"echo": True, "logprobs": 1, **WHOLE}, WHOLE, None, (0, 1), "latency_s"),
 }
