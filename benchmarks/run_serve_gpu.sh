@@ -52,7 +52,8 @@ if ! "$DISTMK_PYTHON" slurm/check_serve.py --url "http://127.0.0.1:$port" --mode
   tail -n 20 "$log" >&2
   exit 1
 fi
-timeout 240 "$DISTMK_PYTHON" benchmarks/serve_load.py --url "http://127.0.0.1:$port" "${load[@]}" --out "$result" \
+# --foreground: in this script's process group, so that a timeout around the script stops the load too
+timeout --foreground 240 "$DISTMK_PYTHON" benchmarks/serve_load.py --url "http://127.0.0.1:$port" "${load[@]}" --out "$result" \
     > /dev/null
 load_rc=$?                # a run with failed requests still writes its JSON: annotated below, then the exit code
 [ -s "$result" ] || exit 1
