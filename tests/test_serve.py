@@ -578,9 +578,10 @@ def test_tools_required_and_named_are_calls_that_validate_streamed_and_whole(ser
     """Chat tools through both ranks with the openai SDK: tool_choice "required" and a named function give
     tool_calls (finish_reason "tool_calls") whose arguments validate against the function's parameters, whatever
     the random-weight model prefers, whole and streamed; the calls and their results go back into the history;
-    "auto" answers with text where the model writes no call; a forced choice beside a response_format is a 400."""
+    "auto" answers with text where the model writes no call; a forced choice beside a response_format is the call
+    (the format holds text, and a call has none)."""
     import jsonschema
-    from openai import BadRequestError, OpenAI
+    from openai import OpenAI
     from test_tools import TOOLS
     client = OpenAI(base_url=server.url + "/v1", api_key="none")
     messages = [{"role": "user", "content": "Weather in Paris?"}]
@@ -606,9 +607,90 @@ def test_tools_required_and_named_are_calls_that_validate_streamed_and_whole(ser
     assert answer.choices[0].finish_reason == "length"                # a byte tokenizer's prompt: no room for tools
     auto = client.chat.completions.create(**{**ask, "max_tokens": 8}).choices[0]
     assert auto.message.tool_calls is None and auto.finish_reason == "length" and auto.message.content
-    with pytest.raises(BadRequestError) as refused:
-        client.chat.completions.create(**ask, tool_choice="required", response_format={"type": "json_object"})
-    assert refused.value.body["param"] == "response_format"
+    both = client.chat.completions.create(**ask, tool_choice=choice, response_format={"type": "json_object"})
+    assert both.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+def test_responses_api_answers_as_chat_does_whole_and_streamed(server):
+    """OpenAI's Responses API through both ranks, with the openai SDK (what the OpenAI Agents SDK calls): a greedy
+    reply is the chat completion's of the same conversation (instructions as its system message), its usage too;
+    streamed, the events' deltas join to it and end with the same Response; include asks for the output's
+    log-probabilities, the chat reply's."""
+    from openai import OpenAI
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    ask = dict(model=MODEL, instructions="Be brief.", input=[{"role": "user", "content": "Hi"}], max_output_tokens=12,
+               temperature=0)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2,
+                                          messages=[{"role": "system", "content": "Be brief."},
+                                                    {"role": "user", "content": "Hi"}])
+    whole = client.responses.create(**ask, include=["message.output_text.logprobs"], top_logprobs=2)
+    status = "incomplete" if chat.choices[0].finish_reason == "length" else "completed"
+    assert whole.object == "response" and whole.status == status and whole.store is False
+    assert whole.output_text == chat.choices[0].message.content and [item.type for item in whole.output] == ["message"]
+    assert whole.usage.input_tokens == chat.usage.prompt_tokens and whole.usage.output_tokens == 12
+    def entries(logprobs):
+        """(tokens, values) of log-probability entries."""
+        tokens = [(lp.token, lp.bytes, [(t.token, t.bytes) for t in lp.top_logprobs]) for lp in logprobs]
+        return tokens, [v for lp in logprobs for v in (lp.logprob, *(t.logprob for t in lp.top_logprobs))]
+    (tokens, values), (chat_tokens, chat_values) = map(entries, (whole.output[0].content[0].logprobs,
+                                                                 chat.choices[0].logprobs.content))
+    # the second request reads the first one's cached prefix: the values to float32's error
+    assert tokens == chat_tokens and values == pytest.approx(chat_values, abs=1e-5)
+    if status == "incomplete":
+        assert whole.incomplete_details.reason == "max_output_tokens"
+    events = list(client.responses.create(**ask, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"] and kinds[-1] == f"response.{status}"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    final = events[-1].response
+    assert final.output_text == whole.output_text and final.usage.output_tokens == 12
+    assert final.model_dump(exclude={"id", "created_at", "output", "usage"}) == \
+        whole.model_dump(exclude={"id", "created_at", "output", "usage"})
+
+
+def test_responses_api_calls_functions_and_reads_their_outputs(server):
+    """Function tools on the Responses API: tool_choice "required" gives function_call items whose arguments
+    validate against the function's parameters, whole and streamed (the arguments' events hold them); the calls and
+    their outputs go back as input items, as the Agents SDK sends them; text.format holds the text to a schema;
+    what distmk does not do is refused by name."""
+    import jsonschema
+    from openai import BadRequestError, OpenAI
+    from test_structured_output import PERSON
+    from test_tools import TOOLS
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    parameters = {t["name"]: t["parameters"] for t in tools}
+    ask = dict(model=MODEL, input="Weather in Paris?", tools=tools, tool_choice="required", max_output_tokens=150,
+               temperature=0)
+    out = client.responses.create(**ask)
+    assert out.status == "completed" and out.output and {item.type for item in out.output} == {"function_call"}
+    for call in out.output:
+        jsonschema.validate(json.loads(call.arguments), parameters[call.name])
+    events = list(client.responses.create(**ask, stream=True))
+    streamed = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in out.output]
+    assert [e.arguments for e in events if e.type == "response.function_call_arguments.done"] == \
+        [c.arguments for c in out.output]
+    named = client.responses.create(**{**ask, "tool_choice": {"type": "function", "name": "get_weather"}})
+    assert [c.name for c in named.output] == ["get_weather"]
+    history = [{"role": "user", "content": "Weather in Paris?"}, *[c.model_dump(exclude_none=True) for c in out.output],
+               *[{"type": "function_call_output", "call_id": c.call_id, "output": "18 C"} for c in out.output]]
+    answer = client.responses.create(model=MODEL, input=history, max_output_tokens=6, temperature=0)
+    assert answer.status == "incomplete" and answer.output[0].type == "message"
+    person = client.responses.create(model=MODEL, input="Who?", max_output_tokens=300, temperature=0, text={
+        "format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}})
+    assert person.status == "completed"
+    jsonschema.validate(json.loads(person.output_text), PERSON)
+    for extra, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
+                         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                          "input[0].message.content"),
+                         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+                         ({"tools": [{"type": "web_search"}]}, "tools[0]")]:
+        with pytest.raises(BadRequestError) as refused:
+            client.responses.create(**{**ask, **extra})
+        assert refused.value.body["param"].startswith(param), (extra, refused.value.body)
 
 
 @pytest.mark.parametrize("penalty", [5e-324, 1e-320, 1e308, 1.7976931348623157e308])

@@ -107,6 +107,27 @@ WRONG_CHAT = {"messages": ["hi", [], [{"role": "bot", "content": "x"}], [{"role"
               "chat_template_kwargs": [{"tokenize": True}, {"messages": []}, "x", [1]],
               "continue_final_message": ["yes", True],      # True: beside add_generation_prompt's default, true
               "add_generation_prompt": ["no", 0]}
+# the Responses API's fields: legal values (a 200; conversations that fit the small context), wrong ones (a 4xx)
+LEGAL_RESPONSES = {
+    "input": ["hi", [{"role": "user", "content": "hi"}],
+              [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "hi"}]}]],
+    "instructions": [None], "temperature": [0, 2, None], "top_p": [5e-324, 1], "store": [True, False],
+    "metadata": [{}, {"k": "v"}], "text": [{"format": {"type": "text"}}, {"format": {"type": "json_object"}}],
+    "top_logprobs": [0, 20], "include": [[], ["message.output_text.logprobs"]], "truncation": ["disabled"],
+    "tool_choice": ["none", "auto"], "parallel_tool_calls": [True, False], "prompt_cache_key": ["k"],
+}
+WRONG_RESPONSES = {
+    "input": [5, [], [{"role": "user"}], [{"type": "reasoning"}], [{"role": "bot", "content": "x"}],
+              [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+              [{"type": "function_call", "call_id": "c"}], "x" * 100],
+    "max_output_tokens": [0, -1, "2", 10 ** 9], "temperature": [3, "x"], "previous_response_id": ["resp_1"],
+    "background": [True], "truncation": ["auto"], "reasoning": [{"effort": "high"}], "include": [["file_search"]],
+    "tools": [[{"type": "web_search"}], [{"type": "function"}], [{"type": "function", "name": "a b"}]],
+    "tool_choice": ["required", {"type": "function", "name": "missing"}, "always"],
+    "text": [{"format": {"type": "json_schema"}}, {"format": {"type": "xml"}}, {"verbosity": "low"}],
+    "metadata": [{"k": 1}, {str(i): "v" for i in range(17)}], "conversation": ["c"], "top_logprobs": [21],
+    "max_tokens": [1], "messages": [[]], "frobnicate": [1],
+}
 UNKNOWN_NAMES = ["", " ", "__proto__", "constructor", "x" * 300, "é€😀", "max tokens", "Temperature", "prompt ",
                  "stream\u0000", "$where"]
 
@@ -285,7 +306,17 @@ def raw_http(rng: random.Random) -> Case:
     return Case("raw_http", expect, raw=raw, answered=answered)
 
 
-GENERATORS = [(extreme_numbers, 15), (legal_extremes, 8), (wrong_values, 20), (junk_values, 10), (huge_strings, 4),
+def responses_api(rng: random.Random) -> Case:
+    """/v1/responses with legal values (a 200, streamed or not), wrong ones (a 4xx) or junk (either)."""
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": rng.randint(1, 3), "stream": rng.random() < 0.3}
+    kind = rng.randrange(3)
+    table = LEGAL_RESPONSES if kind == 0 else WRONG_RESPONSES
+    for name in rng.sample(sorted(table), rng.randint(1, 3)):
+        body[name] = rng.choice(table[name]) if kind < 2 else junk(rng)
+    return Case("responses_api", ["200", "4xx", "any"][kind], path="/v1/responses", body=to_json(body))
+
+
+GENERATORS = [(responses_api, 8), (extreme_numbers, 15), (legal_extremes, 8), (wrong_values, 20), (junk_values, 10), (huge_strings, 4),
               (unknown_fields, 6), (broken_json, 10), (odd_requests, 8), (raw_http, 15)]
 
 
@@ -354,7 +385,7 @@ def test_fuzzed_requests_never_get_a_5xx_and_the_server_stays_healthy(tmp_path):
                     if status >= 400:
                         refused += 1
                         check_error_shape(body)
-                    elif case.raw is None and b'data: {"error"' in body:
+                    elif case.raw is None and (b'data: {"error"' in body or b"event: error" in body):
                         raise AssertionError(f"a stream ended in an error: {body[-300:]!r}, {what}")
                 health = http.get("/health")
                 assert health.status_code == 200 and health.json() == {"status": "ok"}, (health.text, what)

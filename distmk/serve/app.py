@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP API, served by rank 0: /v1/models, /v1/completions, /v1/chat/completions
-(streamed as server-sent events when asked), /health and /metrics.
+"""The OpenAI-compatible HTTP API, served by rank 0: /v1/models, /v1/completions, /v1/chat/completions,
+/v1/responses (serve/responses.py) (streamed as server-sent events when asked), /health and /metrics.
 
 Each request becomes a Sequence handed to the scheduler; its tokens come back on the event loop, are
 decoded a piece at a time and cut at the first stop string. A request ends when its sequence does, or
@@ -9,6 +9,7 @@ Requests beyond the running batch wait in a bounded queue; past it they are refu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -36,12 +37,13 @@ from distmk.runtime.structured import Grammars
 from distmk.runtime.tokenizer import IncrementalDecoder
 from distmk.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                    parse_body)
+from distmk.serve.responses import ResponseShape, ResponsesRequest
 from distmk.serve.tools import ToolChoice, call_schema
 
 MAX_BODY_BYTES = 8 << 20
 BEARER_CHALLENGE = {"WWW-Authenticate": "Bearer"}
 REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest,
-                  "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+                  "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
 @dataclass
@@ -70,15 +72,13 @@ class Served:
         return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     def constraints(self, req, tools: ToolChoice | None, count: int) -> list:
-        """Each of `count` sequences' Constraint: of a forced tool call, or of the response_format (None for
-        neither)."""
+        """Each of `count` sequences' Constraint: of a forced tool call, or else of the response_format (None for
+        neither). A forced call's reply is the call, no text for the format to hold (the OpenAI Agents SDK sends both
+        where an agent with an output type must call a tool first)."""
         response_format = req.response_format
         if response_format is not None and response_format.type == "text":
             response_format = None
         if tools is not None and tools.forced:
-            if response_format is not None:
-                raise APIError(400, f"response_format and tool_choice '{req.tool_mode}' both hold the reply to a "
-                                    f"format: give one", param="response_format")
             kind, schema, param = "json_schema", call_schema(tools.offered, tools.named, tools.parallel), "tools"
             compact = True          # the calls' JSON is read, and their arguments written again
         elif response_format is not None:
@@ -421,13 +421,23 @@ def create_app(served: Served) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req, arrived = await accept(request, ChatRequest)
-        tools = ToolChoice.of(req)
-        prompt, format_stops = await render_chat(req, tools.offered if tools else None)
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        return await respond(request, req, [prompt], "messages", max_tokens, list(format_stops), arrived, chat=True,
-                             tools=tools)
+        return await answer_chat(request, req, arrived)
 
-    async def render_chat(req, tools: list[dict] | None = None) -> tuple[list[int], tuple[str, ...]]:
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        """OpenAI's Responses API, answered as the chat request it amounts to (serve/responses.py)."""
+        req, arrived = await accept(request, ResponsesRequest)
+        return await answer_chat(request, req.as_chat(), arrived, ResponseShape(req, served.model_name), "input")
+
+    async def answer_chat(request, req, arrived, shape=None, prompt_param="messages"):
+        tools = ToolChoice.of(req)
+        prompt, format_stops = await render_chat(req, tools.offered if tools else None, prompt_param)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        return await respond(request, req, [prompt], prompt_param, max_tokens, list(format_stops), arrived, chat=True,
+                             tools=tools, shape=shape)
+
+    async def render_chat(req, tools: list[dict] | None = None,
+                          param: str = "messages") -> tuple[list[int], tuple[str, ...]]:
         """The request's conversation as the tokenizer renders it (its prompt, its format's stop strings). Its
         chat_template_kwargs may also set add_generation_prompt and continue_final_message, as vLLM merges them."""
         kwargs = dict(req.chat_template_kwargs or {})
@@ -441,9 +451,9 @@ def create_app(served: Served) -> FastAPI:
         try:
             return await served.tokenize(render, [m.for_template() for m in req.messages], tools)
         except DistmkError as e:                     # this model takes token ids only
-            raise APIError(400, str(e), param="messages") from None
+            raise APIError(400, str(e), param=param) from None
         except Exception as e:  # noqa: BLE001 - a chat template refuses a conversation by raising
-            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+            raise APIError(400, f"the chat template cannot render these messages: {e}", param=param) from None
 
     def check_model(name: str, param: str | None = "model") -> None:
         if name != served.model_name:
@@ -451,10 +461,10 @@ def create_app(served: Served) -> FastAPI:
                            param=param, code="model_not_found")
 
     async def respond(request, req, prompts, prompt_param, max_tokens, format_stops, arrived, chat,
-                      prompt_texts=None, tools=None):
+                      prompt_texts=None, tools=None, shape=None):
         """The reply to `prompts` (token ids; a completions request may batch several), n choices each, indexed
         prompt-major (prompt * n + choice) as OpenAI has them. max_tokens 0 (with echo): one token is generated
-        and not shown."""
+        and not shown. `shape`: the Responses API's (ResponseShape) of a chat reply."""
         if max_tokens is not None and req.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens {req.min_tokens} is more than max_tokens {max_tokens}", param="min_tokens")
         for i, prompt in enumerate(prompts):
@@ -512,14 +522,17 @@ def create_app(served: Served) -> FastAPI:
         reply = Reply(served, req, chat, prompts, prompt_texts, tools)
         if req.stream:
             count(request, 200)
-            return GenerationStream(generations, reply.events(generations))
+            return GenerationStream(generations, reply.events(generations) if shape is None else
+                                    _named_events(shape.events, reply.chunks(generations)))
         try:
             response = await reply.whole(generations, request)
         finally:
             for generation in generations:
                 generation.close()
-        if isinstance(response, dict):  # JSON's types already; FastAPI would walk it again (jsonable_encoder): the
-            response = JSONResponse(response)   # most of a long prompt's log-probabilities' time on the host
+        if isinstance(response, dict):
+            # JSON's types already: FastAPI would walk it again (jsonable_encoder), the most of a long prompt's
+            # log-probabilities' time on the host
+            response = JSONResponse(response if shape is None else shape.whole(response))
         count(request, response.status_code)
         return response
 
@@ -707,11 +720,11 @@ class Reply:
     async def _collect(generation: Generation) -> list[Piece]:
         return [piece async for piece in generation.pieces()]
 
-    async def events(self, generations: list[Generation]):
+    async def chunks(self, generations: list[Generation]):
         """One chunk per generated token of each choice, as they come (its text may be empty while a
         character or a possible stop string is incomplete), each with the usage so far where
-        continuous_usage_stats asks (vLLM's), then the usage if asked, then [DONE]. A choice that fails ends the
-        stream with the error."""
+        continuous_usage_stats asks (vLLM's), then the usage if asked. A choice that fails ends them with the
+        error."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         first, offsets = [True] * len(generations), [0] * len(generations)
         sent = 0        # tokens streamed, for continuous_usage_stats
@@ -739,7 +752,7 @@ class Reply:
                     running -= 1
                     continue
                 if isinstance(piece, Aborted):
-                    yield _event(piece.as_api_error().body())
+                    yield piece.as_api_error().body()
                     break
                 generation = generations[index]
                 extras = self.extras(index, generation) if first[index] else {}
@@ -749,8 +762,8 @@ class Reply:
                     logprobs = (self.completion_logprobs(self.prompt_entries(index, generation))
                                 if self.req.logprobs is not None else None)
                     offsets[index] = len("".join(logprobs["tokens"])) if logprobs else 0
-                    yield _event({**self.head, "object": obj, "choices": [{
-                        "index": index, "text": text, "logprobs": logprobs, "finish_reason": None, **extras}]})
+                    yield {**self.head, "object": obj, "choices": [{
+                        "index": index, "text": text, "logprobs": logprobs, "finish_reason": None, **extras}]}
                     extras = {}
                 if self.hidden:
                     piece = Piece("", piece.token, "length")
@@ -779,12 +792,18 @@ class Reply:
                 sent += 1
                 if continuous_usage:
                     chunk["usage"] = self.usage(generations, sent)
-                yield _event(chunk)
+                yield chunk
         finally:
             for task in pumps:
                 task.cancel()
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
-            yield _event({**self.head, "object": obj, "choices": [], "usage": self.usage(generations)})
+            yield {**self.head, "object": obj, "choices": [], "usage": self.usage(generations)}
+
+    async def events(self, generations: list[Generation]):
+        """chunks as server-sent events, then [DONE]."""
+        async with contextlib.aclosing(self.chunks(generations)) as chunks:
+            async for chunk in chunks:
+                yield _event(chunk)
         yield "data: [DONE]\n\n"
 
 
@@ -794,8 +813,16 @@ class Reply:
 _LINE_BREAKS = [(c, f"\\u{ord(c):04x}") for c in "\x85\u2028\u2029"]
 
 
-def _event(obj: dict) -> str:
+def _event(obj: dict, name: str | None = None) -> str:
     text = json.dumps(obj, ensure_ascii=False)
     for char, escaped in _LINE_BREAKS:
         text = text.replace(char, escaped)
-    return f"data: {text}\n\n"
+    return f"data: {text}\n\n" if name is None else f"event: {name}\ndata: {text}\n\n"
+
+
+async def _named_events(translate, chunks):
+    """The (name, object) pairs that `translate` makes of a reply's chunks as server-sent events, each named (the
+    Responses API's); both generators closed with the stream."""
+    async with contextlib.aclosing(chunks), contextlib.aclosing(translate(chunks)) as events:
+        async for name, obj in events:
+            yield _event(obj, name)

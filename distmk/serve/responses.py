@@ -1,0 +1,311 @@
+"""OpenAI's Responses API (/v1/responses): what the OpenAI Agents SDK and newer OpenAI clients send by default,
+served on the chat path. A request's input items become a conversation (instructions first, as a system message;
+function calls and their outputs as the assistant's tool_calls and tool messages), its function tools, tool_choice
+and text.format the chat request's tools, tool_choice and response_format; the chat reply comes back as a Response:
+a message item (its output_text) and a function_call item per call, or, streamed, the Responses API's events.
+Nothing is stored: a Response says store false, and previous_response_id, conversation and background are
+refused."""
+from __future__ import annotations
+
+import itertools
+import json
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Discriminator, Field, Tag, ValidationError, model_validator
+
+from distmk.serve.protocol import (MAX_LOGPROBS, APIError, ChatRequest, _as_api_error, _neutral, _Strict,
+                                   FunctionDefinition)
+
+MAX_METADATA = 16               # OpenAI's limit of a Response's metadata pairs
+
+
+class TextPart(_Strict):
+    """A message's text: input_text, or output_text where an earlier Response's message is sent back."""
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None    # an output_text's, sent back as it came: not read
+    logprobs: list[Any] | None = None
+
+
+def _parts(v: Any) -> Any:
+    """Text given as a string is one input_text part."""
+    return [{"type": "input_text", "text": v}] if isinstance(v, str) else v
+
+
+Text = Annotated[list[TextPart], BeforeValidator(_parts)]
+
+
+class InputMessage(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Text
+    id: str | None = None                   # an earlier Response's item, sent back: its id and status are not read
+    status: str | None = None
+    phase: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(_Strict):
+    """A call the model made, sent back with the history."""
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutput(_Strict):
+    """The caller's result of a call."""
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Text
+    id: str | None = None
+    status: str | None = None
+
+
+def _item_type(item: Any) -> str:
+    """An input item's type (a message may leave it out)."""
+    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutput, Tag("function_call_output")],
+    Discriminator(_item_type, custom_error_type="input_item", custom_error_message=(
+        "is not an input item distmk takes: a message of text, a function_call or a function_call_output"))]
+
+
+class FunctionTool(FunctionDefinition):
+    type: Literal["function"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _functions_only(cls, v):
+        if isinstance(v, dict) and v.get("type") != "function":
+            raise ValueError(f"is a tool of type {json.dumps(v.get('type'))}; distmk runs function tools only")
+        return v
+
+
+class NamedFunction(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict):
+    """text.format: plain text, a JSON object, or JSON valid against a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+    verbosity: Annotated[str | None, _neutral(None)] = None
+
+
+class ResponsesRequest(_Strict):
+    model: str
+    input: Annotated[list[InputItem], Field(min_length=1), BeforeValidator(     # a string is one user message
+        lambda v: [{"role": "user", "content": v}] if isinstance(v, str) else v)]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)                  # vLLM's sampling extensions, as on chat
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    stream: bool = False
+    store: bool | None = None               # accepted; nothing is kept (the Response says store false)
+    metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA)    # given back in the Response
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None     # prefix caching needs no key: every prompt's blocks are looked up
+    service_tier: Literal["auto", "default"] | None = None
+    truncation: Annotated[str | None, _neutral("disabled")] = None
+    reasoning: Annotated[dict | None, _neutral(None)] = None
+    include: list[Literal["message.output_text.logprobs"]] | None = None    # the output text's log-probabilities
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)     # and its tokens' most likely alternatives
+    previous_response_id: Annotated[str | None, _neutral(None)] = None
+    conversation: Annotated[str | dict | None, _neutral(None)] = None
+    background: Annotated[bool | None, _neutral(False)] = None
+    max_tool_calls: Annotated[int | None, _neutral(None)] = None
+    stream_options: Annotated[dict | None, _neutral(None)] = None
+
+    def messages(self) -> list[dict]:
+        """The conversation as chat messages: a function call joins the assistant message before it, or opens one."""
+        messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+        for item in self.input:
+            if isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if messages and messages[-1]["role"] == "assistant":
+                    messages[-1].setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif isinstance(item, FunctionCallOutput):
+                messages.append({"role": "tool", "tool_call_id": item.call_id,
+                                 "content": "".join(p.text for p in item.output)})
+            else:
+                messages.append({"role": item.role, "content": item.text})
+        return messages
+
+    def as_chat(self) -> ChatRequest:
+        """The chat request that answers this one (streamed with its usage last, for the Response's)."""
+        body = {"model": self.model, "messages": self.messages(), "stream": self.stream,
+                **self.model_dump(include={"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+                                           "parallel_tool_calls", "user"}, exclude_none=True)}
+        if self.max_output_tokens is not None:
+            body["max_completion_tokens"] = self.max_output_tokens
+        if self.include or self.top_logprobs is not None:
+            body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                             for t in self.tools]
+        if isinstance(self.tool_choice, NamedFunction):
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
+        form = self.text.format if self.text else None
+        if form is not None and form.type == "json_schema":
+            if form.name is None:
+                raise APIError(400, "text.format of type 'json_schema' needs a name", param="text.format.name")
+            body["response_format"] = {"type": "json_schema", "json_schema": form.model_dump(
+                include={"name", "description", "schema_", "strict"}, exclude_none=True, by_alias=True)}
+        elif form is not None:
+            body["response_format"] = {"type": form.type}
+        try:
+            return ChatRequest.model_validate(body)
+        except ValidationError as e:            # what the chat request checks beyond this one's fields
+            raise _as_api_error(e) from None
+
+
+def _usage(chat_usage: dict | None) -> dict | None:
+    """A chat completion's usage in the Responses API's words."""
+    if chat_usage is None:
+        return None
+    return {"input_tokens": chat_usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
+            "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": chat_usage["total_tokens"]}
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseShape:
+    """A chat reply as the Response of `req`: whole (a chat.completion's dict) or as events (its chunks')."""
+
+    def __init__(self, req: ResponsesRequest, model_name: str):
+        self.req, self.model_name = req, model_name
+        self.id, self.created = _item_id("resp"), int(time.time())
+
+    def response(self, status: str, output: list[dict], usage: dict | None = None) -> dict:
+        req = self.req
+        form = req.text.format if req.text and req.text.format else None
+        choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunction) else req.tool_choice
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+                "model": self.model_name, "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
+                "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
+                "temperature": req.temperature, "top_p": req.top_p,
+                "text": {"format": form.model_dump(exclude_none=True, by_alias=True) if form else {"type": "text"}},
+                "tool_choice": choice or ("auto" if req.tools else "none"),
+                "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()], "truncation": "disabled",
+                "usage": _usage(usage), "user": req.user, "metadata": req.metadata or {}}
+
+    @staticmethod
+    def text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+        """output_text, with its tokens' log-probabilities (chat's entries: token, logprob, bytes, top_logprobs)."""
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+    def message(self, item_id: str, status: str, parts: list[dict]) -> dict:
+        return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": parts}
+
+    @staticmethod
+    def function_call(call: dict, arguments: str, status: str) -> dict:
+        return {"type": "function_call", "id": _item_id("fc"), "call_id": call["id"],
+                "name": call["function"]["name"], "arguments": arguments, "status": status}
+
+    def whole(self, chat: dict) -> dict:
+        """The Response of a chat completion (n = 1): a message item unless the reply is only calls, then a
+        function_call item per call; incomplete where max_output_tokens cut it."""
+        choice = chat["choices"][0]
+        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        content, calls = choice["message"]["content"], choice["message"].get("tool_calls") or []
+        logprobs = (choice.get("logprobs") or {}).get("content")
+        output = [] if content is None else [self.message(_item_id("msg"), status, [self.text_part(content, logprobs)])]
+        output += [self.function_call(call, call["function"]["arguments"], "completed") for call in calls]
+        return self.response(status, output, chat["usage"])
+
+    async def events(self, chunks):
+        """The Responses API's events, as (type, event) pairs, of a streamed chat reply's chunks: the message's text
+        as output_text deltas as it comes (with the log-probabilities of its tokens where asked), the calls once the
+        reply is complete, then the Response (response.completed, or response.incomplete); an error ends them with
+        an error event."""
+        numbers = itertools.count()
+
+        def event(kind: str, **fields) -> tuple[str, dict]:
+            return kind, {"type": kind, "sequence_number": next(numbers), **fields}
+
+        message_id, text, opened, calls, usage, finish = _item_id("msg"), "", False, [], None, None
+        logprobs, unsent = [], 0        # the tokens' entries, and how many no delta carried yet (held-back text)
+        yield event("response.created", response=self.response("in_progress", []))
+        yield event("response.in_progress", response=self.response("in_progress", []))
+        where = {"item_id": message_id, "output_index": 0, "content_index": 0}
+        async for chunk in chunks:
+            if "error" in chunk:
+                error = chunk["error"]
+                yield event("error", code=error["code"], message=error["message"], param=error["param"])
+                return
+            if not chunk["choices"]:            # the usage, last
+                usage = chunk["usage"]
+                continue
+            choice = chunk["choices"][0]
+            piece, finish = choice["delta"].get("content") or "", choice["finish_reason"] or finish
+            calls += choice["delta"].get("tool_calls") or []
+            logprobs += (choice.get("logprobs") or {}).get("content") or []
+            if not opened and (piece or (finish is not None and not calls)):    # a reply of no text has a message
+                opened = True
+                yield event("response.output_item.added", output_index=0,
+                            item=self.message(message_id, "in_progress", []))
+                yield event("response.content_part.added", **where, part=self.text_part(""))
+            if piece:
+                text += piece
+                yield event("response.output_text.delta", **where, delta=piece, logprobs=logprobs[unsent:])
+                unsent = len(logprobs)
+        status = "incomplete" if finish == "length" else "completed"
+        output = []
+        if opened:
+            part = self.text_part(text, logprobs)
+            yield event("response.output_text.done", **where, text=text, logprobs=logprobs)
+            yield event("response.content_part.done", **where, part=part)
+            output.append(self.message(message_id, status, [part]))
+            yield event("response.output_item.done", output_index=0, item=output[-1])
+        for call in calls:
+            index, arguments = len(output), call["function"]["arguments"]
+            item = self.function_call(call, "", "in_progress")
+            yield event("response.output_item.added", output_index=index, item=item)
+            where_call = {"item_id": item["id"], "output_index": index}
+            yield event("response.function_call_arguments.delta", **where_call, delta=arguments)
+            yield event("response.function_call_arguments.done", **where_call, arguments=arguments)
+            output.append(item | {"arguments": arguments, "status": "completed"})
+            yield event("response.output_item.done", output_index=index, item=output[-1])
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        yield event(kind, response=self.response(status, output, usage))
