@@ -648,6 +648,22 @@ def test_responses_api_answers_as_chat_does_whole_and_streamed(server):
     assert final.output_text == whole.output_text and final.usage.output_tokens == 12
     assert final.model_dump(exclude={"id", "created_at", "output", "usage"}) == \
         whole.model_dump(exclude={"id", "created_at", "output", "usage"})
+    # the SDK builds its objects without validating them: validated here, whole and every event, with what clients
+    # send for "off" (the Agents SDK's tools: [] beside a run-wide tool_choice, reasoning's null effort, ...)
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+    off = {**ask, "tools": [], "tool_choice": "auto", "reasoning": {"effort": None}, "text": {"verbosity": "medium"},
+           "prompt_cache_retention": "in_memory", "include": []}
+    Response.model_validate(post(server, "/v1/responses", off).json())
+    with httpx.stream("POST", server.url + "/v1/responses", json={
+            **off, "stream": True, "stream_options": {"include_obfuscation": True}}, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert [line.partition(": ")[0] for line in lines] == ["event", "data"] * (len(lines) // 2)
+    for name, data in zip(lines[::2], lines[1::2]):
+        event = TypeAdapter(ResponseStreamEvent).validate_json(data[6:])
+        assert event.type == name[7:]
+    r = post(server, "/v1/responses", {**ask, "max_output_tokens": CONTEXT})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"
 
 
 def test_responses_api_calls_functions_and_reads_their_outputs(server):
@@ -679,10 +695,21 @@ def test_responses_api_calls_functions_and_reads_their_outputs(server):
                *[{"type": "function_call_output", "call_id": c.call_id, "output": "18 C"} for c in out.output]]
     answer = client.responses.create(model=MODEL, input=history, max_output_tokens=6, temperature=0)
     assert answer.status == "incomplete" and answer.output[0].type == "message"
-    person = client.responses.create(model=MODEL, input="Who?", max_output_tokens=300, temperature=0, text={
-        "format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}})
+    person_format = {"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}}
+    person = client.responses.create(model=MODEL, input="Who?", max_output_tokens=300, temperature=0,
+                                     text=person_format)
     assert person.status == "completed"
     jsonschema.validate(json.loads(person.output_text), PERSON)
+    # an output type beside tools chosen "auto" (an agent's): the reply is the format's JSON or a call, either valid
+    # (sampled: greedy, this random-weight model spends the little room the tools leave on the whitespace allowed)
+    either = client.responses.create(**{**ask, "tool_choice": "auto", "temperature": 1, "max_output_tokens": 170},
+                                     text=person_format, extra_body={"seed": 1})
+    assert either.status == "completed" and either.output, either
+    for item in either.output:
+        if item.type == "function_call":
+            jsonschema.validate(json.loads(item.arguments), parameters[item.name])
+        else:
+            jsonschema.validate(json.loads(item.content[0].text), PERSON)
     for extra, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
                          ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
                           "input[0].message.content"),

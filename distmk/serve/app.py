@@ -37,8 +37,8 @@ from distmk.runtime.structured import Grammars
 from distmk.runtime.tokenizer import IncrementalDecoder
 from distmk.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                    parse_body)
-from distmk.serve.responses import ResponseShape, ResponsesRequest
-from distmk.serve.tools import ToolChoice, call_schema
+from distmk.serve.responses import ResponseShape, ResponsesRequest, in_responses_words
+from distmk.serve.tools import ToolChoice, call_schema, format_or_call_schema
 
 MAX_BODY_BYTES = 8 << 20
 BEARER_CHALLENGE = {"WWW-Authenticate": "Bearer"}
@@ -72,9 +72,10 @@ class Served:
         return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     def constraints(self, req, tools: ToolChoice | None, count: int) -> list:
-        """Each of `count` sequences' Constraint: of a forced tool call, or else of the response_format (None for
-        neither). A forced call's reply is the call, no text for the format to hold (the OpenAI Agents SDK sends both
-        where an agent with an output type must call a tool first)."""
+        """Each of `count` sequences' Constraint: of a forced tool call, or else of the response_format, which
+        tool_choice "auto" lets a call stand in for (None for neither). A forced call's reply is the call, no text
+        for the format to hold: the OpenAI Agents SDK sends both where an agent with an output type must call a tool
+        first, and an output type beside tools chosen "auto" where it may."""
         response_format = req.response_format
         if response_format is not None and response_format.type == "text":
             response_format = None
@@ -84,6 +85,9 @@ class Served:
         elif response_format is not None:
             kind, schema = response_format.type, getattr(response_format.json_schema, "schema_", None)
             param, compact = "response_format.json_schema.schema", False
+            if tools is not None and tools.mode == "auto":      # or a call (an agent with tools and an output type)
+                kind = "json_schema"
+                schema = format_or_call_schema({"type": "object"} if schema is None else schema, tools.offered)
         else:
             return [None] * count
         try:
@@ -427,7 +431,10 @@ def create_app(served: Served) -> FastAPI:
     async def responses(request: Request):
         """OpenAI's Responses API, answered as the chat request it amounts to (serve/responses.py)."""
         req, arrived = await accept(request, ResponsesRequest)
-        return await answer_chat(request, req.as_chat(), arrived, ResponseShape(req, served.model_name), "input")
+        try:
+            return await answer_chat(request, req.as_chat(), arrived, ResponseShape(req, served.model_name), "input")
+        except APIError as e:
+            raise in_responses_words(e) from None
 
     async def answer_chat(request, req, arrived, shape=None, prompt_param="messages"):
         tools = ToolChoice.of(req)

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag, ValidationError, model_validator
 
 from distmk.serve.protocol import (MAX_LOGPROBS, APIError, ChatRequest, _as_api_error, _neutral, _Strict,
                                    FunctionDefinition)
@@ -69,6 +69,13 @@ class FunctionCallOutput(_Strict):
     status: str | None = None
 
 
+def _unset(v: dict | None) -> dict | None:
+    """reasoning: accepted with every value null or false (what clients send for 'off')."""
+    if v and any(value not in (None, False) for value in v.values()):
+        raise ValueError(f"is not supported: only values of null or false are accepted, got {json.dumps(v)}")
+    return v
+
+
 def _item_type(item: Any) -> str:
     """An input item's type (a message may leave it out)."""
     return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
@@ -108,7 +115,11 @@ class TextFormat(_Strict):
 
 class TextConfig(_Strict):
     format: TextFormat | None = None
-    verbosity: Annotated[str | None, _neutral(None)] = None
+    verbosity: Annotated[str | None, _neutral("medium")] = None
+
+
+class StreamOptions(_Strict):
+    include_obfuscation: bool | None = None     # the deltas' random padding, against length side channels: none here
 
 
 class ResponsesRequest(_Strict):
@@ -132,17 +143,18 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA)    # given back in the Response
     user: str | None = None
     safety_identifier: str | None = None
-    prompt_cache_key: str | None = None     # prefix caching needs no key: every prompt's blocks are looked up
+    prompt_cache_key: str | None = None     # prefix caching needs neither: every prompt's blocks are looked up
+    prompt_cache_retention: str | None = None
     service_tier: Literal["auto", "default"] | None = None
     truncation: Annotated[str | None, _neutral("disabled")] = None
-    reasoning: Annotated[dict | None, _neutral(None)] = None
+    reasoning: Annotated[dict | None, AfterValidator(_unset)] = None
     include: list[Literal["message.output_text.logprobs"]] | None = None    # the output text's log-probabilities
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)     # and its tokens' most likely alternatives
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)     # with it: its tokens' likeliest alternatives
     previous_response_id: Annotated[str | None, _neutral(None)] = None
     conversation: Annotated[str | dict | None, _neutral(None)] = None
     background: Annotated[bool | None, _neutral(False)] = None
     max_tool_calls: Annotated[int | None, _neutral(None)] = None
-    stream_options: Annotated[dict | None, _neutral(None)] = None
+    stream_options: StreamOptions | None = None
 
     def messages(self) -> list[dict]:
         """The conversation as chat messages: a function call joins the assistant message before it, or opens one."""
@@ -169,7 +181,7 @@ class ResponsesRequest(_Strict):
                                            "parallel_tool_calls", "user"}, exclude_none=True)}
         if self.max_output_tokens is not None:
             body["max_completion_tokens"] = self.max_output_tokens
-        if self.include or self.top_logprobs is not None:
+        if self.include:
             body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.stream:
             body["stream_options"] = {"include_usage": True}
@@ -178,8 +190,8 @@ class ResponsesRequest(_Strict):
                              for t in self.tools]
         if isinstance(self.tool_choice, NamedFunction):
             body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
-        elif self.tool_choice is not None:
-            body["tool_choice"] = self.tool_choice
+        elif self.tool_choice is not None and (self.tools or self.tool_choice == "required"):
+            body["tool_choice"] = self.tool_choice      # "auto" and "none" need no tools to choose among
         form = self.text.format if self.text else None
         if form is not None and form.type == "json_schema":
             if form.name is None:
@@ -191,7 +203,25 @@ class ResponsesRequest(_Strict):
         try:
             return ChatRequest.model_validate(body)
         except ValidationError as e:            # what the chat request checks beyond this one's fields
-            raise _as_api_error(e) from None
+            raise in_responses_words(_as_api_error(e)) from None
+
+
+# chat's parameters (or their starts) that a Responses request names otherwise, for its errors
+RESPONSES_PARAMS = (("response_format.json_schema.", "text.format."), ("response_format", "text.format"),
+                    ("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"))
+
+
+def in_responses_words(error: APIError) -> APIError:
+    """An error of the chat request that answers a Responses request, its param as the Responses API names it (a
+    message of the conversation: the input, whose items are not chat's messages one to one)."""
+    param = error.param or ""
+    if param.startswith("messages"):
+        error.param = "input"
+    for chat, ours in RESPONSES_PARAMS:
+        if param.startswith(chat):
+            error.param = ours + param[len(chat):]
+            break
+    return error
 
 
 def _usage(chat_usage: dict | None) -> dict | None:
@@ -199,7 +229,8 @@ def _usage(chat_usage: dict | None) -> dict | None:
     if chat_usage is None:
         return None
     return {"input_tokens": chat_usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
+            "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"],
+                                     "cache_write_tokens": 0},
             "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat_usage["total_tokens"]}
 
@@ -226,7 +257,7 @@ class ResponseShape:
                 "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
                 "temperature": req.temperature, "top_p": req.top_p,
                 "text": {"format": form.model_dump(exclude_none=True, by_alias=True) if form else {"type": "text"}},
-                "tool_choice": choice or ("auto" if req.tools else "none"),
+                "tool_choice": choice or "auto",
                 "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()], "truncation": "disabled",
                 "usage": _usage(usage), "user": req.user, "metadata": req.metadata or {}}
 
@@ -273,6 +304,9 @@ class ResponseShape:
             if "error" in chunk:
                 error = chunk["error"]
                 yield event("error", code=error["code"], message=error["message"], param=error["param"])
+                failed = self.response("failed", [])
+                failed["error"] = {"code": error["code"] or "server_error", "message": error["message"]}
+                yield event("response.failed", response=failed)
                 return
             if not chunk["choices"]:            # the usage, last
                 usage = chunk["usage"]

@@ -43,15 +43,29 @@ class ToolChoice:
         return None if self.mode == "none" else ToolReader(names, self.named, self.forced)
 
 
+def _parameters(tools: list[dict]) -> dict[str, dict]:
+    return {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+
+
+def _calls(tools: list[dict]) -> list[dict]:
+    """The schemas of one call of each offered function, {"name", "parameters"}, as a reply writes it."""
+    return [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+             "properties": {"name": {"const": name}, "parameters": schema}}
+            for name, schema in _parameters(tools).items()]
+
+
 def call_schema(tools: list[dict], named: str | None, parallel: bool = True) -> dict:
     """The JSON schema a forced reply follows: the named function's arguments, or (tool_choice "required") a
     non-empty list of calls of the offered functions (one, where parallel calls are turned off)."""
-    parameters = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
     if named is not None:
-        return parameters[named]
-    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": [
-        {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-         "properties": {"name": {"const": name}, "parameters": schema}} for name, schema in parameters.items()]}}
+        return _parameters(tools)[named]
+    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": _calls(tools)}}
+
+
+def format_or_call_schema(schema: dict, tools: list[dict]) -> dict:
+    """What a reply held to a JSON format follows where tool_choice "auto" lets it call a tool instead: the format's
+    schema, or one call as a bare JSON object (which ToolReader reads as Llama-3's format)."""
+    return {"anyOf": [schema, *_calls(tools)]}
 
 
 def tool_call(name: str, arguments) -> dict:
