@@ -67,6 +67,8 @@ LEGAL_EXTREMES = {
     "max_tokens": [1, 1, 2, None],                    # null: to the end of the (small) context
     "presence_penalty": [0, -0.0, Literal("0e0")], "frequency_penalty": [0, Literal("-0")], "n": [1, Literal("1")],
     "logit_bias": [{"5": -100}, {"0": 100, "511": -100}, {"7": 5e-324}, {"007": 100}, {}, None],
+    "store": [True, False], "metadata": [{}, {"k": "v"}], "service_tier": ["auto", "default"],    # accepted, unused
+    "prompt_cache_key": ["k"], "safety_identifier": ["s"],
 }
 
 # field: values that are wrong for it (type, range, unsupported), so the request must be refused
@@ -90,7 +92,8 @@ WRONG = {
     "repetition_penalty": [0, -1, "1"], "stop_token_ids": [[-1], [1.5], "1", [10 ** 6], list(range(65))],
     "logit_bias": [{"x": 1}, {"5": 101}, {"-5": 1}, {"5": "1"}, [5], {str(10 ** 6): 1}, {"9" * 5000: 1},
                    {"5": 1, "05": 1}, {str(t): 1 for t in range(301)}],
-    "best_of": [2], "suffix": ["end"],
+    "best_of": [2], "suffix": ["end"], "metadata": [{"k": 1}, {str(i): "v" for i in range(17)}],
+    "service_tier": ["flex"], "store": ["yes"],
     "tools": [[]], "frobnicate": [1],
     "response_format": ["json", {"type": "xml"}, {"type": "json_schema"}, {"type": "text", "json_schema": {"name": "x"}},
                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}],

@@ -2,12 +2,13 @@
 
 Bodies are validated strictly: a wrong type is an error rather than coerced ("1" is not a number), and a
 parameter the server does not implement is refused by name instead of silently ignored. A few that
-clients send with neutral values by habit (best_of: 1, suffix: null) are accepted with exactly those values.
+clients send with neutral values by habit (best_of: 1, suffix: null) are accepted with exactly those values, and
+what a client says about itself or asks of OpenAI's storage (ClientFields) is accepted and unused.
 Log-probabilities as OpenAI has them: `logprobs` (completions: how many alternatives, 0..MAX_LOGPROBS; with `echo`,
 the prompt's too, and max_tokens 0 asks for nothing more: what lm-eval's loglikelihood tasks send), `logprobs` and
 `top_logprobs` (chat); `logit_bias` (token ids, as strings, to -100..100). Extensions shared with vLLM: top_k,
 min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, return_token_ids, prompt_logprobs,
-stream_options.continuous_usage_stats, min_tokens, include_stop_str_in_output, chat_template_kwargs, add_generation_prompt,
+stream_options.continuous_usage_stats, include_stop_str_in_output, chat_template_kwargs, add_generation_prompt,
 continue_final_message; its /tokenize and /detokenize. max_tokens: null means as many as the
 context has room for.
 """
@@ -27,6 +28,7 @@ MAX_CHOICES = 128              # n, at most (also at most what the server runs o
 MAX_LOGPROBS = 20              # alternatives a token's log-probabilities may list (OpenAI's chat limit, vLLM's default)
 MAX_STOP_CHARS = 1024          # per stop string: a longer one is refused rather than matched
 MAX_LOGIT_BIAS = 300           # tokens one logit_bias may bias (its tensors are built every step)
+MAX_METADATA = 16              # OpenAI's limit of a request's metadata pairs
 
 
 class APIError(Exception):
@@ -169,7 +171,18 @@ class ResponseFormat(_Strict):
         return self
 
 
-class _Sampling(_Strict):
+class ClientFields(_Strict):
+    """Accepted and unused: what clients send about themselves, or for OpenAI's storage and caching (nothing is
+    stored here, and prefix caching needs no key)."""
+    user: str | None = None                        # the caller's id for the operator's logs
+    safety_identifier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA)
+    service_tier: Literal["auto", "default"] | None = None
+    prompt_cache_key: str | None = None
+
+
+class _Sampling(ClientFields):
     model: str
     # left out or null: the checkpoint's default (generation_config.json), else OpenAI's (temperature 1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -181,7 +194,6 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None     # only with stream: true, as OpenAI has it
     n: int = Field(1, ge=1, le=MAX_CHOICES)         # choices, each a sequence of its own
-    user: str | None = None                        # the caller's id for the operator's logs: unused here
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)    # vLLM's: no end of sequence, stop token or stop string before this many
     include_stop_str_in_output: bool = False    # vLLM's: the text ends after the stop string rather than before it

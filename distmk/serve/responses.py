@@ -15,10 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag, ValidationError, model_validator
 
-from distmk.serve.protocol import (MAX_LOGPROBS, APIError, ChatRequest, _as_api_error, _neutral, _Strict,
-                                   FunctionDefinition)
-
-MAX_METADATA = 16               # OpenAI's limit of a Response's metadata pairs
+from distmk.serve.protocol import (MAX_LOGPROBS, APIError, ChatRequest, ClientFields, FunctionDefinition,
+                                   _as_api_error, _neutral, _Strict)
 
 
 class TextPart(_Strict):
@@ -122,7 +120,7 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None     # the deltas' random padding, against length side channels: none here
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(ClientFields):
     model: str
     input: Annotated[list[InputItem], Field(min_length=1), BeforeValidator(     # a string is one user message
         lambda v: [{"role": "user", "content": v}] if isinstance(v, str) else v)]
@@ -139,13 +137,7 @@ class ResponsesRequest(_Strict):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     stream: bool = False
-    store: bool | None = None               # accepted; nothing is kept (the Response says store false)
-    metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA)    # given back in the Response
-    user: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None     # prefix caching needs neither: every prompt's blocks are looked up
-    prompt_cache_retention: str | None = None
-    service_tier: Literal["auto", "default"] | None = None
+    prompt_cache_retention: str | None = None   # unused, as prompt_cache_key (metadata is given back)
     truncation: Annotated[str | None, _neutral("disabled")] = None
     reasoning: Annotated[dict | None, AfterValidator(_unset)] = None
     include: list[Literal["message.output_text.logprobs"]] | None = None    # the output text's log-probabilities
