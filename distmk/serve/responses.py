@@ -137,7 +137,7 @@ class ResponsesRequest(ClientFields):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     stream: bool = False
-    prompt_cache_retention: str | None = None   # unused, as prompt_cache_key (metadata is given back)
+    prompt_cache_retention: str | None = None   # unused, as ClientFields' prompt_cache_key
     truncation: Annotated[str | None, _neutral("disabled")] = None
     reasoning: Annotated[dict | None, AfterValidator(_unset)] = None
     include: list[Literal["message.output_text.logprobs"]] | None = None    # the output text's log-probabilities
@@ -258,7 +258,8 @@ class ResponseShape:
         """output_text, with its tokens' log-probabilities (chat's entries: token, logprob, bytes, top_logprobs)."""
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
-    def message(self, item_id: str, status: str, parts: list[dict]) -> dict:
+    @staticmethod
+    def message(item_id: str, status: str, parts: list[dict]) -> dict:
         return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": parts}
 
     @staticmethod
@@ -281,7 +282,7 @@ class ResponseShape:
         """The Responses API's events, as (type, event) pairs, of a streamed chat reply's chunks: the message's text
         as output_text deltas as it comes (with the log-probabilities of its tokens where asked), the calls once the
         reply is complete, then the Response (response.completed, or response.incomplete); an error ends them with
-        an error event."""
+        an error event and response.failed."""
         numbers = itertools.count()
 
         def event(kind: str, **fields) -> tuple[str, dict]:
