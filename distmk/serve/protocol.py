@@ -182,7 +182,8 @@ class ClientFields(_Strict):
     prompt_cache_key: str | None = None
 
 
-class _Sampling(ClientFields):
+class SamplingKnobs(ClientFields):
+    """How tokens are drawn, as every generating route takes it (/v1/responses too)."""
     model: str
     # left out or null: the checkpoint's default (generation_config.json), else OpenAI's (temperature 1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -190,6 +191,10 @@ class _Sampling(ClientFields):
     top_k: int | None = Field(None, ge=-1, description="-1 or 0: no limit")
     min_p: float | None = Field(None, ge=0, le=1)       # vLLM's; null: the checkpoint's, else 0
     seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)
+    repetition_penalty: float | None = Field(None, gt=0)    # vLLM's; null: the checkpoint's, else 1
+
+
+class _Sampling(SamplingKnobs):
     stop: Annotated[list[str], PlainValidator(_stop_strings)] = []
     stream: bool = False
     stream_options: StreamOptions | None = None     # only with stream: true, as OpenAI has it
@@ -201,7 +206,6 @@ class _Sampling(ClientFields):
     return_token_ids: bool = False
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)    # vLLM's; null: the checkpoint's, else 1
     logit_bias: Annotated[dict[str, float] | None, AfterValidator(_logit_bias)] = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)    # vLLM's: the prompt's log-probabilities
     response_format: ResponseFormat | None = None

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag, ValidationError, model_validator
 
-from distmk.serve.protocol import (MAX_LOGPROBS, APIError, ChatRequest, ClientFields, FunctionDefinition,
+from distmk.serve.protocol import (MAX_LOGPROBS, APIError, ChatRequest, FunctionDefinition, SamplingKnobs,
                                    _as_api_error, _neutral, _Strict)
 
 
@@ -35,12 +35,16 @@ def _parts(v: Any) -> Any:
 Text = Annotated[list[TextPart], BeforeValidator(_parts)]
 
 
-class InputMessage(_Strict):
+class _SentBack(_Strict):
+    """An earlier Response's item may come back with its id and status: not read."""
+    id: str | None = None
+    status: str | None = None
+
+
+class InputMessage(_SentBack):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Text
-    id: str | None = None                   # an earlier Response's item, sent back: its id and status are not read
-    status: str | None = None
     phase: str | None = None
 
     @property
@@ -48,23 +52,19 @@ class InputMessage(_Strict):
         return "".join(p.text for p in self.content)
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(_SentBack):
     """A call the model made, sent back with the history."""
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutput(_Strict):
+class FunctionCallOutput(_SentBack):
     """The caller's result of a call."""
     type: Literal["function_call_output"]
     call_id: str
     output: Text
-    id: str | None = None
-    status: str | None = None
 
 
 def _unset(v: dict | None) -> dict | None:
@@ -120,18 +120,11 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None     # the deltas' random padding, against length side channels: none here
 
 
-class ResponsesRequest(ClientFields):
-    model: str
+class ResponsesRequest(SamplingKnobs):
     input: Annotated[list[InputItem], Field(min_length=1), BeforeValidator(     # a string is one user message
         lambda v: [{"role": "user", "content": v}] if isinstance(v, str) else v)]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)                  # vLLM's sampling extensions, as on chat
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
-    seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
@@ -168,9 +161,8 @@ class ResponsesRequest(ClientFields):
 
     def as_chat(self) -> ChatRequest:
         """The chat request that answers this one (streamed with its usage last, for the Response's)."""
-        body = {"model": self.model, "messages": self.messages(), "stream": self.stream,
-                **self.model_dump(include={"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-                                           "parallel_tool_calls", "user"}, exclude_none=True)}
+        body = {"messages": self.messages(), "stream": self.stream, **self.model_dump(
+            include={*SamplingKnobs.model_fields, "parallel_tool_calls"}, exclude_none=True)}
         if self.max_output_tokens is not None:
             body["max_completion_tokens"] = self.max_output_tokens
         if self.include:
@@ -194,8 +186,8 @@ class ResponsesRequest(ClientFields):
             body["response_format"] = {"type": form.type}
         try:
             return ChatRequest.model_validate(body)
-        except ValidationError as e:            # what the chat request checks beyond this one's fields
-            raise in_responses_words(_as_api_error(e)) from None
+        except ValidationError as e:            # what the chat request checks beyond this one's (the route renames)
+            raise _as_api_error(e) from None
 
 
 # chat's parameters (or their starts) that a Responses request names otherwise, for its errors
