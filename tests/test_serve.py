@@ -574,6 +574,46 @@ def test_response_format_holds_the_reply_to_json_and_its_schema(server):
     assert refused.value.body["param"] == "response_format.json_schema.schema"
 
 
+def test_structured_outputs_hold_the_reply_as_vllm_has_them(server):
+    """vLLM's structured_outputs through both ranks, with the openai SDK's extra_body: a choice on chat, a regular
+    expression on completions streamed, a grammar, a JSON schema given as its text (disable_any_whitespace: no
+    spaces beyond the separators'), and its options beside a response_format; refused by name: two constraints, a
+    constraint beside a response_format, a regular expression that cannot compile, a text format beside tools chosen
+    "auto", and vLLM's guided_* parameters of before."""
+    import jsonschema
+    from openai import BadRequestError, OpenAI
+    from test_structured_output import TEXT_FORMATS
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Sentiment?"}], max_tokens=40, temperature=0)
+    for kind, spec, holds in TEXT_FORMATS[:3]:
+        out = client.chat.completions.create(**chat, extra_body={"structured_outputs": {kind: spec}}).choices[0]
+        assert out.finish_reason == "stop" and holds(out.message.content), out.message.content
+    kind, spec, holds = TEXT_FORMATS[0]
+    chunks = client.completions.create(model=MODEL, prompt="Code: ", max_tokens=40, temperature=1, seed=5, stream=True,
+                                       extra_body={"structured_outputs": {"regex": spec}})
+    assert holds("".join(c.choices[0].text for c in chunks))
+    flags = {"type": "object", "required": ["ok", "tag"], "properties": {"ok": {"type": "boolean"},
+                                                                      "tag": {"enum": ["x", "y"]}}}
+    out = client.chat.completions.create(**chat, extra_body={"structured_outputs": {
+        "json": json.dumps(flags), "disable_any_whitespace": True}}).choices[0].message.content
+    jsonschema.validate(json.loads(out), flags)
+    assert json.dumps(json.loads(out)) == out          # json.dumps's separators, ", " and ": ", and no other space
+    out = client.chat.completions.create(**{**chat, "max_tokens": 300}, response_format={"type": "json_object"},
+                                         extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+    from test_tools import TOOLS
+    for extra, param, message in [
+            ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "regex and choice"),
+            ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, None,
+             "response_format and structured_outputs.regex both"),
+            ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex", "The parenthesis is not closed"),
+            ({"structured_outputs": {"choice": ["a"]}, "tools": TOOLS}, "structured_outputs.choice", "tool_choice"),
+            ({"guided_choice": ["a"]}, "guided_choice", "structured_outputs.choice")]:
+        with pytest.raises(BadRequestError) as refused:
+            client.chat.completions.create(**chat, extra_body=extra)
+        assert refused.value.body["param"] == param and message in refused.value.body["message"]
+
+
 def test_tools_required_and_named_are_calls_that_validate_streamed_and_whole(server):
     """Chat tools through both ranks with the openai SDK: tool_choice "required" and a named function give
     tool_calls (finish_reason "tool_calls") whose arguments validate against the function's parameters, whatever

@@ -69,6 +69,9 @@ LEGAL_EXTREMES = {
     "logit_bias": [{"5": -100}, {"0": 100, "511": -100}, {"7": 5e-324}, {"007": 100}, {}, None],
     "store": [True, False], "metadata": [{}, {"k": "v"}], "service_tier": ["auto", "default"],    # accepted, unused
     "prompt_cache_key": ["k"], "safety_identifier": ["s"],
+    "structured_outputs": [{"choice": ["a", ""]}, {"regex": "[0-9]{1,3}"}, {"grammar": 'root ::= "x" | "y"'},
+                           {"json": "{}"}, {"json_object": True}, {"json_object": False, "disable_any_whitespace": True},
+                           {"grammar": "start: /[a-z]+/"}, None],
 }
 
 # field: values that are wrong for it (type, range, unsupported), so the request must be refused
@@ -97,6 +100,10 @@ WRONG = {
     "tools": [[]], "frobnicate": [1],
     "response_format": ["json", {"type": "xml"}, {"type": "json_schema"}, {"type": "text", "json_schema": {"name": "x"}},
                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}],
+    "structured_outputs": ["x", {"regex": 5}, {"choice": []}, {"choice": "a"}, {"json": "[1]"}, {"json": "{"},
+                           {"regex": "a", "grammar": 'root ::= "a"'}, {"structural_tag": "x"}, {"regex": "(a"},
+                           {"grammar": "root ::= x"}, {"grammar": "start: x"}, {"json": {"type": "nonsense"}}],
+    "guided_json": [{}], "guided_choice": [["a"]],
 }
 WRONG_CHAT = {"messages": ["hi", [], [{"role": "bot", "content": "x"}], [{"role": "user"}],
                            [{"role": "user", "content": 5}], [{"content": "x"}],

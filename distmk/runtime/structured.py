@@ -1,6 +1,7 @@
-"""Structured output with xgrammar (the grammar engine of vLLM and SGLang): a JSON schema, or any JSON object,
-compiled once per schema for the served tokenizer (the compiler caches what it compiled), and per sequence a
-Constraint that masks a row of logits to the tokens the grammar allows next, where the logits are."""
+"""Structured output with xgrammar (the grammar engine of vLLM and SGLang): a JSON schema, any JSON object, a
+regular expression, a list of choices or a grammar, compiled once per spec for the served tokenizer (the compiler
+caches what it compiled), and per sequence a Constraint that masks a row of logits to the tokens the grammar allows
+next, where the logits are."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,8 @@ import torch
 from distmk.errors import DistmkError
 
 MAX_WHITESPACE = 16         # characters of whitespace in a row where JSON allows it (an indented line's)
+SPEC_NAMES = {"json_object": "the JSON schema", "json_schema": "the JSON schema", "regex": "the regular expression",
+              "choice": "the choices", "grammar": "the grammar"}      # as errors name them
 
 
 class Grammars:
@@ -29,19 +32,29 @@ class Grammars:
         self.compiler = xgr.GrammarCompiler(info)
         self.ends_by_token = stops is not None     # else the text's last character completes it
 
-    def constraint(self, kind: str, schema: dict | None = None, compact: bool = False) -> Constraint:
-        """A sequence's constraint: any JSON object ("json_object") or JSON that validates against `schema`
-        ("json_schema"); compact: no whitespace beyond one space after ':' and ',' (for JSON that is read, not
-        shown). A schema xgrammar cannot compile raises DistmkError saying why."""
+    def constraint(self, kind: str, spec=None, compact: bool = False) -> Constraint:
+        """A sequence's constraint: any JSON object ("json_object"), JSON that validates against the schema `spec`
+        ("json_schema"), text that matches the regular expression `spec` ("regex"), one of the strings of `spec`
+        ("choice") or text of the grammar `spec` ("grammar": xgrammar's EBNF, with a `root ::= ...` rule, else
+        Lark); compact: JSON without whitespace beyond one space after ':' and ',' (for JSON that is read, not
+        shown). A spec xgrammar cannot compile raises DistmkError saying why."""
         # whitespace between tokens bounded: a model cannot spend its tokens on it (or loop in it)
         spacing = {"any_whitespace": False} if compact else {"max_whitespace_cnt": MAX_WHITESPACE}
+        compile_as = {
+            "json_object": lambda: self.compiler.compile_json_schema('{"type": "object"}', strict_mode=True, **spacing),
+            "json_schema": lambda: self.compiler.compile_json_schema(json.dumps(spec), strict_mode=True, **spacing),
+            "regex": lambda: self.compiler.compile_regex(spec),
+            # each choice a string literal in JSON's escapes, which xgrammar's EBNF reads
+            "choice": lambda: self.compiler.compile_grammar(
+                "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec)),
+            "grammar": lambda: (self.compiler.compile_grammar if "::=" in spec else self.compiler.compile_lark)(spec),
+        }
         try:
-            compiled = self.compiler.compile_json_schema(json.dumps({"type": "object"} if kind == "json_object"
-                                                                    else schema), strict_mode=True, **spacing)
-        except Exception as e:  # noqa: BLE001 - xgrammar raises its own errors for a schema it cannot take
+            compiled = compile_as[kind]()
+        except Exception as e:  # noqa: BLE001 - xgrammar raises its own errors for a spec it cannot take
             # its message without the time and source line it starts with ("[18:02:22] /project/cpp/...cc:5082: ")
             why = re.sub(r"^\[[\d:]+\] \S+: ", "", str(e).strip().splitlines()[0])
-            raise DistmkError(f"the JSON schema cannot be compiled: {why}") from None
+            raise DistmkError(f"{SPEC_NAMES[kind]} cannot be compiled: {why}") from None
         return Constraint(self.xgr, compiled, self.vocab_size, self.ends_by_token)
 
 

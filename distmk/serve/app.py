@@ -35,8 +35,8 @@ from distmk.runtime.batcher import Sequence
 from distmk.runtime.sampling import TokenLogprob, resolve_sampling
 from distmk.runtime.structured import Grammars
 from distmk.runtime.tokenizer import IncrementalDecoder
-from distmk.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                   parse_body)
+from distmk.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, OutputFormat,
+                                   TokenizeRequest, parse_body)
 from distmk.serve.responses import ResponseShape, ResponsesRequest, in_responses_words
 from distmk.serve.tools import ToolChoice, call_schema, format_or_call_schema
 
@@ -62,8 +62,8 @@ class Served:
     eos_token_ids: tuple[int, ...] = ()          # the ids that end a sequence (a grammar's end: response_format)
     live: set = field(default_factory=set)      # their Generations
     created: int = field(default_factory=lambda: int(time.time()))
-    # tokenizing and rendering chat templates off the event loop (a long prompt takes a while), one call at
-    # a time (a Hugging Face tokenizer is not made for concurrent calls)
+    # tokenizing, rendering chat templates and compiling grammars off the event loop (a long prompt or a large
+    # schema takes a while), one call at a time (a Hugging Face tokenizer is not made for concurrent calls)
     tokenizing: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "tokenize"))
 
     @functools.cached_property
@@ -72,30 +72,29 @@ class Served:
         return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     def constraints(self, req, tools: ToolChoice | None, count: int) -> list:
-        """Each of `count` sequences' Constraint: of a forced tool call, or else of the response_format, which
-        tool_choice "auto" lets a call stand in for (None for neither). A forced call's reply is the call, no text
-        for the format to hold: the OpenAI Agents SDK sends both where an agent with an output type must call a tool
-        first, and an output type beside tools chosen "auto" where it may."""
-        response_format = req.response_format
-        if response_format is not None and response_format.type == "text":
-            response_format = None
+        """Each of `count` sequences' Constraint: of a forced tool call, or else of what the reply is held to
+        (req.output_format: response_format or structured_outputs), which tool_choice "auto" lets a call stand in
+        for where it is JSON (None for neither). A forced call's reply is the call, no text for the format to hold:
+        the OpenAI Agents SDK sends both where an agent with an output type must call a tool first, and an output
+        type beside tools chosen "auto" where it may."""
+        held = req.output_format()
         if tools is not None and tools.forced:
-            kind, schema, param = "json_schema", call_schema(tools.offered, tools.named, tools.parallel), "tools"
-            compact = True          # the calls' JSON is read, and their arguments written again
-        elif response_format is not None:
-            kind, schema = response_format.type, getattr(response_format.json_schema, "schema_", None)
-            param, compact = "response_format.json_schema.schema", False
-            if tools is not None and tools.mode == "auto":      # or a call (an agent with tools and an output type)
-                kind = "json_schema"
-                schema = format_or_call_schema({"type": "object"} if schema is None else schema, tools.offered)
-        else:
+            held = OutputFormat("json_schema", call_schema(tools.offered, tools.named, tools.parallel), "tools", True)
+        elif held is not None and tools is not None and tools.mode == "auto":      # or a call
+            if held.kind not in ("json_object", "json_schema"):
+                raise APIError(400, f"{held.param} holds the reply to text that is not a tool call; with tools, "
+                                    "tool_choice 'none' (or a format of JSON, which a call may stand in for)",
+                               param=held.param)
+            held = held._replace(kind="json_schema", spec=format_or_call_schema(
+                {"type": "object"} if held.spec is None else held.spec, tools.offered))
+        if held is None:
             return [None] * count
         try:
-            return [self.grammars.constraint(kind, schema, compact) for _ in range(count)]
+            return [self.grammars.constraint(held.kind, held.spec, held.compact) for _ in range(count)]
         except DistmkError as e:
-            raise APIError(400, str(e), param=param) from None
+            raise APIError(400, str(e), param=held.param) from None
 
-    async def tokenize(self, fn, *args):
+    async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
 
     def check_admission(self, sequences: int = 1) -> None:
@@ -364,7 +363,7 @@ def create_app(served: Served) -> FastAPI:
             tokens, _ = await render_chat(req)
         else:
             try:
-                tokens = await served.tokenize(served.tokenizer.encode, req.prompt, req.add_special_tokens)
+                tokens = await served.off_loop(served.tokenizer.encode, req.prompt, req.add_special_tokens)
             except DistmkError as e:                 # this model takes token ids only
                 raise APIError(400, str(e), param="prompt") from None
         count(request, 200)
@@ -382,7 +381,7 @@ def create_app(served: Served) -> FastAPI:
         req = await parse(request, DetokenizeRequest)
         check_vocabulary(req.tokens, "tokens")
         count(request, 200)
-        return {"prompt": await served.tokenize(served.tokenizer.decode, req.tokens)}
+        return {"prompt": await served.off_loop(served.tokenizer.decode, req.tokens)}
 
     def check_vocabulary(tokens: list[int], param: str, what: str = "token ids") -> None:
         bad = [t for t in tokens if t >= served.vocab_size]
@@ -414,7 +413,7 @@ def create_app(served: Served) -> FastAPI:
         prompts = []
         for prompt in req.prompt:
             try:
-                prompts.append(await served.tokenize(served.tokenizer.encode, prompt) if isinstance(prompt, str)
+                prompts.append(await served.off_loop(served.tokenizer.encode, prompt) if isinstance(prompt, str)
                                else prompt)
             except DistmkError as e:                 # this model takes token ids only
                 raise APIError(400, str(e), param="prompt") from None
@@ -456,7 +455,7 @@ def create_app(served: Served) -> FastAPI:
         render = functools.partial(served.tokenizer.render_chat, template_kwargs=kwargs, add_generation_prompt=opens,
                                    continue_final_message=continues)
         try:
-            return await served.tokenize(render, [m.for_template() for m in req.messages], tools)
+            return await served.off_loop(render, [m.for_template() for m in req.messages], tools)
         except DistmkError as e:                     # this model takes token ids only
             raise APIError(400, str(e), param=param) from None
         except Exception as e:  # noqa: BLE001 - a chat template refuses a conversation by raising
@@ -498,7 +497,7 @@ def create_app(served: Served) -> FastAPI:
                            param="n")
         # the prompt's log-probabilities: completions' echo with logprobs, vLLM's prompt_logprobs
         asked = [k for k in (req.prompt_logprobs, None if chat or not req.echo else req.logprobs) if k is not None]
-        constraints = iter(served.constraints(req, tools, req.n * len(prompts)))
+        constraints = iter(await served.off_loop(served.constraints, req, tools, req.n * len(prompts)))
         # choice i draws from seed + i: choice 0 is what the same request with n = 1 gets
         seqs = [Sequence(prompt, 1 if max_tokens == 0 else max_tokens or served.max_context - len(prompt),
                          params if params.seed is None or i == 0 else

@@ -8,8 +8,8 @@ Log-probabilities as OpenAI has them: `logprobs` (completions: how many alternat
 the prompt's too, and max_tokens 0 asks for nothing more: what lm-eval's loglikelihood tasks send), `logprobs` and
 `top_logprobs` (chat); `logit_bias` (token ids, as strings, to -100..100). Extensions shared with vLLM: top_k,
 min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, return_token_ids, prompt_logprobs,
-stream_options.continuous_usage_stats, include_stop_str_in_output, chat_template_kwargs, add_generation_prompt,
-continue_final_message; its /tokenize and /detokenize. max_tokens: null means as many as the
+stream_options.continuous_usage_stats, include_stop_str_in_output, structured_outputs, chat_template_kwargs,
+add_generation_prompt, continue_final_message; its /tokenize and /detokenize. max_tokens: null means as many as the
 context has room for.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator,
                       model_validator)
@@ -171,6 +171,56 @@ class ResponseFormat(_Strict):
         return self
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: the reply held to one of a JSON schema (`json`: the schema, or its JSON text), any
+    JSON object (`json_object`), a regular expression, a list of strings (`choice`: exactly one of them) or a grammar
+    (xgrammar's EBNF, `root ::= ...`, or Lark). disable_any_whitespace: JSON without whitespace beyond one space
+    after ':' and ','. Without a constraint, its options go with the response_format."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False     # always so: an object takes only the properties its schema names
+
+    @field_validator("json_")
+    @classmethod
+    def _schema(cls, v):
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"is neither a JSON schema nor its JSON text ({e})") from None
+            if not isinstance(v, dict):
+                raise ValueError("is JSON text, but not of a schema (an object)")
+        return v
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        if len(self.constraints()) > 1:
+            raise ValueError(f"gives {' and '.join(self.constraints())}: one constraint at most")
+        return self
+
+    def constraints(self) -> list[str]:
+        given = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                 "json_object": self.json_object or None}
+        return [name for name, v in given.items() if v is not None]
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+"""vLLM's parameters before structured_outputs (removed in its 0.12), which clients still send"""
+
+
+class OutputFormat(NamedTuple):
+    """What a reply is held to (runtime/structured.py Grammars.constraint's kind and spec), and the parameter that
+    asked for it."""
+    kind: str
+    spec: Any
+    param: str
+    compact: bool = False
+
+
 class ClientFields(_Strict):
     """Accepted and unused: what clients send about themselves, or for OpenAI's storage and caching (nothing is
     stored here, and prefix caching needs no key)."""
@@ -209,8 +259,35 @@ class _Sampling(SamplingKnobs):
     logit_bias: Annotated[dict[str, float] | None, AfterValidator(_logit_bias)] = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)    # vLLM's: the prompt's log-probabilities
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None     # vLLM's
 
     _only_when_streaming = _only_when("stream_options", "stream")
+
+    @model_validator(mode="after")
+    def _one_format(self):
+        if self.response_format is not None and self.response_format.type != "text" and \
+                self.structured_outputs is not None and self.structured_outputs.constraints():
+            raise ValueError(f"response_format and structured_outputs.{self.structured_outputs.constraints()[0]} both "
+                             "hold the reply; give one")
+        return self
+
+    def output_format(self) -> OutputFormat | None:
+        """What the reply is held to: the response_format, or structured_outputs' constraint (None: text)."""
+        options = self.structured_outputs or StructuredOutputs()
+        compact = options.disable_any_whitespace
+        if self.response_format is not None and self.response_format.type == "json_object":
+            return OutputFormat("json_object", None, "response_format", compact)
+        if self.response_format is not None and self.response_format.type == "json_schema":
+            return OutputFormat("json_schema", self.response_format.json_schema.schema_,
+                                "response_format.json_schema.schema", compact)
+        if not options.constraints():
+            return None
+        name = options.constraints()[0]
+        if name == "json":
+            return OutputFormat("json_schema", options.json_, "structured_outputs.json", compact)
+        if name == "json_object":
+            return OutputFormat("json_object", None, "structured_outputs.json_object", compact)
+        return OutputFormat(name, getattr(options, name), f"structured_outputs.{name}")
 
 
 class CompletionRequest(_Sampling):
@@ -378,7 +455,8 @@ def _as_api_error(e: ValidationError) -> APIError:
     if kind == "model_type" and not loc:
         return APIError(400, "the request body must be a JSON object")
     if kind == "extra_forbidden":
-        return APIError(400, f"unsupported parameter '{param}'", param=param, code="unsupported_parameter")
+        moved = f" (vLLM's structured_outputs.{GUIDED[param]} now)" if param in GUIDED else ""
+        return APIError(400, f"unsupported parameter '{param}'{moved}", param=param, code="unsupported_parameter")
     if kind == "missing":
         return APIError(400, f"missing required parameter '{param}'", param=param)
     message = first["msg"].removeprefix("Value error, ")
