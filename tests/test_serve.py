@@ -753,7 +753,8 @@ def test_responses_api_calls_functions_and_reads_their_outputs(server):
     for extra, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
                          ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
                           "input[0].message.content"),
-                         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+                         ({"input": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}]}, "input[0]"),
+                         ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
                          ({"tools": [{"type": "web_search"}]}, "tools[0]")]:
         with pytest.raises(BadRequestError) as refused:
             client.responses.create(**{**ask, **extra})

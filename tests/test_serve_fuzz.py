@@ -116,11 +116,13 @@ WRONG_CHAT = {"messages": ["hi", [], [{"role": "bot", "content": "x"}], [{"role"
               "tool_choice": ["always", "required", {"type": "function", "function": {"name": "missing"}}],
               "chat_template_kwargs": [{"tokenize": True}, {"messages": []}, "x", [1]],
               "continue_final_message": ["yes", True],      # True: beside add_generation_prompt's default, true
-              "add_generation_prompt": ["no", 0]}
+              "add_generation_prompt": ["no", 0], "include_reasoning": ["yes", 1, None]}
 # the Responses API's fields: legal values (a 200; conversations that fit the small context), wrong ones (a 4xx)
 LEGAL_RESPONSES = {
     "input": ["hi", [{"role": "user", "content": "hi"}],
-              [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "hi"}]}]],
+              [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "hi"}]}],
+              [{"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "."}]},
+               {"role": "user", "content": "hi"}]],
     "instructions": [None], "temperature": [0, 2, None], "top_p": [5e-324, 1], "store": [True, False],
     "metadata": [{}, {"k": "v"}], "text": [{"format": {"type": "text"}}, {"format": {"type": "json_object"}}],
     "top_logprobs": [0, 20], "include": [[], ["message.output_text.logprobs"]], "truncation": ["disabled"],

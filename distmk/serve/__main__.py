@@ -28,6 +28,7 @@ from distmk.flags import COUNT, NON_NEGATIVE, int_in
 from distmk.runtime.batcher import PrefillInputs, StepInputs
 from distmk.runtime.tokenizer import load_tokenizer
 from distmk.serve.lockstep import Leader, control_group, follow
+from distmk.serve.reasoning import PARSERS
 
 GRACEFUL_S = 5.0          # what running requests get to finish after SIGTERM; then they end with an error
 ENGINE_STOP_S = 10.0      # for the step under way and the shutdown message, after that
@@ -54,6 +55,9 @@ def parse_args(argv=None):
                         "(benchmarks/step_trace.py summarises it)")
     p.add_argument("--max-queue", type=NON_NEGATIVE, default=256,
                    help="requests waiting for a place in the batch; beyond: 429")
+    p.add_argument("--reasoning-parser", choices=PARSERS, default=None,
+                   help="chat replies' <think> ... </think> as the message's reasoning, apart from its content (vLLM's "
+                        "names; both read the same tags)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int_in(0, 65535), default=8000,
@@ -191,7 +195,7 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
                     scheduler.metrics, engine.max_context, capacity=args.max_seqs + args.max_queue,
                     sampling_defaults=engine.spec.generation_defaults, vocab_size=engine.spec.vocab_size,
                     eos_token_ids=tuple(engine.spec.eos_token_id), api_key=args.api_key,
-                    metrics_public=args.metrics_public)
+                    metrics_public=args.metrics_public, reasoning=args.reasoning_parser is not None)
     loop = None           # the event loop, once running
 
     class Server(uvicorn.Server):

@@ -37,6 +37,7 @@ from distmk.runtime.structured import Grammars
 from distmk.runtime.tokenizer import IncrementalDecoder
 from distmk.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, OutputFormat,
                                    TokenizeRequest, parse_body)
+from distmk.serve.reasoning import ReasoningReader, thinking_at_start
 from distmk.serve.responses import ResponseShape, ResponsesRequest, in_responses_words
 from distmk.serve.tools import ToolChoice, call_schema, format_or_call_schema
 
@@ -58,6 +59,7 @@ class Served:
     vocab_size: int                      # token ids at or past it are refused where a request names ids
     api_key: str | None = None           # when set, clients send it as "Authorization: Bearer <key>"
     metrics_public: bool = False         # /metrics without the key
+    reasoning: bool = False              # chat replies' <think> ... </think> apart (--reasoning-parser)
     sampling_defaults: dict = field(default_factory=dict)     # the checkpoint's (ModelSpec.generation_defaults)
     eos_token_ids: tuple[int, ...] = ()          # the ids that end a sequence (a grammar's end: response_format)
     live: set = field(default_factory=set)      # their Generations
@@ -439,8 +441,12 @@ def create_app(served: Served) -> FastAPI:
         tools = ToolChoice.of(req)
         prompt, format_stops = await render_chat(req, tools.offered if tools else None, prompt_param)
         max_tokens = req.max_completion_tokens or req.max_tokens
+        # where the template leaves a <think> open, the reply starts in its reasoning (the tail's raw bytes: a
+        # tokenizer may take the tags for special tokens)
+        thinking = thinking_at_start(b"".join(map(served.tokenizer.token_bytes, prompt[-16:])).decode(
+            errors="replace")) if served.reasoning else None
         return await respond(request, req, [prompt], prompt_param, max_tokens, list(format_stops), arrived, chat=True,
-                             tools=tools, shape=shape)
+                             tools=tools, shape=shape, thinking=thinking)
 
     async def render_chat(req, tools: list[dict] | None = None,
                           param: str = "messages") -> tuple[list[int], tuple[str, ...]]:
@@ -467,10 +473,11 @@ def create_app(served: Served) -> FastAPI:
                            param=param, code="model_not_found")
 
     async def respond(request, req, prompts, prompt_param, max_tokens, format_stops, arrived, chat,
-                      prompt_texts=None, tools=None, shape=None):
+                      prompt_texts=None, tools=None, shape=None, thinking=None):
         """The reply to `prompts` (token ids; a completions request may batch several), n choices each, indexed
         prompt-major (prompt * n + choice) as OpenAI has them. max_tokens 0 (with echo): one token is generated
-        and not shown. `shape`: the Responses API's (ResponseShape) of a chat reply."""
+        and not shown. `shape`: the Responses API's (ResponseShape) of a chat reply; `thinking`: where a reasoning
+        parser runs, whether the reply starts in its reasoning (serve/reasoning.py)."""
         if max_tokens is not None and req.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens {req.min_tokens} is more than max_tokens {max_tokens}", param="min_tokens")
         for i, prompt in enumerate(prompts):
@@ -525,7 +532,7 @@ def create_app(served: Served) -> FastAPI:
             for generation in generations:
                 generation.close()
             raise
-        reply = Reply(served, req, chat, prompts, prompt_texts, tools)
+        reply = Reply(served, req, chat, prompts, prompt_texts, tools, thinking)
         if req.stream:
             count(request, 200)
             return GenerationStream(generations, reply.events(generations) if shape is None else
@@ -596,8 +603,10 @@ class Reply:
     the first token's null as OpenAI and vLLM give it); max_tokens 0 shows the prompt alone."""
 
     def __init__(self, served: Served, req, chat: bool, prompts: list[list[int]],
-                 prompt_texts: list[str | None] | None = None, tools: ToolChoice | None = None):
+                 prompt_texts: list[str | None] | None = None, tools: ToolChoice | None = None,
+                 thinking: bool | None = None):
         self.req, self.chat, self.prompts, self.tokenizer, self.tools = req, chat, prompts, served.tokenizer, tools
+        self.thinking = thinking        # None: no reasoning parser; else whether the reply starts in its reasoning
         self.prompt_texts = prompt_texts or [None] * len(prompts)
         self.echo, self.hidden = not chat and req.echo, not chat and req.max_tokens == 0
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -659,6 +668,16 @@ class Reply:
         return {"prompt_logprobs": self.vllm_prompt_logprobs(index, generation)} \
             if self.req.prompt_logprobs is not None else {}
 
+    def reasoning_reader(self) -> ReasoningReader | None:
+        return None if self.thinking is None else ReasoningReader(self.thinking)
+
+    def reasoning_fields(self, reasoning: str | None) -> dict:
+        """A message's (or delta's) reasoning, as vLLM's `reasoning` and, for clients written before vLLM renamed
+        it, `reasoning_content`; none without a reasoning parser or with include_reasoning false."""
+        if self.thinking is None or not self.req.include_reasoning:
+            return {}
+        return {"reasoning": reasoning, "reasoning_content": reasoning}
+
     def usage(self, generations: list[Generation], sent: int | None = None) -> dict:
         """The request's usage; `sent`: the completion tokens streamed so far (a choice's pump may have taken more)."""
         if sent is None:
@@ -708,11 +727,15 @@ class Reply:
                         self.prompt_entries(index, generation) + [(p.token, p.logprob) for p in pieces])
             choice = {"index": index, "logprobs": logprobs,
                       "finish_reason": "length" if self.hidden else generation.finish_reason}
+            reasoning, thinking = None, self.reasoning_reader()
+            if thinking is not None:            # the reasoning apart, the calls read out of the rest
+                reasoning, text = thinking.read(text)
             reader = self.tools.reader() if self.tools else None
             calls = []
             if reader is not None:              # the calls read out of the reply, and the rest of its text
                 text, calls = reader.read(text)
-            message = {"role": "assistant", "content": text if text or not calls else None}
+            message = {"role": "assistant", "content": text if text or not calls else None,
+                       **self.reasoning_fields(reasoning or None)}
             if calls:
                 message["tool_calls"], choice["finish_reason"] = calls, "tool_calls"
             choice.update({"message": message} if self.chat else {"text": text})
@@ -735,6 +758,7 @@ class Reply:
         first, offsets = [True] * len(generations), [0] * len(generations)
         sent = 0        # tokens streamed, for continuous_usage_stats
         readers = [self.tools.reader() if self.tools else None for _ in generations]
+        thinkings = [self.reasoning_reader() for _ in generations]
         continuous_usage = self.req.stream_options is not None and self.req.stream_options.continuous_usage_stats
         merged: asyncio.Queue = asyncio.Queue()
 
@@ -777,13 +801,20 @@ class Reply:
                 offsets[index] += len(logprobs["tokens"][0]) if logprobs and not self.chat else 0
                 choice = {"index": index, "logprobs": logprobs, "finish_reason": piece.finish_reason}
                 if self.chat:
-                    text, reader, calls = piece.text, readers[index], []
+                    text, reader, calls, reasoning = piece.text, readers[index], [], ""
+                    if thinkings[index] is not None:        # the reasoning apart, the calls read out of the rest
+                        reasoning, text = thinkings[index].feed(text)
+                        if piece.finish_reason is not None:
+                            more_reasoning, more_text = thinkings[index].finish()
+                            reasoning, text = reasoning + more_reasoning, text + more_text
                     if reader is not None:      # content sent once it cannot be a call; the calls at the end
                         text = reader.feed(text)
                         if piece.finish_reason is not None:
                             rest, calls = reader.finish()
                             text += rest
                     choice["delta"] = {"role": "assistant", "content": text} if first[index] else {"content": text}
+                    if reasoning:
+                        choice["delta"].update(self.reasoning_fields(reasoning))
                     if calls:
                         choice["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
                         choice["finish_reason"] = "tool_calls"

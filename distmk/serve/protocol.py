@@ -9,7 +9,7 @@ the prompt's too, and max_tokens 0 asks for nothing more: what lm-eval's loglike
 `top_logprobs` (chat); `logit_bias` (token ids, as strings, to -100..100). Extensions shared with vLLM: top_k,
 min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, return_token_ids, prompt_logprobs,
 stream_options.continuous_usage_stats, include_stop_str_in_output, structured_outputs, chat_template_kwargs,
-add_generation_prompt, continue_final_message; its /tokenize and /detokenize. max_tokens: null means as many as the
+add_generation_prompt, continue_final_message, include_reasoning; its /tokenize and /detokenize. max_tokens: null means as many as the
 context has room for.
 """
 from __future__ import annotations
@@ -383,6 +383,7 @@ class ChatRequest(_Sampling):
     chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    include_reasoning: bool = True      # vLLM's: false leaves a reasoning parser's reasoning out of the reply
 
     _check_ending = model_validator(mode="after")(_one_ending)
 

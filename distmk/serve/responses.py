@@ -2,7 +2,8 @@
 served on the chat path. A request's input items become a conversation (instructions first, as a system message;
 function calls and their outputs as the assistant's tool_calls and tool messages), its function tools, tool_choice
 and text.format the chat request's tools, tool_choice and response_format; the chat reply comes back as a Response:
-a message item (its output_text) and a function_call item per call, or, streamed, the Responses API's events.
+a reasoning item (a reasoning parser's), a message item (its output_text) and a function_call item per call, or,
+streamed, the Responses API's events.
 Nothing is stored: a Response says store false, and previous_response_id, conversation and background are
 refused."""
 from __future__ import annotations
@@ -67,6 +68,15 @@ class FunctionCallOutput(_SentBack):
     output: Text
 
 
+class ReasoningItem(_SentBack):
+    """An earlier Response's reasoning, sent back with the history (as the Agents SDK does): not shown to the model
+    again, as reasoning models' templates leave earlier turns' reasoning out."""
+    type: Literal["reasoning"]
+    summary: list[Any] = []
+    content: list[Any] | None = None
+    encrypted_content: str | None = None
+
+
 def _unset(v: dict | None) -> dict | None:
     """reasoning: accepted with every value null or false (what clients send for 'off')."""
     if v and any(value not in (None, False) for value in v.values()):
@@ -81,9 +91,10 @@ def _item_type(item: Any) -> str:
 
 InputItem = Annotated[
     Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutput, Tag("function_call_output")],
+    | Annotated[FunctionCallOutput, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type, custom_error_type="input_item", custom_error_message=(
-        "is not an input item distmk takes: a message of text, a function_call or a function_call_output"))]
+        "is not an input item distmk takes: a message of text, a function_call, a function_call_output or a "
+        "reasoning item"))]
 
 
 class FunctionTool(FunctionDefinition):
@@ -155,13 +166,17 @@ class ResponsesRequest(SamplingKnobs):
             elif isinstance(item, FunctionCallOutput):
                 messages.append({"role": "tool", "tool_call_id": item.call_id,
                                  "content": "".join(p.text for p in item.output)})
-            else:
+            elif isinstance(item, InputMessage):
                 messages.append({"role": item.role, "content": item.text})
         return messages
 
     def as_chat(self) -> ChatRequest:
         """The chat request that answers this one (streamed with its usage last, for the Response's)."""
-        body = {"messages": self.messages(), "stream": self.stream, **self.model_dump(
+        messages = self.messages()
+        if not messages:
+            raise APIError(400, "input holds no message, call or call output (reasoning items are not shown)",
+                           param="input")
+        body = {"messages": messages, "stream": self.stream, **self.model_dump(
             include={*SamplingKnobs.model_fields, "parallel_tool_calls"}, exclude_none=True)}
         if self.max_output_tokens is not None:
             body["max_completion_tokens"] = self.max_output_tokens
@@ -255,33 +270,53 @@ class ResponseShape:
         return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": parts}
 
     @staticmethod
+    def reasoning(item_id: str, status: str, text: str | None) -> dict:
+        """A reasoning parser's reasoning (serve/reasoning.py) as a reasoning item of reasoning_text."""
+        parts = [] if text is None else [{"type": "reasoning_text", "text": text}]
+        return {"type": "reasoning", "id": item_id, "summary": [], "content": parts, "status": status}
+
+    @staticmethod
     def function_call(call: dict, arguments: str, status: str) -> dict:
         return {"type": "function_call", "id": _item_id("fc"), "call_id": call["id"],
                 "name": call["function"]["name"], "arguments": arguments, "status": status}
 
     def whole(self, chat: dict) -> dict:
-        """The Response of a chat completion (n = 1): a message item unless the reply is only calls, then a
-        function_call item per call; incomplete where max_output_tokens cut it."""
+        """The Response of a chat completion (n = 1): a reasoning item where it has reasoning, a message item unless
+        the reply is only calls, then a function_call item per call; incomplete where max_output_tokens cut it."""
         choice = chat["choices"][0]
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
         content, calls = choice["message"]["content"], choice["message"].get("tool_calls") or []
         logprobs = (choice.get("logprobs") or {}).get("content")
-        output = [] if content is None else [self.message(_item_id("msg"), status, [self.text_part(content, logprobs)])]
+        reasoning = choice["message"].get("reasoning")
+        output = [] if reasoning is None else [self.reasoning(_item_id("rs"), status, reasoning)]
+        if content is not None:
+            output.append(self.message(_item_id("msg"), status, [self.text_part(content, logprobs)]))
         output += [self.function_call(call, call["function"]["arguments"], "completed") for call in calls]
         return self.response(status, output, chat["usage"])
 
     async def events(self, chunks):
-        """The Responses API's events, as (type, event) pairs, of a streamed chat reply's chunks: the message's text
-        as output_text deltas as it comes (with the log-probabilities of its tokens where asked), the calls once the
-        reply is complete, then the Response (response.completed, or response.incomplete); an error ends them with
-        an error event and response.failed."""
+        """The Responses API's events, as (type, event) pairs, of a streamed chat reply's chunks: a reasoning
+        parser's reasoning as reasoning_text deltas, then the message's text as output_text deltas as it comes (with
+        the log-probabilities of its tokens where asked), the calls once the reply is complete, then the Response
+        (response.completed, or response.incomplete); an error ends them with an error event and response.failed."""
         numbers = itertools.count()
 
         def event(kind: str, **fields) -> tuple[str, dict]:
             return kind, {"type": kind, "sequence_number": next(numbers), **fields}
 
+        output = []                     # the items done
         message_id, text, opened, calls, usage, finish = _item_id("msg"), "", False, [], None, None
         logprobs, unsent = [], 0        # the tokens' entries, and how many no delta carried yet (held-back text)
+        thought = {"item_id": _item_id("rs"), "output_index": 0, "content_index": 0}
+        reasoning, thinking = "", False     # the reasoning so far; whether its item is open
+
+        def reasoning_done(status: str) -> list[tuple[str, dict]]:
+            part = {"type": "reasoning_text", "text": reasoning}
+            output.append(self.reasoning(thought["item_id"], status, reasoning))
+            return [event("response.reasoning_text.done", **thought, text=reasoning),
+                    event("response.content_part.done", **thought, part=part),
+                    event("response.output_item.done", output_index=0, item=output[-1])]
+
         yield event("response.created", response=self.response("in_progress", []))
         yield event("response.in_progress", response=self.response("in_progress", []))
         where = {"item_id": message_id, "output_index": 0, "content_index": 0}
@@ -300,9 +335,22 @@ class ResponseShape:
             piece, finish = choice["delta"].get("content") or "", choice["finish_reason"] or finish
             calls += choice["delta"].get("tool_calls") or []
             logprobs += (choice.get("logprobs") or {}).get("content") or []
+            if choice["delta"].get("reasoning"):        # it comes before the content (serve/reasoning.py)
+                if not thinking:
+                    thinking = True
+                    yield event("response.output_item.added", output_index=0,
+                                item=self.reasoning(thought["item_id"], "in_progress", None))
+                    yield event("response.content_part.added", **thought, part={"type": "reasoning_text", "text": ""})
+                reasoning += choice["delta"]["reasoning"]
+                yield event("response.reasoning_text.delta", **thought, delta=choice["delta"]["reasoning"])
+            if thinking and (piece or finish is not None):
+                thinking = False
+                for done in reasoning_done("incomplete" if finish == "length" and not piece else "completed"):
+                    yield done
+                where["output_index"] = len(output)
             if not opened and (piece or (finish is not None and not calls)):    # a reply of no text has a message
                 opened = True
-                yield event("response.output_item.added", output_index=0,
+                yield event("response.output_item.added", output_index=where["output_index"],
                             item=self.message(message_id, "in_progress", []))
                 yield event("response.content_part.added", **where, part=self.text_part(""))
             if piece:
@@ -310,13 +358,15 @@ class ResponseShape:
                 yield event("response.output_text.delta", **where, delta=piece, logprobs=logprobs[unsent:])
                 unsent = len(logprobs)
         status = "incomplete" if finish == "length" else "completed"
-        output = []
+        if thinking:
+            for done in reasoning_done(status):
+                yield done
         if opened:
             part = self.text_part(text, logprobs)
             yield event("response.output_text.done", **where, text=text, logprobs=logprobs)
             yield event("response.content_part.done", **where, part=part)
             output.append(self.message(message_id, status, [part]))
-            yield event("response.output_item.done", output_index=0, item=output[-1])
+            yield event("response.output_item.done", output_index=where["output_index"], item=output[-1])
         for call in calls:
             index, arguments = len(output), call["function"]["arguments"]
             item = self.function_call(call, "", "in_progress")
