@@ -3,7 +3,7 @@ however the text is split into pieces, in time linear in the text."""
 import random
 import time
 
-from distmk.serve.app import StopStrings
+from distmk.serve.generation import StopStrings
 
 
 def cut_at_first_stop(text: str, stops: list[str], kept=frozenset()) -> tuple[str, bool]:
