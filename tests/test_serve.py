@@ -551,6 +551,38 @@ def test_a_prompt_whose_prefix_is_cached_starts_after_it_and_gets_transformers_t
     assert metric(server, "distmk_prefix_cache_hits_total") - hits == 2 * 96
 
 
+def test_vllm_prompt_truncation_allowed_tokens_and_token_ids_for_logprobs(server):
+    """vLLM's truncate_prompt_tokens keeps a prompt's last N tokens (the reply and usage are those of the shorter
+    prompt; -1: as many as leave room for max_tokens, so a prompt longer than the context still runs);
+    allowed_token_ids are the only tokens drawn, greedy or sampled; return_tokens_as_token_ids names the
+    log-probabilities' tokens by id."""
+    prompt = [(7 * i) % 250 + 1 for i in range(40)]
+    ask = {"model": MODEL, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    short = post(server, "/v1/completions", {**ask, "prompt": prompt[-6:]}).json()
+    cut = post(server, "/v1/completions", {**ask, "prompt": prompt, "truncate_prompt_tokens": 6, "echo": True}).json()
+    assert cut["choices"][0]["prompt_token_ids"] == prompt[-6:] and cut["usage"] == short["usage"]
+    assert cut["choices"][0]["token_ids"] == short["choices"][0]["token_ids"]
+    assert cut["choices"][0]["text"] == bytes(prompt[-6:]).decode(errors="replace") + short["choices"][0]["text"]
+    long = post(server, "/v1/completions", {**ask, "prompt": prompt * 30, "truncate_prompt_tokens": -1})
+    assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == CONTEXT - 4, long.text
+    for keep, max_tokens in ((CONTEXT, 4), (0, 4), (-1, CONTEXT)):
+        refused = post(server, "/v1/completions", {**ask, "prompt": prompt, "truncate_prompt_tokens": keep,
+                                                   "max_tokens": max_tokens})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "truncate_prompt_tokens"
+    allowed = [5, 9, 77]
+    for temperature in (0, 1):
+        out = post(server, "/v1/chat/completions", {**ask, "max_tokens": 12, "temperature": temperature, "seed": 1,
+                                                    "messages": [{"role": "user", "content": "Hi"}],
+                                                    "allowed_token_ids": allowed}).json()
+        assert set(out["choices"][0]["token_ids"]) <= set(allowed), out
+    refused = post(server, "/v1/completions", {**ask, "prompt": prompt, "allowed_token_ids": [10 ** 6]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "allowed_token_ids"
+    out = post(server, "/v1/completions", {**ask, "prompt": prompt, "logprobs": 2,
+                                           "return_tokens_as_token_ids": True}).json()["choices"][0]
+    assert out["logprobs"]["tokens"] == [f"token_id:{t}" for t in out["token_ids"]]
+    assert all(all(key.startswith("token_id:") for key in top) for top in out["logprobs"]["top_logprobs"])
+
+
 def test_response_format_holds_the_reply_to_json_and_its_schema(server):
     """OpenAI's response_format through both ranks, with the openai SDK: json_schema on chat (greedy and sampled)
     gives JSON valid against the schema, json_object on completions an object, whatever the random-weight model's

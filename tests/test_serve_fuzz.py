@@ -70,8 +70,11 @@ LEGAL_EXTREMES = {
     "store": [True, False], "metadata": [{}, {"k": "v"}], "service_tier": ["auto", "default"],    # accepted, unused
     "prompt_cache_key": ["k"], "safety_identifier": ["s"],
     "structured_outputs": [{"choice": ["a", ""]}, {"regex": "[0-9]{1,3}"}, {"grammar": 'root ::= "x" | "y"'},
-                           {"json": "{}"}, {"json_object": True}, {"json_object": False, "disable_any_whitespace": True},
+                           {"json": "{}"}, {"json_object": True},
+                           {"json_object": False, "disable_any_whitespace": True},
                            {"grammar": "start: /[a-z]+/"}, None],
+    "truncate_prompt_tokens": [-1, 1, 5, None], "allowed_token_ids": [[5], [0, 511, 5], None],
+    "return_tokens_as_token_ids": [True, False],
 }
 
 # field: values that are wrong for it (type, range, unsupported), so the request must be refused
@@ -102,8 +105,11 @@ WRONG = {
                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}],
     "structured_outputs": ["x", {"regex": 5}, {"choice": []}, {"choice": "a"}, {"json": "[1]"}, {"json": "{"},
                            {"regex": "a", "grammar": 'root ::= "a"'}, {"structural_tag": "x"}, {"regex": "(a"},
-                           {"grammar": "root ::= x"}, {"grammar": "start: x"}, {"json": {"type": "nonsense"}}],
+                           {"grammar": "root ::= x"}, {"grammar": "start: x"},
+                           {"json": {"type": "nonsense"}}],
     "guided_json": [{}], "guided_choice": [["a"]],
+    "truncate_prompt_tokens": [-2, "5", 1.5, CONTEXT, 10 ** 30], "return_tokens_as_token_ids": ["yes", 1],
+    "allowed_token_ids": [[], [-1], [10 ** 6], "5", [1.5], list(range(4097))],
 }
 WRONG_CHAT = {"messages": ["hi", [], [{"role": "bot", "content": "x"}], [{"role": "user"}],
                            [{"role": "user", "content": 5}], [{"content": "x"}],
@@ -121,7 +127,8 @@ WRONG_CHAT = {"messages": ["hi", [], [{"role": "bot", "content": "x"}], [{"role"
 LEGAL_RESPONSES = {
     "input": ["hi", [{"role": "user", "content": "hi"}],
               [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "hi"}]}],
-              [{"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "."}]},
+              [{"type": "reasoning", "id": "rs_1", "summary": [],
+                "content": [{"type": "reasoning_text", "text": "."}]},
                {"role": "user", "content": "hi"}]],
     "instructions": [None], "temperature": [0, 2, None], "top_p": [5e-324, 1], "store": [True, False],
     "metadata": [{}, {"k": "v"}], "text": [{"format": {"type": "text"}}, {"format": {"type": "json_object"}}],

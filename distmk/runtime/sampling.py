@@ -5,10 +5,11 @@ device's, so a seed draws a different stream on a GPU than on the CPU, as preset
 
 Safe for any finite parameters: temperatures under GREEDY_BELOW are greedy (as vLLM treats them), the
 rest scale the logits in float64 after subtracting their maximum (so nothing overflows to inf or nan),
-and top-k, min-p (vLLM's) and top-p, in that order, always keep the most likely token. OpenAI's logit_bias and
-the penalties come first, in vLLM's order: the bias, then transformers' (and vLLM's) repetition_penalty over the
-prompt and the output, OpenAI's presence and frequency penalties over the output; a greedy sequence with any of
-them takes the changed logits' argmax here, not the device's. A token's log-probability (token_logprobs) is the
+and top-k, min-p (vLLM's) and top-p, in that order, always keep the most likely token. vLLM's allowed_token_ids,
+OpenAI's logit_bias and the penalties come first, in vLLM's order: the allowed tokens, the bias, then
+transformers' (and vLLM's) repetition_penalty over the prompt and the output, OpenAI's presence and frequency
+penalties over the output; a greedy sequence with any of them takes the changed logits' argmax here, not the
+device's. A token's log-probability (token_logprobs) is the
 model's: of the logits before the bias, the penalties, any masking, temperature, top-k, min-p and top-p, as OpenAI
 and vLLM report it."""
 from __future__ import annotations
@@ -34,6 +35,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # a seen token's logit divided by it where positive, multiplied where negative
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token, added to its logit): OpenAI's, -100 to 100
     min_p: float = 0.0         # vLLM's: tokens less likely than min_p x the most likely one's are left out
+    allowed_tokens: tuple[int, ...] = ()    # vLLM's allowed_token_ids: where given, the only tokens drawn
 
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -49,6 +51,8 @@ class SamplingParams:
             raise DistmkError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         if not 0 <= self.min_p <= 1:                    # also refuses nan
             raise DistmkError(f"min_p must be in [0, 1], got {self.min_p}")
+        if any(token < 0 for token in self.allowed_tokens):
+            raise DistmkError(f"allowed token ids are >= 0, got {min(self.allowed_tokens)}")
         for token, bias in self.logit_bias:
             if token < 0 or not -100 <= bias <= 100:          # also refuses nan
                 raise DistmkError(f"logit_bias takes token ids >= 0 to biases in [-100, 100], got {token}: {bias}")
@@ -60,7 +64,8 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         """Whether the logits change before sampling (penalize): a logit bias or penalties."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
+                    or self.allowed_tokens)
 
     @property
     def needs_logits(self) -> bool:
@@ -71,7 +76,8 @@ class SamplingParams:
 def resolve_sampling(temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None, *,
                      defaults: dict, greedy_default: bool, presence_penalty: float = 0.0,
                      frequency_penalty: float = 0.0, repetition_penalty: float | None = None,
-                     logit_bias: dict[int, float] | None = None, min_p: float | None = None) -> SamplingParams:
+                     logit_bias: dict[int, float] | None = None, min_p: float | None = None,
+                     allowed_tokens: list[int] | None = None) -> SamplingParams:
     """What a caller asked for, each parameter it left out (None) taken from the checkpoint's defaults
     (ModelSpec.generation_defaults), else from distmk's: greedy for the CLI, temperature 1 for the API."""
     given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty,
@@ -80,13 +86,17 @@ def resolve_sampling(temperature: float | None, top_p: float | None, top_k: int 
               "min_p": 0.0, **defaults, **{k: v for k, v in given.items() if v is not None}}
     return SamplingParams(values["temperature"], values["top_p"], values["top_k"], seed, presence_penalty,
                           frequency_penalty, values["repetition_penalty"], tuple(sorted((logit_bias or {}).items())),
-                          values["min_p"])
+                          values["min_p"], tuple(sorted(set(allowed_tokens or ()))))
 
 
 def penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """The logits (float64) with the sequence's logit bias added, then its penalties: repetition over every token
-    of prompt and output, presence and frequency over the output's counts."""
+    """The logits (float64) with every token but the allowed ones (where given) at -inf, the sequence's logit bias
+    added, then its penalties: repetition over every token of prompt and output, presence and frequency over the
+    output's counts."""
     logits = logits.double().clone()
+    if params.allowed_tokens:
+        allowed = torch.tensor(params.allowed_tokens, device=logits.device)
+        logits = torch.full_like(logits, -math.inf).index_copy_(0, allowed, logits[allowed])
     if params.logit_bias:
         tokens, biases = zip(*params.logit_bias)
         logits[torch.tensor(tokens, device=logits.device)] += torch.tensor(biases, dtype=logits.dtype,

@@ -314,6 +314,19 @@ def create_app(served: Served) -> FastAPI:
         parser runs, whether the reply starts in its reasoning (serve/reasoning.py)."""
         if max_tokens is not None and req.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens {req.min_tokens} is more than max_tokens {max_tokens}", param="min_tokens")
+        keep = req.truncate_prompt_tokens       # vLLM's: the prompt's last tokens only (-1: what leaves room)
+        if keep == -1:
+            keep = served.max_context - max(1, max_tokens or 0, req.min_tokens)
+        if keep is not None and keep >= served.max_context:
+            raise APIError(400, f"truncate_prompt_tokens {keep} leaves no room in the context ({served.max_context} "
+                                "tokens) for a generated token", param="truncate_prompt_tokens")
+        if keep is not None and keep < 1:
+            raise APIError(400, f"truncate_prompt_tokens {req.truncate_prompt_tokens} keeps no prompt token "
+                                f"(max_tokens {max_tokens}, context {served.max_context})",
+                           param="truncate_prompt_tokens")
+        if keep is not None and any(len(prompt) > keep for prompt in prompts):
+            prompt_texts = None                 # echo shows the tokens kept
+            prompts = [prompt[max(len(prompt) - keep, 0):] for prompt in prompts]
         for i, prompt in enumerate(prompts):
             at = f"{prompt_param}[{i}]" if len(prompts) > 1 else prompt_param
             room = served.max_context - len(prompt)
@@ -330,7 +343,8 @@ def create_app(served: Served) -> FastAPI:
         params = resolve_sampling(req.temperature, req.top_p, top_k, req.seed, defaults=served.sampling_defaults,
                                   greedy_default=False, presence_penalty=req.presence_penalty,
                                   frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                                  logit_bias=req.logit_bias or None, min_p=req.min_p)
+                                  logit_bias=req.logit_bias or None, min_p=req.min_p,
+                                  allowed_tokens=req.allowed_token_ids)
         choices = req.n * len(prompts)
         if choices > served.capacity:
             what = f"n {req.n}" + (f" of {len(prompts)} prompts ({choices} sequences)" if len(prompts) > 1 else "")
@@ -350,6 +364,7 @@ def create_app(served: Served) -> FastAPI:
                 for prompt in prompts for i in range(req.n)]
         check_vocabulary(req.stop_token_ids or [], "stop_token_ids", "stop token ids")
         check_vocabulary(sorted(req.logit_bias or ()), "logit_bias", "logit_bias token ids")
+        check_vocabulary(req.allowed_token_ids or [], "allowed_token_ids", "allowed token ids")
         for i, prompt in enumerate(prompts):
             try:
                 served.scheduler.check(seqs[i * req.n])

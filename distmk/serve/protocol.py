@@ -8,8 +8,9 @@ Log-probabilities as OpenAI has them: `logprobs` (completions: how many alternat
 the prompt's too, and max_tokens 0 asks for nothing more: what lm-eval's loglikelihood tasks send), `logprobs` and
 `top_logprobs` (chat); `logit_bias` (token ids, as strings, to -100..100). Extensions shared with vLLM: top_k,
 min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, return_token_ids, prompt_logprobs,
-stream_options.continuous_usage_stats, include_stop_str_in_output, structured_outputs, chat_template_kwargs,
-add_generation_prompt, continue_final_message, include_reasoning; its /tokenize and /detokenize. max_tokens: null means as many as the
+stream_options.continuous_usage_stats, include_stop_str_in_output, structured_outputs, truncate_prompt_tokens,
+allowed_token_ids, return_tokens_as_token_ids, chat_template_kwargs, add_generation_prompt, continue_final_message,
+include_reasoning; its /tokenize and /detokenize. max_tokens: null means as many as the
 context has room for.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ MAX_LOGPROBS = 20              # alternatives a token's log-probabilities may li
 MAX_STOP_CHARS = 1024          # per stop string: a longer one is refused rather than matched
 MAX_LOGIT_BIAS = 300           # tokens one logit_bias may bias (its tensors are built every step)
 MAX_METADATA = 16              # OpenAI's limit of a request's metadata pairs
+MAX_ALLOWED_TOKENS = 4096      # allowed_token_ids, at most (a tensor of them is built every step)
 
 
 class APIError(Exception):
@@ -258,6 +260,11 @@ class _Sampling(SamplingKnobs):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: Annotated[dict[str, float] | None, AfterValidator(_logit_bias)] = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)    # vLLM's: the prompt's log-probabilities
+    # vLLM's: the prompt's last N tokens only (-1: as many as leave room for max_tokens)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1,
+                                                                       max_length=MAX_ALLOWED_TOKENS)  # vLLM's
+    return_tokens_as_token_ids: bool = False    # vLLM's: log-probabilities name tokens "token_id:N", not by text
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None     # vLLM's
 

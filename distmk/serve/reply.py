@@ -46,7 +46,9 @@ class Reply:
 
     def text(self, token: int) -> str:
         """A token's text for log-probabilities: its bytes (tokenizer.token_bytes) as UTF-8, U+FFFD for a piece of
-        a character."""
+        a character; or "token_id:N" (vLLM's return_tokens_as_token_ids, for callers that need the ids)."""
+        if self.req.return_tokens_as_token_ids:
+            return f"token_id:{token}"
         return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
 
     def logprobs(self, pieces: list[Piece], offset: int = 0) -> dict | None:
