@@ -89,7 +89,7 @@ WRONG = {
     "min_tokens": [-1, "1", 1.5, 10 ** 6], "include_stop_str_in_output": ["yes", 1],
     "top_k": [-2, 1.5, "5"],
     "seed": ["1", 2 ** 70, 1.5],
-    "stop": [5, [1], ["a"] * 5, [""], {"s": 1}, "s" * 1025],
+    "stop": [5, [1], ["a"] * 65, [""], {"s": 1}, "s" * 1025],
     "stream": ["yes", 1],
     "n": [0, "1", 1.5, 10 ** 6],
     "stream_options": ["x", {"foo": True}, {"include_usage": True}],

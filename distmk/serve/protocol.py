@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator,
                       model_validator)
 
-MAX_STOP_STRINGS = 4
+MAX_STOP_STRINGS = 64           # OpenAI's are 4, vLLM's unbounded; lm-eval sends a task's own (and the EOS text)
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 128              # n, at most (also at most what the server runs or queues at once)
 MAX_LOGPROBS = 20              # alternatives a token's log-probabilities may list (OpenAI's chat limit, vLLM's default)
