@@ -424,6 +424,8 @@ def test_chat_template_kwargs_are_taken_and_the_templates_own_parameters_refused
     body = {"model": MODEL, "messages": messages, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}}
     r = post(server, "/v1/chat/completions", body)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(plain), r.text
+    r = post(server, "/v1/chat/completions", {**body, "reasoning_effort": "high"})    # a template variable too
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(plain), r.text
     for path, sent in (("/v1/chat/completions", body), ("/tokenize", {"messages": messages})):
         r = post(server, path, {**sent, "chat_template_kwargs": {"tokenize": True, "messages": []}})
         error = r.json()["error"]
@@ -731,6 +733,10 @@ def test_responses_api_answers_as_chat_does_whole_and_streamed(server):
     off = {**ask, "tools": [], "tool_choice": "auto", "reasoning": {"effort": None}, "text": {"verbosity": "medium"},
            "prompt_cache_retention": "in_memory", "include": []}
     Response.model_validate(post(server, "/v1/responses", off).json())
+    # what Codex-like clients send to a reasoning model: its effort (the chat template's), encrypted reasoning
+    effort = Response.model_validate(post(server, "/v1/responses", {
+        **off, "reasoning": {"effort": "low", "summary": "auto"}, "include": ["reasoning.encrypted_content"]}).json())
+    assert effort.reasoning.effort == "low" and effort.output_text == whole.output_text
     with httpx.stream("POST", server.url + "/v1/responses", json={
             **off, "stream": True, "stream_options": {"include_obfuscation": True}}, timeout=60) as r:
         lines = [line for line in r.iter_lines() if line]

@@ -122,7 +122,8 @@ WRONG_CHAT = {"messages": ["hi", [], [{"role": "bot", "content": "x"}], [{"role"
               "tool_choice": ["always", "required", {"type": "function", "function": {"name": "missing"}}],
               "chat_template_kwargs": [{"tokenize": True}, {"messages": []}, "x", [1]],
               "continue_final_message": ["yes", True],      # True: beside add_generation_prompt's default, true
-              "add_generation_prompt": ["no", 0], "include_reasoning": ["yes", 1, None]}
+              "add_generation_prompt": ["no", 0], "include_reasoning": ["yes", 1, None],
+              "reasoning_effort": ["max", 1]}
 # the Responses API's fields: legal values (a 200; conversations that fit the small context), wrong ones (a 4xx)
 LEGAL_RESPONSES = {
     "input": ["hi", [{"role": "user", "content": "hi"}],
@@ -132,7 +133,8 @@ LEGAL_RESPONSES = {
                {"role": "user", "content": "hi"}]],
     "instructions": [None], "temperature": [0, 2, None], "top_p": [5e-324, 1], "store": [True, False],
     "metadata": [{}, {"k": "v"}], "text": [{"format": {"type": "text"}}, {"format": {"type": "json_object"}}],
-    "top_logprobs": [0, 20], "include": [[], ["message.output_text.logprobs"]], "truncation": ["disabled"],
+    "top_logprobs": [0, 20], "include": [[], ["message.output_text.logprobs"], ["reasoning.encrypted_content"]],
+    "truncation": ["disabled"], "reasoning": [{"effort": "high"}, {"effort": None, "summary": "auto"}],
     "tool_choice": ["none", "auto"], "parallel_tool_calls": [True, False], "prompt_cache_key": ["k"],
 }
 WRONG_RESPONSES = {
@@ -140,7 +142,7 @@ WRONG_RESPONSES = {
               [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
               [{"type": "function_call", "call_id": "c"}], "x" * 100],
     "max_output_tokens": [0, -1, "2", 10 ** 9], "temperature": [3, "x"], "previous_response_id": ["resp_1"],
-    "background": [True], "truncation": ["auto"], "reasoning": [{"effort": "high"}], "include": [["file_search"]],
+    "background": [True], "truncation": ["auto"], "reasoning": [{"effort": "max"}, {"foo": 1}], "include": [["file_search"]],
     "tools": [[{"type": "web_search"}], [{"type": "function"}], [{"type": "function", "name": "a b"}]],
     "tool_choice": ["required", {"type": "function", "name": "missing"}, "always"],
     "text": [{"format": {"type": "json_schema"}}, {"format": {"type": "xml"}}, {"verbosity": "low"}],

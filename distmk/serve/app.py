@@ -287,6 +287,9 @@ def create_app(served: Served) -> FastAPI:
         """The request's conversation as the tokenizer renders it (its prompt, its format's stop strings). Its
         chat_template_kwargs may also set add_generation_prompt and continue_final_message, as vLLM merges them."""
         kwargs = dict(req.chat_template_kwargs or {})
+        effort = getattr(req, "reasoning_effort", None)      # chat's (/tokenize has none)
+        if effort is not None:
+            kwargs.setdefault("reasoning_effort", effort)
         opens = kwargs.pop("add_generation_prompt", req.add_generation_prompt)
         continues = kwargs.pop("continue_final_message", req.continue_final_message)
         if opens and continues:

@@ -173,6 +173,9 @@ class ResponseFormat(_Strict):
         return self
 
 
+Effort = Literal["none", "minimal", "low", "medium", "high"]       # OpenAI's reasoning efforts
+
+
 class StructuredOutputs(_Strict):
     """vLLM's structured_outputs: the reply held to one of a JSON schema (`json`: the schema, or its JSON text), any
     JSON object (`json_object`), a regular expression, a list of strings (`choice`: exactly one of them) or a grammar
@@ -391,6 +394,8 @@ class ChatRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     include_reasoning: bool = True      # vLLM's: false leaves a reasoning parser's reasoning out of the reply
+    # OpenAI's, passed to the chat template as vLLM does (the templates of the families distmk runs do not read it)
+    reasoning_effort: Effort | None = None
 
     _check_ending = model_validator(mode="after")(_one_ending)
 

@@ -14,9 +14,9 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import BeforeValidator, Discriminator, Field, Tag, ValidationError, model_validator
 
-from distmk.serve.protocol import (MAX_LOGPROBS, APIError, ChatRequest, FunctionDefinition, SamplingKnobs,
+from distmk.serve.protocol import (MAX_LOGPROBS, APIError, ChatRequest, Effort, FunctionDefinition, SamplingKnobs,
                                    _as_api_error, _neutral, _Strict)
 
 
@@ -77,11 +77,11 @@ class ReasoningItem(_SentBack):
     encrypted_content: str | None = None
 
 
-def _unset(v: dict | None) -> dict | None:
-    """reasoning: accepted with every value null or false (what clients send for 'off')."""
-    if v and any(value not in (None, False) for value in v.values()):
-        raise ValueError(f"is not supported: only values of null or false are accepted, got {json.dumps(v)}")
-    return v
+class Reasoning(_Strict):
+    """reasoning: its effort goes to the chat template (chat's reasoning_effort); summaries are not written."""
+    effort: Effort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None      # summary's earlier name
 
 
 def _item_type(item: Any) -> str:
@@ -143,8 +143,9 @@ class ResponsesRequest(SamplingKnobs):
     stream: bool = False
     prompt_cache_retention: str | None = None   # unused, as ClientFields' prompt_cache_key
     truncation: Annotated[str | None, _neutral("disabled")] = None
-    reasoning: Annotated[dict | None, AfterValidator(_unset)] = None
-    include: list[Literal["message.output_text.logprobs"]] | None = None    # the output text's log-probabilities
+    reasoning: Reasoning | None = None
+    # the output text's log-probabilities; reasoning items' encrypted content (none: reasoning is given as text)
+    include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)     # with it: its tokens' likeliest alternatives
     previous_response_id: Annotated[str | None, _neutral(None)] = None
     conversation: Annotated[str | dict | None, _neutral(None)] = None
@@ -180,7 +181,9 @@ class ResponsesRequest(SamplingKnobs):
             include={*SamplingKnobs.model_fields, "parallel_tool_calls"}, exclude_none=True)}
         if self.max_output_tokens is not None:
             body["max_completion_tokens"] = self.max_output_tokens
-        if self.include:
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            body["reasoning_effort"] = self.reasoning.effort
+        if "message.output_text.logprobs" in (self.include or ()):
             body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.stream:
             body["stream_options"] = {"include_usage": True}
@@ -253,7 +256,7 @@ class ResponseShape:
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                 "model": self.model_name, "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
-                "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
+                "previous_response_id": None, "reasoning": {"effort": req.reasoning and req.reasoning.effort, "summary": None}, "store": False,
                 "temperature": req.temperature, "top_p": req.top_p,
                 "text": {"format": form.model_dump(exclude_none=True, by_alias=True) if form else {"type": "text"}},
                 "tool_choice": choice or "auto",
