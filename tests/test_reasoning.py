@@ -4,6 +4,7 @@ structured_outputs' regex."""
 import asyncio
 import json
 import random
+import re
 
 import httpx
 import pytest
@@ -45,8 +46,9 @@ def test_a_prompt_that_leaves_think_open_starts_the_reply_in_it():
 
 def test_reasoning_parser_server_gives_the_reasoning_apart_whole_and_streamed(tmp_path):
     """--reasoning-parser qwen3: the message's reasoning (and reasoning_content) is the <think> block, its content
-    the rest, whole and as streamed deltas; a reply whose prompt leaves <think> open starts in it; include_reasoning
-    false leaves it out; a server without the flag gives the text as it is."""
+    the rest, whole and as streamed deltas (a delta of reasoning alone has no content); a reply whose prompt leaves
+    <think> open starts in it, unless a format holds it; include_reasoning false leaves it out; a server without the
+    flag gives the text as it is."""
     from openai import OpenAI
     srv, plain = serve_alone(tmp_path, "reasoning", "--reasoning-parser", "qwen3"), serve_alone(tmp_path, "plain")
     try:
@@ -58,23 +60,32 @@ def test_reasoning_parser_server_gives_the_reasoning_apart_whole_and_streamed(tm
         assert reasoning.isalpha() and content.isalpha() and message.model_extra["reasoning_content"] == reasoning
         streamed = {"reasoning": "", "reasoning_content": "", "content": ""}
         for chunk in client.chat.completions.create(**ask, stream=True):
-            delta = chunk.choices[0].delta.model_dump()
+            delta = chunk.choices[0].delta.model_dump(exclude_unset=True)
+            assert not ("reasoning" in delta and "content" in delta and not delta["content"]), delta
             for key in streamed:
                 streamed[key] += delta.get(key) or ""
         assert streamed == {"reasoning": reasoning, "reasoning_content": reasoning, "content": content}
         off = client.chat.completions.create(**{**ask, "extra_body": {**ask["extra_body"], "include_reasoning": False}})
         assert off.choices[0].message.content == content and "reasoning" not in off.choices[0].message.model_extra
-        opened = client.chat.completions.create(
-            model=MODEL, max_tokens=40, temperature=0, messages=[{"role": "user", "content": "Hi"},
-                                                                 {"role": "assistant", "content": "<think>"}],
-            extra_body={"continue_final_message": True, "add_generation_prompt": False,
-                        "structured_outputs": {"regex": "[a-z]{3}</think>ok"}}).choices[0].message
-        assert len(opened.model_extra["reasoning"]) == 3 and opened.content == "ok"
+        # a prefilled "<think>" left open: the reply starts in its reasoning (cut by max_tokens: all of it), but
+        # not a reply held to a format, which holds it from its first token
+        opened = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                  "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>"}],
+                  "continue_final_message": True, "add_generation_prompt": False}
+        thought = httpx.post(srv.url + "/v1/chat/completions", json=opened, timeout=30).json()["choices"][0]
+        held = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={
+            **opened, "max_tokens": 20, "ignore_eos": False,
+            "structured_outputs": {"regex": "[a-z]{3}</think>ok"}}).json()["choices"][0]["message"]
+        assert held["reasoning"] is None and re.fullmatch("[a-z]{3}</think>ok", held["content"]), held
         body = {key: value for key, value in ask.items() if key != "extra_body"} | ask["extra_body"]
         as_responses(srv, body, reasoning, content)
-        r = httpx.post(plain.wait_ready().url + "/v1/chat/completions", json=body, timeout=30).json()
+        plain.wait_ready()
+        r = httpx.post(plain.url + "/v1/chat/completions", json=body, timeout=30).json()
         assert r["choices"][0]["message"]["content"] == f"<think>{reasoning}</think>\n\n{content}"
         assert "reasoning" not in r["choices"][0]["message"], json.dumps(r)
+        text = httpx.post(plain.url + "/v1/chat/completions", json=opened, timeout=30).json()["choices"][0]
+        assert thought["message"]["reasoning"] == text["message"]["content"] and thought["message"]["content"] == ""
+        assert thought["finish_reason"] == "length"
     finally:
         srv.kill()
         plain.kill()
@@ -110,3 +121,7 @@ def as_responses(srv, body: dict, reasoning: str, content: str) -> None:
         {"role": "user", "content": "Hi"}, *whole.model_dump(exclude_none=True)["output"],
         {"role": "user", "content": "And?"}]})
     assert again.status_code == 200, again.text
+    without = httpx.post(srv.url + "/v1/responses", timeout=30, json={"model": MODEL, "max_output_tokens": 4, "input": [
+        {"role": "user", "content": "Hi"}, *whole.model_dump(exclude_none=True)["output"][1:],
+        {"role": "user", "content": "And?"}]})
+    assert again.json()["usage"]["input_tokens"] == without.json()["usage"]["input_tokens"]     # not shown

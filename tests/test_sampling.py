@@ -154,3 +154,17 @@ def test_min_p_of_generation_config_is_the_default():
     assert resolve_sampling(None, None, None, None, defaults=defaults, greedy_default=False, min_p=0.0).min_p == 0
     with pytest.raises(ModelError, match="min_p must be a finite number >= 0 and <= 1"):
         with_generation_config(preset("tiny-llama"), {"min_p": 2})
+
+
+def test_allowed_tokens_are_the_only_ones_drawn_and_none_left_is_an_error():
+    """vLLM's allowed_token_ids: greedy and sampled draws come from them alone; where a mask (a grammar's,
+    min_tokens') leaves none of them, sampling says so rather than drawing from the ties of a masked row."""
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    allowed = (3, 17, 41)
+    assert sample(logits, SamplingParams(allowed_tokens=allowed)) == max(allowed, key=lambda t: logits[t])
+    generator = torch.Generator().manual_seed(1)
+    draws = {sample(logits, SamplingParams(temperature=1.0, allowed_tokens=allowed), generator) for _ in range(200)}
+    assert draws == set(allowed)
+    masked = logits.index_fill(0, torch.tensor(allowed), float("-inf"))
+    with pytest.raises(DistmkError, match="none of allowed_token_ids may come next"):
+        sample(masked, SamplingParams(allowed_tokens=allowed))

@@ -581,8 +581,11 @@ def test_vllm_prompt_truncation_allowed_tokens_and_token_ids_for_logprobs(server
                                                     "messages": [{"role": "user", "content": "Hi"}],
                                                     "allowed_token_ids": allowed}).json()
         assert set(out["choices"][0]["token_ids"]) <= set(allowed), out
-    refused = post(server, "/v1/completions", {**ask, "prompt": prompt, "allowed_token_ids": [10 ** 6]})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "allowed_token_ids"
+    for extra in ({"allowed_token_ids": [10 ** 6]},                     # outside the vocabulary
+                  {"allowed_token_ids": [5], "structured_outputs": {"choice": ["a"]}},     # the grammar chooses
+                  {"allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 2}):     # held back: none left
+        refused = post(server, "/v1/completions", {**ask, "prompt": prompt, **extra})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "allowed_token_ids", extra
     out = post(server, "/v1/completions", {**ask, "prompt": prompt, "logprobs": 2,
                                            "return_tokens_as_token_ids": True}).json()["choices"][0]
     assert out["logprobs"]["tokens"] == [f"token_id:{t}" for t in out["token_ids"]]
@@ -638,7 +641,8 @@ def test_structured_outputs_hold_the_reply_as_vllm_has_them(server):
     assert json.dumps(json.loads(out)) == out          # json.dumps's separators, ", " and ": ", and no other space
     out = client.chat.completions.create(**{**chat, "max_tokens": 300}, response_format={"type": "json_object"},
                                          extra_body={"structured_outputs": {"disable_any_whitespace": True}})
-    assert isinstance(json.loads(out.choices[0].message.content), dict)
+    out = out.choices[0].message.content
+    assert isinstance(json.loads(out), dict) and json.dumps(json.loads(out)) == out
     from test_tools import TOOLS
     for extra, param, message in [
             ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "regex and choice"),

@@ -97,6 +97,8 @@ def penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int], ou
     if params.allowed_tokens:
         allowed = torch.tensor(params.allowed_tokens, device=logits.device)
         logits = torch.full_like(logits, -math.inf).index_copy_(0, allowed, logits[allowed])
+        if bool(torch.isneginf(logits).all()):        # else every token would tie below
+            raise DistmkError("none of allowed_token_ids may come next (a grammar or min_tokens holds them back)")
     if params.logit_bias:
         tokens, biases = zip(*params.logit_bias)
         logits[torch.tensor(tokens, device=logits.device)] += torch.tensor(biases, dtype=logits.dtype,

@@ -11,7 +11,9 @@ import torch
 
 from distmk.errors import DistmkError
 
+EBNF_ROOT = re.compile(r"(?m)^\s*root\s*::=")      # an EBNF grammar's root rule (a Lark one has none)
 MAX_WHITESPACE = 16         # characters of whitespace in a row where JSON allows it (an indented line's)
+GRAMMAR_CACHE_BYTES = 512 << 20     # compiled grammars kept for their next request, least recently used out
 SPEC_NAMES = {"json_object": "the JSON schema", "json_schema": "the JSON schema", "regex": "the regular expression",
               "choice": "the choices", "grammar": "the grammar"}      # as errors name them
 
@@ -29,7 +31,7 @@ class Grammars:
         else:                   # the byte-level fallback: id i < 256 is byte i, the ids past it have no text
             vocab = [tokenizer.token_bytes(i) for i in range(vocab_size)]
             info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stops)
-        self.compiler = xgr.GrammarCompiler(info)
+        self.compiler = xgr.GrammarCompiler(info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
         self.ends_by_token = stops is not None     # else the text's last character completes it
 
     def constraint(self, kind: str, spec=None, compact: bool = False) -> Constraint:
@@ -47,7 +49,8 @@ class Grammars:
             # each choice a string literal in JSON's escapes, which xgrammar's EBNF reads
             "choice": lambda: self.compiler.compile_grammar(
                 "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec)),
-            "grammar": lambda: (self.compiler.compile_grammar if "::=" in spec else self.compiler.compile_lark)(spec),
+            "grammar": lambda: (self.compiler.compile_grammar if EBNF_ROOT.search(spec) else
+                                self.compiler.compile_lark)(spec),
         }
         try:
             compiled = compile_as[kind]()

@@ -238,6 +238,7 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
 
     asyncio.run(run())
     served.tokenizing.shutdown(wait=False, cancel_futures=True)
+    served.compiling.shutdown(wait=False, cancel_futures=True)
     if scheduler.failure:
         print(f"distmk.serve: rank 0: exiting, the engine failed: {scheduler.failure}", file=sys.stderr)
         return 1

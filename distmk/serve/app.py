@@ -40,6 +40,7 @@ from distmk.serve.responses import ResponseShape, ResponsesRequest, in_responses
 from distmk.serve.tools import ToolChoice, call_schema, format_or_call_schema
 
 MAX_BODY_BYTES = 8 << 20
+THINK_TAIL = 4096        # a prompt's last tokens in which a reasoning parser looks for an open <think>
 BEARER_CHALLENGE = {"WWW-Authenticate": "Bearer"}
 REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest,
                   "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
@@ -59,16 +60,19 @@ class Served:
     metrics_public: bool = False         # /metrics without the key
     reasoning: bool = False              # chat replies' <think> ... </think> apart (--reasoning-parser)
     sampling_defaults: dict = field(default_factory=dict)     # the checkpoint's (ModelSpec.generation_defaults)
-    eos_token_ids: tuple[int, ...] = ()          # the ids that end a sequence (a grammar's end: response_format)
+    eos_token_ids: tuple[int, ...] = ()          # the ids that end a sequence (and a grammar's text)
     live: set = field(default_factory=set)      # their Generations
     created: int = field(default_factory=lambda: int(time.time()))
-    # tokenizing, rendering chat templates and compiling grammars off the event loop (a long prompt or a large
-    # schema takes a while), one call at a time (a Hugging Face tokenizer is not made for concurrent calls)
+    # tokenizing and rendering chat templates off the event loop (a long prompt takes a while), one call at a time
+    # (a Hugging Face tokenizer is not made for concurrent calls); compiling grammars beside it (a large schema
+    # takes a while too, and holds up no other request's prompt)
     tokenizing: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "tokenize"))
+    compiling: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "grammar"))
 
     @functools.cached_property
     def grammars(self) -> Grammars:
-        """response_format's grammar compiler, made at its first use (xgrammar reads the whole vocabulary)."""
+        """The grammar compiler of formats and forced tool calls, made at its first use (xgrammar reads the whole
+        vocabulary)."""
         return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     def constraints(self, req, tools: ToolChoice | None, count: int) -> list:
@@ -94,8 +98,8 @@ class Served:
         except DistmkError as e:
             raise APIError(400, str(e), param=held.param) from None
 
-    async def off_loop(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
+    async def off_loop(self, fn, *args, pool: ThreadPoolExecutor | None = None):
+        return await asyncio.get_running_loop().run_in_executor(pool or self.tokenizing, fn, *args)
 
     def check_admission(self, sequences: int = 1) -> None:
         """503 while the engine is down, 429 at capacity (a request of n choices takes n places): before any
@@ -275,9 +279,8 @@ def create_app(served: Served) -> FastAPI:
         tools = ToolChoice.of(req)
         prompt, format_stops = await render_chat(req, tools.offered if tools else None, prompt_param)
         max_tokens = req.max_completion_tokens or req.max_tokens
-        # where the template leaves a <think> open, the reply starts in its reasoning (the tail's raw bytes: a
-        # tokenizer may take the tags for special tokens)
-        thinking = thinking_at_start(b"".join(map(served.tokenizer.token_bytes, prompt[-16:])).decode(
+        # where the template (or a prefilled reply) leaves a <think> open, the reply starts in its reasoning
+        thinking = thinking_at_start(b"".join(map(served.tokenizer.token_bytes, prompt[-THINK_TAIL:])).decode(
             errors="replace")) if served.reasoning else None
         return await respond(request, req, [prompt], prompt_param, max_tokens, list(format_stops), arrived, chat=True,
                              tools=tools, shape=shape, thinking=thinking)
@@ -355,7 +358,18 @@ def create_app(served: Served) -> FastAPI:
                            param="n")
         # the prompt's log-probabilities: completions' echo with logprobs, vLLM's prompt_logprobs
         asked = [k for k in (req.prompt_logprobs, None if chat or not req.echo else req.logprobs) if k is not None]
-        constraints = iter(await served.off_loop(served.constraints, req, tools, req.n * len(prompts)))
+        held = req.output_format() is not None or (tools is not None and tools.forced)    # by a grammar
+        if held and req.allowed_token_ids:
+            raise APIError(400, "allowed_token_ids cannot go with a format or a forced tool call, whose grammar "
+                                "chooses the tokens allowed", param="allowed_token_ids")
+        ends = set(req.stop_token_ids or ()) | (set() if req.ignore_eos else set(served.eos_token_ids))
+        if req.allowed_token_ids and req.min_tokens and set(req.allowed_token_ids) <= ends:
+            raise APIError(400, f"allowed_token_ids are all tokens that end the reply, which min_tokens "
+                                f"{req.min_tokens} holds back", param="allowed_token_ids")
+        if held and thinking:       # held from its first token: no reasoning before the format
+            thinking = False
+        constraints = iter(await served.off_loop(served.constraints, req, tools, req.n * len(prompts),
+                                                 pool=served.compiling))
         # choice i draws from seed + i: choice 0 is what the same request with n = 1 gets
         seqs = [Sequence(prompt, 1 if max_tokens == 0 else max_tokens or served.max_context - len(prompt),
                          params if params.seed is None or i == 0 else

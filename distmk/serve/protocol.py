@@ -30,6 +30,8 @@ MAX_LOGPROBS = 20              # alternatives a token's log-probabilities may li
 MAX_STOP_CHARS = 1024          # per stop string: a longer one is refused rather than matched
 MAX_LOGIT_BIAS = 300           # tokens one logit_bias may bias (its tensors are built every step)
 MAX_METADATA = 16              # OpenAI's limit of a request's metadata pairs
+MAX_SPEC_CHARS = 64 << 10     # a regex's or grammar's text, or one choice, at most: compiled before the request runs
+MAX_FORMAT_CHOICES = 1024      # structured_outputs.choice's strings, at most
 MAX_ALLOWED_TOKENS = 4096      # allowed_token_ids, at most (a tensor of them is built every step)
 
 
@@ -182,9 +184,10 @@ class StructuredOutputs(_Strict):
     (xgrammar's EBNF, `root ::= ...`, or Lark). disable_any_whitespace: JSON without whitespace beyond one space
     after ':' and ','. Without a constraint, its options go with the response_format."""
     json_: dict[str, Any] | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = Field(None, min_length=1)
-    grammar: str | None = None
+    regex: str | None = Field(None, max_length=MAX_SPEC_CHARS)
+    choice: list[Annotated[str, Field(max_length=MAX_SPEC_CHARS)]] | None = Field(None, min_length=1,
+                                                                                 max_length=MAX_FORMAT_CHOICES)
+    grammar: str | None = Field(None, max_length=MAX_SPEC_CHARS)
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False     # always so: an object takes only the properties its schema names

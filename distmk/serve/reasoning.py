@@ -2,7 +2,8 @@
 it: what the model writes between <think> and </think> is the message's `reasoning`, the rest its content (where
 tool calls are read too). A reply starts in its reasoning where the prompt ends in an open <think> (DeepSeek-R1's
 and Qwen3.5's templates write it there), or where it opens with <think> itself (Qwen3's); a reasoning that never
-ends (max_tokens) is all reasoning."""
+ends (max_tokens) is all reasoning. The tags are read in the text: a tokenizer that took them for special tokens
+would leave them out of it (Qwen3's and DeepSeek-R1's do not)."""
 from __future__ import annotations
 
 START, END = "<think>", "</think>"

@@ -246,9 +246,10 @@ class Reply:
                         if piece.finish_reason is not None:
                             rest, calls = reader.finish()
                             text += rest
-                    choice["delta"] = {"role": "assistant", "content": text} if first[index] else {"content": text}
-                    if reasoning:
-                        choice["delta"].update(self.reasoning_fields(reasoning))
+                    shown = self.reasoning_fields(reasoning) if reasoning else {}
+                    choice["delta"] = {"role": "assistant", **shown} if first[index] else shown
+                    if text or not shown:       # a delta of reasoning alone has no content, as vLLM's
+                        choice["delta"]["content"] = text
                     if calls:
                         choice["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
                         choice["finish_reason"] = "tool_calls"

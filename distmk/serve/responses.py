@@ -256,7 +256,8 @@ class ResponseShape:
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                 "model": self.model_name, "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
-                "previous_response_id": None, "reasoning": {"effort": req.reasoning and req.reasoning.effort, "summary": None}, "store": False,
+                "previous_response_id": None, "store": False,
+                "reasoning": {"effort": req.reasoning and req.reasoning.effort, "summary": None},
                 "temperature": req.temperature, "top_p": req.top_p,
                 "text": {"format": form.model_dump(exclude_none=True, by_alias=True) if form else {"type": "text"}},
                 "tool_choice": choice or "auto",
@@ -291,7 +292,8 @@ class ResponseShape:
         content, calls = choice["message"]["content"], choice["message"].get("tool_calls") or []
         logprobs = (choice.get("logprobs") or {}).get("content")
         reasoning = choice["message"].get("reasoning")
-        output = [] if reasoning is None else [self.reasoning(_item_id("rs"), status, reasoning)]
+        cut = "incomplete" if status == "incomplete" and not content and not calls else "completed"   # inside it
+        output = [] if reasoning is None else [self.reasoning(_item_id("rs"), cut, reasoning)]
         if content is not None:
             output.append(self.message(_item_id("msg"), status, [self.text_part(content, logprobs)]))
         output += [self.function_call(call, call["function"]["arguments"], "completed") for call in calls]
