@@ -4,13 +4,15 @@ structured_outputs' regex."""
 import asyncio
 import json
 import random
-import re
 
 import httpx
 import pytest
+import torch
 
 from conftest import MODEL, serve_alone
-from distmk.serve.reasoning import ReasoningReader, thinking_at_start
+from distmk.runtime.structured import Grammars
+from distmk.runtime.tokenizer import ByteTokenizer
+from distmk.serve.reasoning import ReasonFirst, ReasoningReader, thinking_at_start
 from distmk.serve.responses import ResponseShape, ResponsesRequest
 
 
@@ -44,11 +46,42 @@ def test_a_prompt_that_leaves_think_open_starts_the_reply_in_it():
     assert not thinking_at_start("<|im_start|>assistant\n")
 
 
+def test_a_format_holds_the_reply_once_its_reasoning_is_over():
+    """ReasonFirst over a real grammar (xgrammar, the byte-level tokenizer: no single <think> token): every token
+    may come while the reply reasons, the grammar's once its text holds </think>; a reply that does not start in
+    its reasoning is the grammar's from its first token, unless it opens with the tokenizer's <think> token."""
+    tokenizer, eos = ByteTokenizer(512), 257
+    grammars = Grammars(tokenizer, 512, [eos])
+    logits = torch.zeros(512)
+
+    def allowed(constraint) -> set[int]:
+        return set(torch.isfinite(constraint.mask(logits)).nonzero().flatten().tolist())
+
+    reasoning = ReasonFirst(grammars.constraint("choice", ["yes", "no"]), tokenizer.token_bytes, True, None)
+    for token in b"plan: say </th":
+        assert len(allowed(reasoning)) == 512
+        reasoning.accept(token)
+    for token in b"ink>":
+        reasoning.accept(token)
+    assert allowed(reasoning) == {ord("y"), ord("n")} and not reasoning.complete
+    for token in b"no":
+        reasoning.accept(token)
+    assert allowed(reasoning) == {eos}
+    reasoning.accept(eos)
+    assert reasoning.complete
+    answer = ReasonFirst(grammars.constraint("choice", ["yes", "no"]), tokenizer.token_bytes, False, None)
+    assert allowed(answer) == {ord("y"), ord("n")}
+    opens = ReasonFirst(grammars.constraint("choice", ["yes", "no"]), tokenizer.token_bytes, False, 300)
+    assert allowed(opens) == {ord("y"), ord("n"), 300}
+    opens.accept(300)
+    assert len(allowed(opens)) == 512
+
+
 def test_reasoning_parser_server_gives_the_reasoning_apart_whole_and_streamed(tmp_path):
     """--reasoning-parser qwen3: the message's reasoning (and reasoning_content) is the <think> block, its content
     the rest, whole and as streamed deltas (a delta of reasoning alone has no content); a reply whose prompt leaves
-    <think> open starts in it, unless a format holds it; include_reasoning false leaves it out; a server without the
-    flag gives the text as it is."""
+    <think> open starts in it, a format beside it holding none of it; include_reasoning false leaves it out; a server
+    without the flag gives the text as it is."""
     from openai import OpenAI
     srv, plain = serve_alone(tmp_path, "reasoning", "--reasoning-parser", "qwen3"), serve_alone(tmp_path, "plain")
     try:
@@ -67,16 +100,14 @@ def test_reasoning_parser_server_gives_the_reasoning_apart_whole_and_streamed(tm
         assert streamed == {"reasoning": reasoning, "reasoning_content": reasoning, "content": content}
         off = client.chat.completions.create(**{**ask, "extra_body": {**ask["extra_body"], "include_reasoning": False}})
         assert off.choices[0].message.content == content and "reasoning" not in off.choices[0].message.model_extra
-        # a prefilled "<think>" left open: the reply starts in its reasoning (cut by max_tokens: all of it), but
-        # not a reply held to a format, which holds it from its first token
+        # a prefilled "<think>" left open: the reply starts in its reasoning (cut by max_tokens: all of it)
         opened = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
                   "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>"}],
                   "continue_final_message": True, "add_generation_prompt": False}
         thought = httpx.post(srv.url + "/v1/chat/completions", json=opened, timeout=30).json()["choices"][0]
         held = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={
-            **opened, "max_tokens": 20, "ignore_eos": False,
-            "structured_outputs": {"regex": "[a-z]{3}</think>ok"}}).json()["choices"][0]["message"]
-        assert held["reasoning"] is None and re.fullmatch("[a-z]{3}</think>ok", held["content"]), held
+            **opened, "structured_outputs": {"choice": ["yes", "no"]}}).json()["choices"][0]
+        assert held["message"] == thought["message"] and held["finish_reason"] == "length"     # free while it reasons
         body = {key: value for key, value in ask.items() if key != "extra_body"} | ask["extra_body"]
         as_responses(srv, body, reasoning, content)
         plain.wait_ready()

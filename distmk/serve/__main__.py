@@ -28,7 +28,7 @@ from distmk.flags import COUNT, NON_NEGATIVE, int_in
 from distmk.runtime.batcher import PrefillInputs, StepInputs
 from distmk.runtime.tokenizer import load_tokenizer
 from distmk.serve.lockstep import Leader, control_group, follow
-from distmk.serve.reasoning import PARSERS
+from distmk.serve.reasoning import PARSERS, think_token
 
 GRACEFUL_S = 5.0          # what running requests get to finish after SIGTERM; then they end with an error
 ENGINE_STOP_S = 10.0      # for the step under way and the shutdown message, after that
@@ -191,11 +191,13 @@ def serve(args, launch, engine, leader: Leader, sock: socket.socket) -> int:
     scheduler = Scheduler(engine, leader, Metrics(engine.kv.num_blocks), args.max_seqs, args.steps_per_launch,
                           trace, args.prefix_cache)
     name = args.served_model_name or args.model
-    served = Served(name, load_tokenizer(engine.tokenizer_dir, engine.spec.vocab_size), scheduler,
+    tokenizer = load_tokenizer(engine.tokenizer_dir, engine.spec.vocab_size)
+    served = Served(name, tokenizer, scheduler,
                     scheduler.metrics, engine.max_context, capacity=args.max_seqs + args.max_queue,
                     sampling_defaults=engine.spec.generation_defaults, vocab_size=engine.spec.vocab_size,
                     eos_token_ids=tuple(engine.spec.eos_token_id), api_key=args.api_key,
-                    metrics_public=args.metrics_public, reasoning=args.reasoning_parser is not None)
+                    metrics_public=args.metrics_public, reasoning=args.reasoning_parser is not None,
+                    think_token=think_token(tokenizer) if args.reasoning_parser else None)
     loop = None           # the event loop, once running
 
     class Server(uvicorn.Server):

@@ -34,7 +34,7 @@ from distmk.runtime.structured import Grammars
 from distmk.serve.generation import Generation, GenerationStream
 from distmk.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, OutputFormat,
                                    TokenizeRequest, parse_body)
-from distmk.serve.reasoning import thinking_at_start
+from distmk.serve.reasoning import ReasonFirst, thinking_at_start
 from distmk.serve.reply import Reply, named_events
 from distmk.serve.responses import ResponseShape, ResponsesRequest, in_responses_words
 from distmk.serve.tools import ToolChoice, call_schema, format_or_call_schema
@@ -59,6 +59,7 @@ class Served:
     api_key: str | None = None           # when set, clients send it as "Authorization: Bearer <key>"
     metrics_public: bool = False         # /metrics without the key
     reasoning: bool = False              # chat replies' <think> ... </think> apart (--reasoning-parser)
+    think_token: int | None = None       # with it: the token of <think>, where the tokenizer has one
     sampling_defaults: dict = field(default_factory=dict)     # the checkpoint's (ModelSpec.generation_defaults)
     eos_token_ids: tuple[int, ...] = ()          # the ids that end a sequence (and a grammar's text)
     live: set = field(default_factory=set)      # their Generations
@@ -75,12 +76,14 @@ class Served:
         vocabulary)."""
         return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
-    def constraints(self, req, tools: ToolChoice | None, count: int) -> list:
+
+    def constraints(self, req, tools: ToolChoice | None, count: int, thinking: bool | None = None) -> list:
         """Each of `count` sequences' Constraint: of a forced tool call, or else of what the reply is held to
         (req.output_format: response_format or structured_outputs), which tool_choice "auto" lets a call stand in
         for where it is JSON (None for neither). A forced call's reply is the call, no text for the format to hold:
         the OpenAI Agents SDK sends both where an agent with an output type must call a tool first, and an output
-        type beside tools chosen "auto" where it may."""
+        type beside tools chosen "auto" where it may. `thinking`: where a reasoning parser runs, whether the reply
+        starts in its reasoning; the grammar then holds it once its reasoning is over (ReasonFirst)."""
         held = req.output_format()
         if tools is not None and tools.forced:
             held = OutputFormat("json_schema", call_schema(tools.offered, tools.named, tools.parallel), "tools", True)
@@ -94,9 +97,12 @@ class Served:
         if held is None:
             return [None] * count
         try:
-            return [self.grammars.constraint(held.kind, held.spec, held.compact) for _ in range(count)]
+            grammars = [self.grammars.constraint(held.kind, held.spec, held.compact) for _ in range(count)]
         except DistmkError as e:
             raise APIError(400, str(e), param=held.param) from None
+        if thinking is None:
+            return grammars
+        return [ReasonFirst(grammar, self.tokenizer.token_bytes, thinking, self.think_token) for grammar in grammars]
 
     async def off_loop(self, fn, *args, pool: ThreadPoolExecutor | None = None):
         return await asyncio.get_running_loop().run_in_executor(pool or self.tokenizing, fn, *args)
@@ -366,9 +372,7 @@ def create_app(served: Served) -> FastAPI:
         if req.allowed_token_ids and req.min_tokens and set(req.allowed_token_ids) <= ends:
             raise APIError(400, f"allowed_token_ids are all tokens that end the reply, which min_tokens "
                                 f"{req.min_tokens} holds back", param="allowed_token_ids")
-        if held and thinking:       # held from its first token: no reasoning before the format
-            thinking = False
-        constraints = iter(await served.off_loop(served.constraints, req, tools, req.n * len(prompts),
+        constraints = iter(await served.off_loop(served.constraints, req, tools, req.n * len(prompts), thinking,
                                                  pool=served.compiling))
         # choice i draws from seed + i: choice 0 is what the same request with n = 1 gets
         seqs = [Sequence(prompt, 1 if max_tokens == 0 else max_tokens or served.max_context - len(prompt),

@@ -3,7 +3,8 @@ it: what the model writes between <think> and </think> is the message's `reasoni
 tool calls are read too). A reply starts in its reasoning where the prompt ends in an open <think> (DeepSeek-R1's
 and Qwen3.5's templates write it there), or where it opens with <think> itself (Qwen3's); a reasoning that never
 ends (max_tokens) is all reasoning. The tags are read in the text: a tokenizer that took them for special tokens
-would leave them out of it (Qwen3's and DeepSeek-R1's do not)."""
+would leave them out of it (Qwen3's and DeepSeek-R1's do not). A format holds the reply once its reasoning is over
+(ReasonFirst), as vLLM lets a reasoning model reason before a grammar holds its answer."""
 from __future__ import annotations
 
 START, END = "<think>", "</think>"
@@ -13,6 +14,13 @@ PARSERS = ("qwen3", "deepseek_r1")      # vLLM's names, which clients' launch sc
 def thinking_at_start(prompt_text: str) -> bool:
     """Whether a rendered prompt leaves a <think> open for the reply (its last <think> after its last </think>)."""
     return prompt_text.rfind(START) > prompt_text.rfind(END)
+
+
+def think_token(tokenizer) -> int | None:
+    """The token of <think>, where the tokenizer has one (Qwen3's, DeepSeek-R1's): a grammar lets it open a reply's
+    reasoning (ReasonFirst)."""
+    ids = tokenizer.encode(START, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
 
 
 def _partial_tail(text: str, tag: str) -> int:
@@ -66,3 +74,40 @@ class ReasoningReader:
         reasoning, content = self.feed(text)
         more_reasoning, more_content = self.finish()
         return reasoning + more_reasoning, content + more_content
+
+
+class ReasonFirst:
+    """A grammar's Constraint (runtime/structured.py) that holds a reply once its reasoning is over: every token
+    may come while it reasons, until its text holds </think>. A reply whose prompt left <think> open starts in its
+    reasoning; else its first token is the grammar's, or the one token of <think> where the tokenizer has one
+    (Qwen3's), which opens the reasoning."""
+
+    def __init__(self, grammar, token_bytes, thinking: bool, think_token: int | None):
+        self.grammar, self.token_bytes, self.think_token = grammar, token_bytes, think_token
+        self.state = "reasoning" if thinking else "start"       # then "answer"
+        self.tail = b""          # the reasoning's last bytes, where </think> is looked for
+
+    def mask(self, logits):
+        if self.state == "reasoning":
+            return logits.float()
+        masked = self.grammar.mask(logits)
+        if self.state == "start" and self.think_token is not None:
+            masked[self.think_token] = logits[self.think_token].float()
+        return masked
+
+    def accept(self, token: int) -> None:
+        if self.state == "start":
+            self.state = "reasoning" if token == self.think_token else "answer"
+            if self.state == "reasoning":
+                return
+        if self.state == "reasoning":
+            self.tail += self.token_bytes(token)
+            if END.encode() in self.tail:
+                self.state = "answer"
+            self.tail = self.tail[-len(END):]
+            return
+        self.grammar.accept(token)
+
+    @property
+    def complete(self) -> bool:
+        return self.state == "answer" and self.grammar.complete
