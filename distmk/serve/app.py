@@ -76,7 +76,6 @@ class Served:
         vocabulary)."""
         return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
-
     def constraints(self, req, tools: ToolChoice | None, count: int, thinking: bool | None = None) -> list:
         """Each of `count` sequences' Constraint: of a forced tool call, or else of what the reply is held to
         (req.output_format: response_format or structured_outputs), which tool_choice "auto" lets a call stand in
