@@ -3,15 +3,14 @@ Every rank samples from the same gathered logits with the same generator, so all
 where the logits are (on a GPU: no copy of the vocabulary to the host, no host sort; the generator is the
 device's, so a seed draws a different stream on a GPU than on the CPU, as presets' weights do).
 
-Safe for any finite parameters: temperatures under GREEDY_BELOW are greedy (as vLLM treats them), the
-rest scale the logits in float64 after subtracting their maximum (so nothing overflows to inf or nan),
-and top-k, min-p (vLLM's) and top-p, in that order, always keep the most likely token. vLLM's allowed_token_ids,
-OpenAI's logit_bias and the penalties come first, in vLLM's order: the allowed tokens, the bias, then
-transformers' (and vLLM's) repetition_penalty over the prompt and the output, OpenAI's presence and frequency
-penalties over the output; a greedy sequence with any of them takes the changed logits' argmax here, not the
-device's. A token's log-probability (token_logprobs) is the
-model's: of the logits before the bias, the penalties, any masking, temperature, top-k, min-p and top-p, as OpenAI
-and vLLM report it."""
+Safe for any finite parameters: temperatures under GREEDY_BELOW are greedy (as vLLM treats them), the rest scale the
+logits in float64 after subtracting their maximum (so nothing overflows to inf or nan), and top-k, min-p (vLLM's)
+and top-p, in that order, always keep the most likely token. vLLM's allowed_token_ids, OpenAI's logit_bias and the
+penalties come first, in vLLM's order: the allowed tokens, the bias, then transformers' (and vLLM's)
+repetition_penalty over the prompt and the output, OpenAI's presence and frequency penalties over the output; a
+greedy sequence with any of them takes the changed logits' argmax here, not the device's. A token's log-probability
+(token_logprobs) is the model's: of the logits before the bias, the penalties, any masking, temperature, top-k,
+min-p and top-p, as OpenAI and vLLM report it."""
 from __future__ import annotations
 
 import math
